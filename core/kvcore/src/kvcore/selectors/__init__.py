@@ -1,0 +1,6 @@
+"""Reference selectors."""
+
+from kvcore.selectors.tiered import TieredSelector, solve_shares, tier_counts
+from kvcore.selectors.topk import TopKSelector
+
+__all__ = ["TopKSelector", "TieredSelector", "solve_shares", "tier_counts"]

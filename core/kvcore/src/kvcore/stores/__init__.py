@@ -1,0 +1,5 @@
+"""Reference stores."""
+
+from kvcore.stores.dense import DenseStore
+
+__all__ = ["DenseStore"]

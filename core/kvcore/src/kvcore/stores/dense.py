@@ -1,0 +1,159 @@
+"""A dense full-precision store with real, ragged per-head eviction."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore._checks import check_float, check_tensor
+from kvcore.memory import storage_bytes
+from kvcore.plan import EVICT, FULL, Plan
+from kvcore.view import KVView
+
+
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(x, 0) - x
+
+
+class DenseStore:
+    """One layer's cache as one flat buffer of ragged per-(batch, head) segments.
+
+    Kept entries are gathered into a ``[N, D]`` buffer (``N`` = entries kept over all heads), so evicted
+    entries hold no memory; each segment has a capacity so decode-time appends are amortised. ``read``
+    pads heads to the longest one and marks padding with ``-inf`` logit bias and position ``-1``.
+
+    Parameters
+    ----------
+    growth : int
+        Extra slots per head reserved when an append outgrows a segment (held memory, counted by ``nbytes``).
+    """
+
+    supported_bits = frozenset({EVICT, FULL})
+
+    def __init__(self, growth: int = 64) -> None:
+        if growth < 0:
+            raise ValueError(f"growth must be >= 0, got {growth}")
+        self.growth = growth
+        self.reset()
+
+    # -- state -----------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        self._pos: torch.Tensor | None = None  # int32 [N]
+        self._start: torch.Tensor | None = None  # int64 [B*H]
+        self._len: torch.Tensor | None = None
+        self._cap: torch.Tensor | None = None
+        self._shape: tuple[int, int] = (0, 0)
+
+    def _check_kv(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        check_float("keys", check_tensor("keys", keys, ndim=4))
+        check_tensor("values", values, ndim=4)
+        if values.shape != keys.shape or values.dtype != keys.dtype:
+            raise ValueError(f"values {values.dtype} {tuple(values.shape)} must match keys {keys.dtype} {tuple(keys.shape)}")
+        if self._k is not None:
+            B, H = self._shape
+            if keys.shape[:2] != (B, H) or keys.shape[-1] != self._k.shape[-1] or keys.dtype != self._k.dtype:
+                raise ValueError(
+                    f"keys {keys.dtype} {tuple(keys.shape)} do not match the stored cache "
+                    f"[B={B}, H={H}, *, D={self._k.shape[-1]}] {self._k.dtype}"
+                )
+
+    @staticmethod
+    def _check_positions(positions: torch.Tensor, B: int, T: int) -> torch.Tensor:
+        check_tensor("positions", positions, ndim=2)
+        if tuple(positions.shape) != (B, T) or positions.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"positions must be an integer tensor [B={B}, T={T}], got {positions.dtype} {tuple(positions.shape)}")
+        return positions
+
+    # -- protocol --------------------------------------------------------------------------------------
+    def write(self, keys: torch.Tensor, values: torch.Tensor, plan: Plan, positions: torch.Tensor) -> None:
+        self.reset()
+        self._check_kv(keys, values)
+        B, H, T, D = keys.shape
+        self._check_positions(positions, B, T)
+        if not isinstance(plan, Plan) or tuple(plan.key_bits.shape) != (B, H, T):
+            raise ValueError(f"plan must be a kvcore.Plan of shape [B={B}, H={H}, T={T}]")
+        if plan.tiers() - self.supported_bits:
+            raise ValueError(f"DenseStore holds tiers {sorted(self.supported_bits)}; plan uses {sorted(plan.tiers())}")
+        keep = plan.keep_keys
+        if not torch.equal(keep, plan.keep_values):
+            raise ValueError("DenseStore needs the same kept set for keys and values")
+        self._k, self._v = keys[keep], values[keep]
+        self._pos = positions[:, None, :].expand(B, H, T)[keep].to(torch.int32)
+        self._len = keep.sum(-1).flatten()
+        self._cap = self._len.clone()
+        self._start = _exclusive_cumsum(self._cap)
+        self._shape = (B, H)
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        self._check_kv(keys, values)
+        B, H, n, D = keys.shape
+        self._check_positions(positions, B, n)
+        if self._k is None:
+            self.write(keys, values, Plan.from_keep(torch.ones(B, H, n, dtype=torch.bool, device=keys.device)), positions)
+            return
+        if bool((self._len + n > self._cap).any()):
+            self._relayout(torch.arange(B * H, device=keys.device), self._len + n + self.growth)
+        idx = ((self._start + self._len)[:, None] + torch.arange(n, device=keys.device)).flatten()
+        self._k[idx] = keys.reshape(-1, D)
+        self._v[idx] = values.reshape(-1, D)
+        self._pos[idx] = positions[:, None, :].expand(B, H, n).reshape(-1).to(torch.int32)
+        self._len = self._len + n
+
+    def read(self, query: torch.Tensor | None = None) -> KVView:
+        B, H = self._shape
+        if self._k is None:
+            raise ValueError("read() on an empty store: write() or append() first")
+        T = int(self._len.max()) if self._len.numel() else 0
+        ar = torch.arange(T, device=self._k.device)
+        valid = ar < self._len[:, None]
+        idx = torch.where(valid, self._start[:, None] + ar, 0)
+        k = self._k[idx].masked_fill(~valid[..., None], 0).view(B, H, T, -1)
+        v = self._v[idx].masked_fill(~valid[..., None], 0).view(B, H, T, -1)
+        pos = torch.where(valid, self._pos[idx].long(), -1).view(B, H, T)
+        bias = torch.zeros(B, H, T, device=k.device).masked_fill(~valid.view(B, H, T), float("-inf"))
+        return KVView(k, v, pos, bias)
+
+    def nbytes(self, device: torch.device | str | None = None) -> int:
+        return storage_bytes([self._k, self._v, self._pos, self._start, self._len, self._cap], device)
+
+    def seq_lengths(self) -> torch.Tensor:
+        B, H = self._shape
+        if self._len is None:
+            return torch.zeros(B, H, dtype=torch.long)
+        return self._len.view(B, H).clone()
+
+    def crop(self, position: int) -> None:
+        if self._k is None:
+            return
+        view = self.read()
+        self._len = ((view.positions >= 0) & (view.positions < position)).sum(-1).flatten()
+
+    def reorder(self, index: torch.Tensor) -> None:
+        if self._k is None:
+            return
+        B, H = self._shape
+        check_tensor("index", index, ndim=1)
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= B):
+            raise ValueError(f"index must hold batch rows in [0, {B}), got {index.tolist()}")
+        index = index.to(self._len.device)
+        segs = (index[:, None] * H + torch.arange(H, device=index.device)).flatten()
+        self._shape = (index.numel(), H)
+        self._relayout(segs, self._len[segs])
+
+    # -- helpers ---------------------------------------------------------------------------------------
+    def _relayout(self, segs: torch.Tensor, new_cap: torch.Tensor) -> None:
+        """Rebuild the buffers holding segments ``segs`` (in that order) with capacities ``new_cap``."""
+        lens = self._len[segs]
+        new_start = _exclusive_cumsum(new_cap)
+        seg_of = torch.repeat_interleave(torch.arange(segs.numel(), device=lens.device), lens)
+        offset = torch.arange(int(lens.sum()), device=lens.device) - torch.repeat_interleave(_exclusive_cumsum(lens), lens)
+        src = self._start[segs][seg_of] + offset
+        dst = new_start[seg_of] + offset
+        total = int(new_cap.sum())
+        for name in ("_k", "_v", "_pos"):
+            old = getattr(self, name)
+            new = torch.zeros((total, *old.shape[1:]), dtype=old.dtype, device=old.device)
+            new[dst] = old[src]
+            setattr(self, name, new)
+        self._start, self._len, self._cap = new_start, lens.clone(), new_cap.clone()

@@ -1,0 +1,50 @@
+"""What a Store returns to attention."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVView:
+    """Dense, attention-ready view of one layer's cache.
+
+    Attention over a view is ``softmax(q·kᵀ·scale + logit_bias)·v`` (DESIGN.md §2).
+
+    Parameters
+    ----------
+    keys, values : Tensor
+        ``[B, Hkv, T, D]``; entries of ragged per-head layouts beyond a head's length are zero padding.
+    positions : Tensor
+        ``[B, Hkv, T]`` int64 true token positions; ``-1`` for padding.
+    logit_bias : Tensor
+        ``[B, Hkv, T]`` float32 additive bias: 0 for ordinary entries, ``-inf`` for padding, ``log|S|`` for
+        SEKV span summaries.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    logit_bias: torch.Tensor
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``[B, Hkv, T]`` bool: entries that are not padding."""
+        return self.positions >= 0
+
+    def attend(self, query: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """Reference attention of ``query`` (``[B, Hq, Q, D]``) over this view, GQA-aware, in float32.
+
+        Queries attend to every entry (no causal mask among cached entries); returns ``[B, Hq, Q, D]``.
+        """
+        B, Hq, _, D = query.shape
+        group = Hq // self.keys.shape[1]
+        scale = 1.0 / math.sqrt(D) if scale is None else scale
+        k = self.keys.float().repeat_interleave(group, dim=1)
+        v = self.values.float().repeat_interleave(group, dim=1)
+        bias = self.logit_bias.repeat_interleave(group, dim=1)[:, :, None, :]
+        logits = query.float() @ k.transpose(-1, -2) * scale + bias
+        return torch.softmax(logits, dim=-1) @ v
