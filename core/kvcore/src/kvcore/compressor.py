@@ -28,7 +28,8 @@ class Compressor:
     selector : Selector
         Turns scores into a plan under ``budget``.
     store : Store or callable
-        A per-layer factory (``lambda: DenseStore()``) or an empty prototype that is deep-copied per layer.
+        A per-layer factory (a Store class or ``lambda: DenseStore(growth=16)``) or an empty prototype that is
+        deep-copied per layer.
     budget : Budget
         How much to keep (``ratio`` = fraction removed).
     protect : Protection
@@ -62,7 +63,8 @@ class Compressor:
 
     def new_store(self) -> Store:
         """A fresh, empty store for one layer."""
-        store = copy.deepcopy(self.store) if isinstance(self.store, Store) else self.store()
+        is_prototype = isinstance(self.store, Store) and not isinstance(self.store, type)
+        store = copy.deepcopy(self.store) if is_prototype else self.store()
         if not isinstance(store, Store):
             raise TypeError(f"the store factory returned {type(store).__name__}, not a kvcore.Store")
         return store

@@ -1,0 +1,7 @@
+"""Baseline scorers."""
+
+from kv_baselines.scorers.h2o import H2OScorer
+from kv_baselines.scorers.simple import ConstantScorer, KnormScorer, RandomScorer, StreamingLLMScorer
+from kv_baselines.scorers.snapkv import SnapKVScorer
+
+__all__ = ["ConstantScorer", "H2OScorer", "KnormScorer", "RandomScorer", "SnapKVScorer", "StreamingLLMScorer"]

@@ -1,0 +1,61 @@
+"""SnapKV: observation-window attention, average-pooled (Li et al. 2024, "SnapKV", §4.2; kvpress SnapKVPress)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvcore import Scores, ScoringContext
+from kv_baselines.scorers._attention import window_attention
+
+
+@dataclass(frozen=True)
+class SnapKVScorer:
+    """Mean attention of the last ``window`` queries on every key, smoothed by a 1-D average pool.
+
+    GQA groups are aggregated by the mean over the group's query heads. Window tokens themselves get the
+    maximum score (SnapKV always keeps the observation window; the ready-made compressor also protects it).
+
+    Parameters
+    ----------
+    window : int
+        Observation window ``W`` (64 in SnapKV / kvpress).
+    kernel_size : int
+        Average-pool kernel (5 in kvpress; odd).
+    """
+
+    window: int = 64
+    kernel_size: int = 5
+    needs_queries: bool = True
+    needs_values: bool = False
+    needs_extras: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be odd and >= 1, got {self.kernel_size}")
+
+    @property
+    def query_window(self) -> int:
+        """Number of trailing prompt queries the adapter must supply."""
+        return self.window
+
+    def score(self, ctx: ScoringContext) -> Scores:
+        if ctx.queries is None:
+            raise ValueError("SnapKVScorer needs ctx.queries ([B, Hq, W, D])")
+        W = min(ctx.queries.shape[2], ctx.seq_len)
+        T = ctx.seq_len
+        total = torch.zeros(ctx.batch_size, ctx.num_kv_heads, T, device=ctx.keys.device)
+        for probs in window_attention(dataclasses.replace(ctx, queries=ctx.queries[:, :, -W:])):
+            total += probs.sum(dim=(2, 3))
+        group = ctx.queries.shape[1] // ctx.num_kv_heads
+        mean = total / (group * W)
+        pooled = F.avg_pool1d(mean.flatten(0, 1)[:, None], self.kernel_size, 1, self.kernel_size // 2,
+                              count_include_pad=False).view_as(mean)
+        top = pooled.amax(-1, keepdim=True)
+        window = torch.arange(T, device=pooled.device) >= T - W
+        return Scores(torch.where(window, top, pooled).contiguous())
