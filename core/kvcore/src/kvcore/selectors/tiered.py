@@ -105,6 +105,8 @@ class TieredSelector:
         valid: torch.Tensor | None = None,
     ) -> Plan:
         scores = as_scores(scores)
+        if not isinstance(budget, Budget):
+            raise TypeError(f"budget must be a kvcore.Budget, got {type(budget).__name__}")
         if budget.granularity == "global" or scores.keys.ndim != 3:
             raise ValueError("TieredSelector supports granularity 'head' or 'layer' on [B, H, T] scores")
         shares = self.resolve_shares(budget)

@@ -70,7 +70,7 @@ class TopKSelector:
             check_protected_fit(prot, k[:, None], "each head")
             keep = stable_rank(key) < k[:, None, None]
         else:
-            check_protected_fit(prot.flatten(1), G * k[:, None], "each layer" if s.ndim == 3 else "the model")
+            check_protected_fit(prot.flatten(1), G * k, "each layer" if s.ndim == 3 else "the model")
             floor = torch.tensor([math.floor(self.head_floor * int(x)) for x in k.tolist()], device=k.device)
             floored = stable_rank(key) < floor[:, None, None]
             flat = key.masked_fill(floored, float("inf")).flatten(1)

@@ -108,8 +108,8 @@ class DenseStore:
         ar = torch.arange(T, device=self._k.device)
         valid = ar < self._len[:, None]
         idx = torch.where(valid, self._start[:, None] + ar, 0)
-        k = self._k[idx].masked_fill(~valid[..., None], 0).view(B, H, T, -1)
-        v = self._v[idx].masked_fill(~valid[..., None], 0).view(B, H, T, -1)
+        k = self._k[idx].masked_fill(~valid[..., None], 0).view(B, H, T, self._k.shape[-1])
+        v = self._v[idx].masked_fill(~valid[..., None], 0).view(B, H, T, self._v.shape[-1])
         pos = torch.where(valid, self._pos[idx].long(), -1).view(B, H, T)
         bias = torch.zeros(B, H, T, device=k.device).masked_fill(~valid.view(B, H, T), float("-inf"))
         return KVView(k, v, pos, bias)

@@ -1,0 +1,135 @@
+"""HubKV score-stage microbenchmark (paper Appendix E, Table 5 shapes).
+
+Synthetic bf16 score tensors ``[L, B, H_kv, N]`` with Qwen3-8B's ``L = 36``, ``H_kv = 8``; 4 sink
+tokens and a ``floor(0.02 N)`` recent window protected; compression ratio 0.95. Times, in one run:
+
+* ``select``        the base method's selection alone: protected -> +inf, top-k of the
+                    ``(1 - r)·H·N`` best entries per (layer, batch row) over all its heads
+                    (layer-wise, as KVzip), scattered into a keep mask (the plan);
+* ``refine``        HubKV refinement alone (``kv_hubkv.refine``: Triton on CUDA, PyTorch on CPU);
+* ``refine+select`` refinement followed by the same selection;
+* on CUDA also the unfused PyTorch reference (``refine_torch``) on the GPU, and Triton vs reference.
+
+Ratios printed: ``overhead = (refine+select) / select - 1`` (Table 5's "Overhead") and
+``ref/triton`` (speed-up of the fused kernel over the unfused reference).
+
+Usage::
+
+    python benchmarks/bench_hubkv.py            # CUDA: all Table 5 shapes; CPU: reference only
+    python benchmarks/bench_hubkv.py --quick    # small shapes (CPU-friendly)
+
+Medians from ``torch.utils.benchmark`` (which synchronises CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import torch.utils.benchmark as tb
+
+try:
+    import kv_hubkv
+except ImportError:  # running from a checkout without the workspace installed
+    root = Path(__file__).resolve().parents[1]
+    sys.path[:0] = [str(root / "packages/kv-hubkv/src"), str(root / "core/kvcore/src")]
+    import kv_hubkv
+
+from kv_hubkv import refine_torch
+from kv_hubkv.triton_kernel import HAS_TRITON, refine_triton
+
+L_FULL, H_KV = 36, 8
+N_FULL = (4096, 8192, 16384, 32768)
+B_FULL = (1, 4)
+
+
+def protected_mask(n: int, device) -> torch.Tensor:
+    m = torch.zeros(1, 1, 1, n, dtype=torch.bool, device=device)
+    m[..., :4] = True
+    recent = math.floor(0.02 * n)
+    if recent:
+        m[..., n - recent :] = True
+    return m
+
+
+def select(scores: torch.Tensor, prot: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Keep mask of the base method's layer-wise top-k (protected always kept)."""
+    s = scores.float().masked_fill(prot, float("inf"))
+    flat = s.flatten(-2)  # [L, B, H*N]
+    keep = max(1, math.floor(flat.shape[-1] * (1.0 - ratio)))
+    idx = flat.topk(keep, dim=-1, sorted=False).indices
+    mask = torch.zeros_like(flat, dtype=torch.bool)
+    mask.scatter_(-1, idx, True)
+    return mask.view_as(s)
+
+
+def median_ms(fn, min_run_time: float) -> float:
+    t = tb.Timer(stmt="fn()", globals={"fn": fn})
+    return t.blocked_autorange(min_run_time=min_run_time).median * 1e3
+
+
+def peak_mb(fn, device) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small shapes (L=4, N in {1024, 4096})")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--ratio", type=float, default=0.95)
+    ap.add_argument("--min-run-time", type=float, default=None, help="seconds per measurement")
+    args = ap.parse_args(argv)
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    use_triton = device.type == "cuda" and HAS_TRITON
+    L = 4 if args.quick else L_FULL
+    ns = (1024, 4096) if args.quick else N_FULL
+    min_run = args.min_run_time if args.min_run_time is not None else (0.2 if device.type == "cpu" else 0.5)
+    ratio = args.ratio
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+    print(f"# HubKV score-stage benchmark: device={name}, torch {torch.__version__}, "
+          f"triton {'yes' if use_triton else 'not used'}, kv_hubkv from {Path(kv_hubkv.__file__).parent}")
+    print(f"# scores bf16 [L={L}, B, H={H_KV}, N], ratio={ratio}, protected = 4 sinks + floor(0.02 N) recent; "
+          f"median ms (torch.utils.benchmark, min_run_time={min_run}s)")
+    cols = ["N", "B", "select", "refine", "refine+select", "overhead"]
+    if use_triton:
+        cols += ["ref refine", "ref refine+select", "ref overhead", "ref/triton", "max|diff|", "peak MB"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for n in ns:
+        for b in B_FULL:
+            scores = torch.rand(L, b, H_KV, n, generator=g).to(device=device, dtype=torch.bfloat16)
+            prot = protected_mask(n, device)
+            fast = refine_triton if use_triton else refine_torch
+            t_sel = median_ms(lambda: select(scores, prot, ratio), min_run)
+            t_ref = median_ms(lambda: fast(scores, ratio, prot), min_run)
+            t_both = median_ms(lambda: select(fast(scores, ratio, prot), prot, ratio), min_run)
+            row = [n, b, f"{t_sel:.3f}", f"{t_ref:.3f}", f"{t_both:.3f}", f"{t_both / t_sel - 1:+.1%}"]
+            if use_triton:
+                r_ref = median_ms(lambda: refine_torch(scores, ratio, prot), min_run)
+                r_both = median_ms(lambda: select(refine_torch(scores, ratio, prot), prot, ratio), min_run)
+                diff = (refine_triton(scores, ratio, prot) - refine_torch(scores, ratio, prot)).abs().max().item()
+                mb = peak_mb(lambda: refine_triton(scores, ratio, prot), device)
+                row += [f"{r_ref:.3f}", f"{r_both:.3f}", f"{r_both / t_sel - 1:+.1%}", f"{r_ref / t_ref:.2f}x",
+                        f"{diff:.1e}", f"{mb:.1f}"]
+            print("| " + " | ".join(map(str, row)) + " |", flush=True)
+            del scores
+
+
+if __name__ == "__main__":
+    main()

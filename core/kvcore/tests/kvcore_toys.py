@@ -1,0 +1,200 @@
+"""Toy protocol objects that exercise the suites where kvcore ships no reference (scorers with queries or
+extras, a min-max quantizer, a tiered quantized store). Test helpers only."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvcore import KVView, Plan, QuantizedTensor, Scores, packed_width, storage_bytes
+
+
+class KeyNorm:
+    """The scorer of ``test_toy_method.py``: low key norm = keep (Devoto et al. 2024)."""
+
+    needs_queries, needs_values, needs_extras = False, False, frozenset()
+
+    def score(self, ctx):
+        return Scores(-ctx.keys.float().norm(dim=-1))
+
+
+class WindowAttention:
+    """SnapKV-like: attention of the query window, averaged over the GQA group and the window."""
+
+    needs_queries, needs_values, needs_extras = True, False, frozenset()
+
+    def score(self, ctx):
+        if ctx.queries is None:
+            raise ValueError("WindowAttention needs ctx.queries [B, Hq, W, D]")
+        B, H, T, D = ctx.keys.shape
+        q = ctx.queries.float().unflatten(1, (H, -1))  # [B, H, g, W, D]
+        logits = q @ ctx.keys.float()[:, :, None].transpose(-1, -2) / math.sqrt(D)
+        logits = logits.masked_fill(~ctx.valid[:, None, None, None, :], float("-inf"))
+        return Scores(logits.softmax(-1).mean((2, 3)))
+
+
+class Surprisal:
+    """Scores every head's entries by a per-token extra, ``ctx.extras["surprisal"]`` ``[B, T]``."""
+
+    needs_queries, needs_values, needs_extras = False, False, frozenset({"surprisal"})
+
+    def score(self, ctx):
+        s = ctx.extras.get("surprisal")
+        if not isinstance(s, torch.Tensor):
+            raise ValueError("Surprisal needs ctx.extras['surprisal'], a [B, T] float tensor")
+        return Scores(s.float()[:, None, :].expand(ctx.keys.shape[:3]).contiguous())
+
+
+def surprisal_extras(shapes):
+    g = torch.Generator().manual_seed(shapes["seed"])
+    return {"surprisal": torch.rand(shapes["B"], shapes["T"], generator=g)}
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Bit-pack ``[..., D]`` codes code by code (independent of the suite's packer)."""
+    D = codes.shape[-1]
+    out = torch.zeros(*codes.shape[:-1], packed_width(D, bits), dtype=torch.int64)
+    for j in range(D):
+        byte, shift = divmod(j * bits, 8)
+        out[..., byte] |= (codes[..., j] << shift) & 0xFF
+        if shift + bits > 8:
+            out[..., byte + 1] |= codes[..., j] >> (8 - shift)
+    return out.to(torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, bits: int, D: int) -> torch.Tensor:
+    wide = torch.nn.functional.pad(packed.long(), (0, 1))
+    j = torch.arange(D)
+    byte, shift = j * bits // 8, j * bits % 8
+    return ((wide[..., byte] | (wide[..., byte + 1] << 8)) >> shift) & (2**bits - 1)
+
+
+@dataclass(frozen=True)
+class MinMax:
+    """Uniform asymmetric min-max quantizer (KIVI §3) with explicit grouping."""
+
+    bits: int = 4
+    axis: str = "token"
+    group_size: int = 8
+
+    def quantize(self, x: torch.Tensor) -> QuantizedTensor:
+        if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"x must be a float tensor, got {type(x).__name__} {getattr(x, 'dtype', '')}")
+        if x.ndim < 2 or not bool(torch.isfinite(x).all()):
+            raise ValueError("x must be a finite [..., T, D] tensor")
+        xf = x.float() if self.axis == "token" else x.float().transpose(-1, -2)
+        n, G = xf.shape[-1], self.group_size
+        pad = -n % G
+        lo = torch.nn.functional.pad(xf, (0, pad), value=float("inf")).unflatten(-1, (-1, G)).amin(-1)
+        hi = torch.nn.functional.pad(xf, (0, pad), value=float("-inf")).unflatten(-1, (-1, G)).amax(-1)
+        scale = (hi - lo) / (2**self.bits - 1)
+        s, z = scale.repeat_interleave(G, -1)[..., :n], lo.repeat_interleave(G, -1)[..., :n]
+        codes = torch.where(s > 0, torch.round((xf - z) / torch.where(s > 0, s, 1)), 0).clamp(0, 2**self.bits - 1).long()
+        if self.axis == "channel":
+            codes, scale, lo = codes.transpose(-1, -2), scale.transpose(-1, -2).contiguous(), lo.transpose(-1, -2).contiguous()
+        return QuantizedTensor(_pack(codes, self.bits), scale, lo, self.bits, self.axis, G, tuple(x.shape), x.dtype)
+
+    def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
+        *_, T, D = q.shape
+        dim = -1 if q.axis == "token" else -2
+        s = q.scales.repeat_interleave(q.group_size, dim)[..., :T, :D]
+        z = q.zeros.repeat_interleave(q.group_size, dim)[..., :T, :D]
+        return (z + _unpack(q.codes, q.bits, D).float() * s).to(q.dtype)
+
+
+def _rows(x, m: torch.Tensor):
+    """Rows ``m`` of a ``[n, D]`` tensor or token-axis QuantizedTensor (a copy, so dropped rows are freed)."""
+    if isinstance(x, torch.Tensor):
+        return x[m]
+    return dataclasses.replace(x, codes=x.codes[m], scales=x.scales[m], zeros=x.zeros[m], shape=(int(m.sum()), x.shape[1]))
+
+
+class ToyTieredStore:
+    """Per-head chunks at full precision or 2/4-bit token-axis min-max codes."""
+
+    supported_bits = frozenset({0, 2, 4, 16})
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.heads: list[list[tuple]] | None = None  # per (b, h): chunks (positions, keys, values)
+        self.shape = (0, 0, 0)
+
+    def _check(self, keys, values, positions, n):
+        if not (isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)) or not keys.is_floating_point():
+            raise TypeError("keys and values must be float tensors")
+        if keys.ndim != 4 or values.shape != keys.shape or values.dtype != keys.dtype:
+            raise ValueError("keys and values must be matching [B, H, T, D] tensors")
+        if self.heads is not None and (keys.shape[:2] != self.shape[:2] or keys.shape[-1] != self.shape[2] or keys.dtype != self.dtype):
+            raise ValueError(f"entries must match the stored [B, H, *, D] = {self.shape} of {self.dtype}")
+        if not isinstance(positions, torch.Tensor) or positions.dtype != torch.int64 or positions.shape != (keys.shape[0], n):
+            raise ValueError("positions must be int64 [B, T]")
+
+    def write(self, keys, values, plan, positions):
+        self.reset()
+        self._check(keys, values, positions, keys.shape[2])
+        B, H, T, D = keys.shape
+        if not isinstance(plan, Plan) or plan.key_bits.shape != (B, H, T) or plan.tiers() - self.supported_bits:
+            raise ValueError(f"plan must be [B, H, T] over tiers {sorted(self.supported_bits)}")
+        self.heads, self.shape, self.dtype = [], (B, H, D), keys.dtype
+        for b in range(B):
+            for h in range(H):
+                chunks = []
+                for w in set(plan.key_bits[b, h].tolist()) - {0}:
+                    m = plan.key_bits[b, h] == w
+                    k, v = keys[b, h][m], values[b, h][m]
+                    if w != 16:
+                        k, v = MinMax(w, "token", 4).quantize(k), MinMax(w, "token", 4).quantize(v)
+                    chunks.append((positions[b][m], k, v))
+                self.heads.append(chunks)
+
+    def append(self, keys, values, positions):
+        self._check(keys, values, positions, keys.shape[2])
+        if self.heads is None:
+            B, H, n, _ = keys.shape
+            return self.write(keys, values, Plan.from_keep(torch.ones(B, H, n, dtype=torch.bool)), positions)
+        for i, chunks in enumerate(self.heads):
+            b, h = divmod(i, self.shape[1])
+            chunks.append((positions[b].clone(), keys[b, h].clone(), values[b, h].clone()))
+
+    def _head(self, chunks):
+        deq = lambda x: x if isinstance(x, torch.Tensor) else MinMax(x.bits, "token", 4).dequantize(x)  # noqa: E731
+        pos = torch.cat([c[0] for c in chunks]) if chunks else torch.zeros(0, dtype=torch.long)
+        order = pos.argsort()
+        cat = lambda j: torch.cat([deq(c[j]) for c in chunks])[order] if chunks else torch.zeros(0, self.shape[2], dtype=self.dtype)  # noqa: E731
+        return pos[order], cat(1), cat(2)
+
+    def read(self, query=None):
+        if self.heads is None:
+            raise ValueError("read() on an empty store")
+        B, H, D = self.shape
+        heads = [self._head(c) for c in self.heads]
+        T = max(len(p) for p, _, _ in heads)
+        pos = torch.full((B * H, T), -1)
+        k, v = torch.zeros(B * H, T, D, dtype=self.dtype), torch.zeros(B * H, T, D, dtype=self.dtype)
+        for i, (p, kk, vv) in enumerate(heads):
+            pos[i, : len(p)], k[i, : len(p)], v[i, : len(p)] = p, kk, vv
+        bias = torch.zeros(B * H, T).masked_fill(pos < 0, float("-inf"))
+        return KVView(k.view(B, H, T, D), v.view(B, H, T, D), pos.view(B, H, T), bias.view(B, H, T))
+
+    def nbytes(self, device=None):
+        parts = [t for chunks in self.heads or [] for c in chunks for x in c
+                 for t in ((x,) if isinstance(x, torch.Tensor) else (x.codes, x.scales, x.zeros))]
+        return storage_bytes(parts, device)
+
+    def seq_lengths(self):
+        B, H, _ = self.shape
+        return torch.tensor([sum(len(c[0]) for c in chunks) for chunks in self.heads or []], dtype=torch.long).view(B, H)
+
+    def crop(self, position):
+        for chunks in self.heads or []:
+            chunks[:] = [tuple(_rows(x, c[0] < position) for x in c) for c in chunks]
+
+    def reorder(self, index):
+        B, H, D = self.shape
+        self.heads = [list(self.heads[int(i) * H + h]) for i in index for h in range(H)]
+        self.shape = (len(index), H, D)

@@ -1,0 +1,160 @@
+"""Tests of the conformance machinery itself: the no-override guard, the memory walker, the bit packer, the
+strategies and the skips by capability flag."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcore import DenseStore, TopKSelector, packed_width
+from kvcore.testing import ScorerTests, SelectorTests, StoreTests, overridden_standard_tests, pack_codes, unpack_codes
+from kvcore.testing.strategies import KINDS, budgets_below_protected, fill, kv_samples, left_padded_masks
+from kvcore.testing.walk import reachable_bytes, reachable_tensors
+
+FAST = settings(max_examples=20, deadline=None)
+
+
+# -- the guard -------------------------------------------------------------------------------------------
+class Faithful(ScorerTests):
+    stochastic = True  # flags and fixtures may change freely
+
+
+class Overrides(ScorerTests):
+    def test_pure(self, scorer):  # a silent override
+        pass
+
+
+class OverridesWithXfail(SelectorTests):
+    @pytest.mark.xfail(reason="ties broken by higher index, by design")
+    def test_ties_break_by_lower_index(self, selector):
+        pass
+
+
+class XfailWithoutReason(StoreTests):
+    @pytest.mark.xfail
+    def test_crop(self, store_factory):
+        pass
+
+
+class Deletes(StoreTests):
+    test_reorder = None
+
+
+class Grandchild(Overrides):
+    pass
+
+
+def test_guard_accepts_faithful_subclasses_and_xfail_with_reason():
+    assert overridden_standard_tests(Faithful) == [] and overridden_standard_tests(OverridesWithXfail) == []
+    assert overridden_standard_tests(ScorerTests) == []
+
+
+def test_guard_flags_silent_overrides_and_deletions():
+    assert overridden_standard_tests(Overrides) == ["test_pure"]
+    assert overridden_standard_tests(Grandchild) == ["test_pure"]
+    assert overridden_standard_tests(XfailWithoutReason) == ["test_crop"]
+    assert overridden_standard_tests(Deletes) == ["test_reorder"]
+
+
+def test_guard_test_fails_on_a_silent_override():
+    with pytest.raises(AssertionError, match="test_pure"):
+        Overrides().test_no_overrides_DO_NOT_OVERRIDE()
+    Faithful().test_no_overrides_DO_NOT_OVERRIDE()
+
+
+def test_skips_name_the_flag():
+    with pytest.raises(pytest.skip.Exception, match="supports_crop"):
+        type("NoCrop", (StoreTests,), {"supports_crop": False})().test_crop(DenseStore)
+    with pytest.raises(pytest.skip.Exception, match="supports_granularities"):
+        SelectorTests().test_kept_count_exact(TopKSelector(), "global")
+
+
+# -- the walker ------------------------------------------------------------------------------------------
+@dataclass
+class Holder:
+    a: torch.Tensor
+    rest: object = None
+
+
+class Slotted:
+    __slots__ = ("t",)
+
+    def __init__(self, t):
+        self.t = t
+
+
+def test_walker_follows_containers_and_dedups_storages():
+    x, y, z = torch.zeros(8), torch.zeros(4, dtype=torch.float64), torch.zeros(2, dtype=torch.int16)
+    obj = Holder(x, [x[2:], {"k": (y, Slotted(z))}, {y}.__class__([1])])
+    obj.rest.append(obj)  # a cycle
+    assert reachable_bytes(obj) == 32 + 32 + 4 and len(list(reachable_tensors(obj))) == 4
+    assert reachable_bytes(obj, device="meta") == 0 and reachable_bytes(Holder(x[:1].clone())) == 4
+
+
+def test_walker_sees_what_dense_store_holds():
+    store = DenseStore(growth=3)
+    assert reachable_bytes(store) == 0
+    store.append(torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4), torch.arange(5)[None])
+    store.append(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4), torch.tensor([[5]]))
+    assert reachable_bytes(store) == store.nbytes() == 2 * 2 * 9 * 4 * 4 + 2 * 9 * 4 + 3 * 2 * 8
+
+
+# -- the bit packer --------------------------------------------------------------------------------------
+@FAST
+@given(bits=st.integers(1, 8), d=st.integers(1, 20), rows=st.integers(1, 4), seed=st.integers(0, 99))
+def test_pack_unpack_bijection(bits, d, rows, seed):
+    codes = torch.randint(2**bits, (rows, d), generator=torch.Generator().manual_seed(seed))
+    packed = pack_codes(codes, bits)
+    assert packed.shape == (rows, packed_width(d, bits)) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_codes(packed, bits, d), codes)
+
+
+def test_pack_layout_is_little_endian():
+    # codes 1, 2, 3 at 3 bits: stream 100 010 110 (bit 0 first) -> byte 0 = 0b11010001, byte 1 = 0b0
+    assert pack_codes(torch.tensor([[1, 2, 3]]), 3).tolist() == [[0b11010001, 0]]
+    assert pack_codes(torch.tensor([[1, 15]]), 4).tolist() == [[0xF1]]
+
+
+# -- strategies ------------------------------------------------------------------------------------------
+@FAST
+@given(x=kv_samples())
+def test_kv_samples_shapes(x):
+    B, H, T, D = x.keys.shape
+    assert 1 <= B <= 3 and 1 <= H <= 4 and 1 <= T <= 48 and D in (4, 8, 16) and x.values.shape == x.keys.shape
+    assert x.queries.shape[1] // H in (1, 2, 4) and x.queries.shape[1] % H == 0 and x.queries.shape[-1] == D
+    if x.attention_mask is not None:  # left padding: once real, real to the end
+        m = x.attention_mask.long()
+        assert bool((m[:, 1:] >= m[:, :-1]).all() and m[:, -1].all())
+
+
+@FAST
+@given(case=budgets_below_protected(), g=st.sampled_from(["head", "layer"]))
+def test_budgets_below_protected(case, g):
+    T, protect, budget = case
+    assert budget.kept(T) == int(protect.mask(torch.ones(1, T, dtype=torch.bool)).sum()) - 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fill_kinds(kind):
+    x = fill((3, 50), torch.float16, kind, 1)
+    assert x.dtype == torch.float16 and bool(torch.isfinite(x).all())
+    assert (kind == "constant") == (x.unique().numel() == 1) and (kind != "plateau" or bool((x == x.round()).all()))
+
+
+@FAST
+@given(m=left_padded_masks(3, 5, min_valid=2))
+def test_left_padded_masks_min_valid(m):
+    assert m.shape == (3, 5) and bool((m.sum(-1) >= 2).all())
+
+
+# -- packaging -------------------------------------------------------------------------------------------
+def test_import_kvcore_stays_light():
+    code = "import sys, kvcore; print(sorted(m for m in ('transformers', 'pytest', 'hypothesis', 'triton') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

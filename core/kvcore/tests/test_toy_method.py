@@ -1,0 +1,16 @@
+import pytest
+from kvcore import Scores
+from kvcore.testing import ScorerTests
+
+
+class KeyNorm:  # keep low-norm keys (Devoto et al. 2024, "A simple and effective L2 norm-based strategy")
+    needs_queries, needs_values, needs_extras = False, False, frozenset()
+
+    def score(self, ctx):
+        return Scores(-ctx.keys.float().norm(dim=-1))
+
+
+class TestKeyNorm(ScorerTests):
+    @pytest.fixture
+    def scorer(self):
+        return KeyNorm()

@@ -1,0 +1,49 @@
+"""kv_hf: plug any kvcore ``Compressor`` into a transformers (>= 5.17) causal LM's KV cache.
+
+>>> cache = kv_hf.compressed_cache(model, compressor)            # a transformers Cache (layered API)
+>>> out = model.generate(ids, past_key_values=cache, max_new_tokens=32)
+>>> cache.nbytes()                                               # bytes the Stores really hold
+
+Importing this package registers the ``"kv_hf"`` / ``"kv_hf_eager"`` attention functions with transformers.
+"""
+
+from kv_hf.attention import (
+    KV_HF_EAGER,
+    KV_HF_SDPA,
+    disable_attention,
+    enable_attention,
+    register_attention,
+)
+from kv_hf.cache import CompressedCache, compressed_cache
+from kv_hf.kvzip_scorer import KVzipScorer, kvzip
+from kv_hf.layer import CompressedLayer
+from kv_hf.options import CacheOptions
+from kv_hf.prefill import prefill
+from kv_hf.reconstruction import KVzipConfig, kvzip_scores
+from kv_hf.reuse import answer_questions, generate_answer
+from kv_hf.support import SUPPORTED_MODEL_TYPES, check_model
+
+register_attention()
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KV_HF_EAGER",
+    "KV_HF_SDPA",
+    "SUPPORTED_MODEL_TYPES",
+    "CacheOptions",
+    "CompressedCache",
+    "CompressedLayer",
+    "KVzipConfig",
+    "KVzipScorer",
+    "answer_questions",
+    "check_model",
+    "compressed_cache",
+    "disable_attention",
+    "enable_attention",
+    "generate_answer",
+    "kvzip",
+    "kvzip_scores",
+    "prefill",
+    "register_attention",
+]

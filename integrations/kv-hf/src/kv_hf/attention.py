@@ -1,0 +1,201 @@
+"""The attention function kv_hf registers with transformers (DESIGN.md §5, anchors.md §3).
+
+Why a registered attention function and not a forward hook: attention over a compressed layer must add the
+per-entry ``KVView.logit_bias`` (``-inf`` for the padding of ragged per-head layouts, ``log|S|`` for span
+summaries), and the scorers need the post-RoPE query states. The function registered here sees both the query
+and the key/value tensors the cache layer returned, so it can build the per-layer, per-head mask, run the usual
+kernel and hand the query back to the layer (query capture, KVzip scoring) in one place. kvpress instead patches
+the kernels in place and only *masks* evicted keys; here the evicted keys are gone.
+
+Two names are registered: ``"kv_hf"`` runs transformers' SDPA kernel, ``"kv_hf_eager"`` the model's eager
+attention. Both delegate unchanged for any cache that is not a kv_hf cache, so switching a model to them does not
+change its behaviour elsewhere. Flash-attention and flex kernels cannot take an additive per-head bias and are
+refused (:func:`enable_attention`).
+
+How a step flows: ``CompressedLayer.update`` returns ``[stored view | pending raw | new]`` key/value tensors and
+tags the key tensor with a :class:`~kv_hf.layer.Step`; the function below builds the mask (stored and pending
+columns from the layer's bias, the new columns from the last ``q`` columns of the mask transformers built), runs
+the kernel and calls ``Step.layer.commit``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import eager_mask, sdpa_mask
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from kv_hf.layer import Step
+
+KV_HF_SDPA = "kv_hf"
+"""Attention implementation name: kv_hf over transformers' SDPA kernel."""
+KV_HF_EAGER = "kv_hf_eager"
+"""Attention implementation name: kv_hf over the model's eager attention."""
+KV_HF_IMPLEMENTATIONS = (KV_HF_SDPA, KV_HF_EAGER)
+_WRAPS = {"sdpa": KV_HF_SDPA, "eager": KV_HF_EAGER}
+_UNWRAPS = {v: k for k, v in _WRAPS.items()}
+
+STEP_ATTR = "_kv_hf_step"
+"""Attribute set on the key tensor a kv_hf cache layer returns; carries the :class:`~kv_hf.layer.Step`."""
+
+
+# -- base kernels ------------------------------------------------------------------------------------------
+def _generic_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Eager attention as in transformers' Llama (used when the model module has no ``eager_attention_forward``)."""
+    group = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(group, dim=1)
+    v = value.repeat_interleave(group, dim=1)
+    w = torch.matmul(query, k.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        w = w + attention_mask
+    w = torch.softmax(w, dim=-1, dtype=torch.float32).to(query.dtype)
+    w = torch.nn.functional.dropout(w, p=dropout, training=module.training)
+    return torch.matmul(w, v).transpose(1, 2).contiguous(), w
+
+
+def _eager(module, query, key, value, attention_mask, **kwargs):
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None) or _generic_eager
+    return fn(module, query, key, value, attention_mask, **kwargs)
+
+
+def _sdpa(module, query, key, value, attention_mask, **kwargs):
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+# -- masks -------------------------------------------------------------------------------------------------
+def _new_token_mask(attention_mask: torch.Tensor | None, q: int) -> torch.Tensor | None:
+    """Boolean ``[B|1, 1|H, q, q]`` mask of the step's own tokens (last ``q`` columns), or ``None`` = no padding."""
+    if attention_mask is None:
+        return None
+    m = attention_mask[..., -q:]
+    if m.dtype != torch.bool:  # an additive float mask: 0 = attend
+        m = m > torch.finfo(m.dtype).min / 2
+    return m
+
+
+def _causal(q: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(q, q, dtype=torch.bool, device=device).tril()[None, None]
+
+
+def _as_float(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def step_mask(
+    step: "Step", attention_mask: torch.Tensor | None, query: torch.Tensor, eager: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The mask for one kv_hf step and the boolean new-token mask (``None`` = plain causal, no padding).
+
+    Returns the mask to hand to the kernel: unchanged where the step has no stored/pending prefix (the exact call
+    an unmodified model makes, hence bitwise-equal logits), ``None`` for a single query
+    over an unbiased prefix (decode without padding, again the unmodified call), otherwise an additive float mask
+    ``[B, 1|Hq, q, prefix + q]``: the prefix columns carry the layer's per-head bias (``-inf`` clamped to the
+    dtype's minimum, as transformers does), the new columns the causal/padding pattern.
+    """
+    B, Hq, q, _ = query.shape
+    dtype, device = query.dtype, query.device
+    new = _new_token_mask(attention_mask, q)
+    if step.n_prefix == 0:
+        if attention_mask is None or attention_mask.shape[-1] == q:
+            return attention_mask, new
+        m = new  # transformers sized the mask for another layer's prefix: keep its new-token columns
+        return (_as_float(m, dtype) if eager else m), new
+    if step.bias is None and new is None and q == 1:
+        return None, None
+    m_new = new if new is not None else (_causal(q, device) if q > 1 else torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device))
+    heads = 1
+    if step.bias is None:
+        prefix = torch.zeros(B, 1, 1, step.n_prefix, dtype=dtype, device=device)
+    else:
+        bias = step.bias
+        if not bool((bias == bias[:, :1]).all()):
+            bias = bias.repeat_interleave(Hq // bias.shape[1], dim=1)
+            heads = Hq
+        else:
+            bias = bias[:, :1]
+        prefix = bias.to(dtype).clamp_min(torch.finfo(dtype).min)[:, :, None, :]
+    heads = max(heads, m_new.shape[1])
+    prefix = prefix.expand(B, heads, q, step.n_prefix)
+    new_part = _as_float(m_new, dtype).expand(B, heads, q, q)
+    return torch.cat([prefix, new_part], dim=-1), new
+
+
+def _valid_new(new: torch.Tensor | None, B: int, q: int) -> torch.Tensor | None:
+    """``[B, q]`` bool: which of the step's tokens are real (a token attends to itself unless it is padding)."""
+    if new is None:
+        return None
+    return torch.diagonal(new[:, 0], dim1=-2, dim2=-1).expand(B, q)
+
+
+# -- the registered functions ------------------------------------------------------------------------------
+def _make(base: Callable[..., Any], eager: bool) -> Callable[..., Any]:
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        step = getattr(key, STEP_ATTR, None)
+        if step is None:
+            return base(module, query, key, value, attention_mask, **kwargs)
+        layer = step.layer
+        if layer._step is not step:
+            raise RuntimeError("stale kv_hf step: the key tensor was not produced by the current cache update")
+        if step.deferred:
+            key, value = layer.assemble(step, query)
+        mask, new = step_mask(step, attention_mask, query, eager)
+        out = base(module, query, key, value, mask, **kwargs)
+        scaling = kwargs.get("scaling")
+        if scaling is None:
+            scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
+        layer.commit(step, query, kwargs.get("position_ids"), _valid_new(new, query.shape[0], query.shape[2]), scaling)
+        return out
+
+    attention.__name__ = f"kv_hf_{'eager' if eager else 'sdpa'}_attention"
+    return attention
+
+
+kv_hf_sdpa_attention = _make(_sdpa, eager=False)
+kv_hf_eager_attention = _make(_eager, eager=True)
+
+
+def register_attention() -> None:
+    """Register ``"kv_hf"`` and ``"kv_hf_eager"`` with transformers' attention and mask interfaces (idempotent).
+
+    Each reuses the mask builder of the kernel it wraps (boolean SDPA masks, additive float eager masks), so a
+    non-kv_hf cache gets exactly the call it would get from ``"sdpa"`` / ``"eager"``.
+    """
+    AttentionInterface.register(KV_HF_SDPA, kv_hf_sdpa_attention)
+    AttentionInterface.register(KV_HF_EAGER, kv_hf_eager_attention)
+    AttentionMaskInterface.register(KV_HF_SDPA, sdpa_mask)
+    AttentionMaskInterface.register(KV_HF_EAGER, eager_mask)
+
+
+def enable_attention(model: "PreTrainedModel") -> str:
+    """Switch ``model`` to the kv_hf attention matching its current kernel; returns the new implementation name.
+
+    ``sdpa`` becomes ``"kv_hf"`` and ``eager`` becomes ``"kv_hf_eager"``; already-switched models are left as they
+    are. Other kernels (``flash_attention_*``, ``flex_attention``, hub kernels) cannot add a per-head logit bias:
+    ``ValueError``. Behaviour with any non-kv_hf cache is unchanged (the functions delegate).
+    """
+    register_attention()
+    impl = model.config._attn_implementation or "sdpa"
+    if impl in KV_HF_IMPLEMENTATIONS:
+        return impl
+    if impl not in _WRAPS:
+        raise ValueError(
+            f"attention implementation {impl!r} cannot apply the per-head logit bias a compressed cache needs; "
+            "load the model with attn_implementation='sdpa' or 'eager' (kv_hf wraps those two)"
+        )
+    model.set_attn_implementation(_WRAPS[impl])
+    return _WRAPS[impl]
+
+
+def disable_attention(model: "PreTrainedModel") -> str:
+    """Undo :func:`enable_attention`: back to ``sdpa`` / ``eager``; returns the implementation name."""
+    impl = model.config._attn_implementation
+    if impl in _UNWRAPS:
+        model.set_attn_implementation(_UNWRAPS[impl])
+        return _UNWRAPS[impl]
+    return impl

@@ -1,0 +1,45 @@
+"""Locally generated long-context evaluation tasks (plain-completion prompts).
+
+Every generator returns a :class:`TaskSample` whose ``context`` (instructions + haystack +
+needles, the part that is compressed) is followed by a ``question``; :func:`score` gives the
+fraction of ``answers`` found in the model's continuation. Lengths are measured with the model's
+tokenizer; everything is deterministic given the seed.
+
+Tasks (:data:`TASKS`): ``passkey``, ``niah_single``, ``niah_multikey``, ``niah_multivalue``,
+``kv_retrieval``, ``variable_tracking``. Text for perplexity / KL: :func:`lee_background`,
+:func:`continuation_split`.
+"""
+
+from kv_hf.bench.tasks.haystack import BuiltContext, build_context
+from kv_hf.bench.tasks.kv_retrieval import kv_retrieval
+from kv_hf.bench.tasks.needle import niah_multikey, niah_multivalue, niah_single
+from kv_hf.bench.tasks.passkey import FILLER, passkey
+from kv_hf.bench.tasks.registry import TASKS, make_tasks, sample_seed
+from kv_hf.bench.tasks.sample import TaskSample
+from kv_hf.bench.tasks.scoring import contains_answer, score
+from kv_hf.bench.tasks.text import continuation_split, lee_background, lee_sentences
+from kv_hf.bench.tasks.tokens import TokenizerLike, count_tokens
+from kv_hf.bench.tasks.variable_tracking import variable_tracking
+
+__all__ = [
+    "FILLER",
+    "TASKS",
+    "BuiltContext",
+    "TaskSample",
+    "TokenizerLike",
+    "build_context",
+    "contains_answer",
+    "continuation_split",
+    "count_tokens",
+    "kv_retrieval",
+    "lee_background",
+    "lee_sentences",
+    "make_tasks",
+    "niah_multikey",
+    "niah_multivalue",
+    "niah_single",
+    "passkey",
+    "sample_seed",
+    "score",
+    "variable_tracking",
+]

@@ -1,0 +1,94 @@
+"""Passkey retrieval: a 5-digit key hidden in repeated filler (Mohtashami & Jaggi 2023; LongLoRA)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from kv_hf.bench.tasks.haystack import answers_only_in_needles, build_context
+from kv_hf.bench.tasks.sample import TaskSample
+from kv_hf.bench.tasks.tokens import check_count, check_depth, check_length, check_tokenizer, count_tokens
+from kv_hf.bench.tasks.values import random_number
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+FILLER_SENTENCES = tuple(s if s.endswith(".") else s + "." for s in FILLER.split(". "))
+PREAMBLE = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there.\n"
+)
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "\nWhat is the pass key? The pass key is"
+
+
+def filler_unit(i: int) -> str:
+    """Filler sentence ``i`` of the endlessly repeated :data:`FILLER`."""
+    return FILLER_SENTENCES[i % len(FILLER_SENTENCES)]
+
+
+def passkey(
+    tokenizer: Any,
+    length: int,
+    depth: float = 0.5,
+    seed: int = 0,
+    *,
+    digits: int = 5,
+    max_new_tokens: int = 8,
+) -> TaskSample:
+    """Generate one passkey sample.
+
+    Parameters
+    ----------
+    tokenizer : TokenizerLike
+        Sizes the prompt.
+    length : int
+        Target tokens of ``context + question``.
+    depth : float
+        Fraction of the filler before the key, in ``[0, 1]``.
+    seed : int
+        Seed of the key.
+    digits : int
+        Digits of the key.
+    max_new_tokens : int
+        Generation budget.
+
+    Returns
+    -------
+    TaskSample
+        ``answers == [key]``.
+    """
+    check_tokenizer(tokenizer)
+    length = check_length(length)
+    depth = check_depth(depth)
+    check_count(digits, "digits")
+    check_count(max_new_tokens, "max_new_tokens")
+    rng = random.Random(seed)
+    for _ in range(20):
+        key = random_number(rng, digits)
+        needle = NEEDLE.format(key=key)
+        built = build_context(
+            tokenizer, length, preamble=PREAMBLE, question=QUESTION, units=filler_unit,
+            needles=[(depth, needle)], task="passkey",
+        )
+        if answers_only_in_needles(built.context, [key], [needle]):
+            break
+    else:  # pragma: no cover - the filler holds no digits
+        raise RuntimeError("could not place a unique pass key")
+    return TaskSample(
+        context=built.context,
+        question=QUESTION,
+        answers=[key],
+        max_new_tokens=max(max_new_tokens, count_tokens(tokenizer, " " + key) + 2),
+        task="passkey",
+        kind="retrieval",
+        length=built.length,
+        target_length=length,
+        depth=depth,
+        seed=seed,
+        info={
+            "needles": [needle],
+            "needle_offsets": built.needle_offsets,
+            "needle_depths": built.needle_depths,
+            "haystack_start": built.haystack_start,
+            "haystack_end": built.haystack_end,
+        },
+    )

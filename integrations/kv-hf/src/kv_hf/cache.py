@@ -1,0 +1,213 @@
+"""A transformers ``Cache`` whose layers are kvcore Stores, and the entry point :func:`compressed_cache`."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+
+import torch
+from kvcore import Compressor
+from transformers.cache_utils import Cache
+
+from kv_hf.attention import KV_HF_IMPLEMENTATIONS, enable_attention
+from kv_hf.entries import gather_entries, missing_message, uniform_context
+from kv_hf.layer import COLLECT, SCRATCH, STORE, CompressedLayer
+from kv_hf.options import CacheOptions
+from kv_hf.support import check_compressor, check_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+class CompressedCache(Cache):
+    """A layered transformers cache (``Cache(layers=[...])``) with one :class:`CompressedLayer` per attention layer.
+
+    Use it as ``model(ids, past_key_values=cache)`` or ``model.generate(ids, past_key_values=cache)``. The first
+    forward pass through the cache is the prefill: each layer attends to the whole uncompressed prompt, then scores,
+    selects and writes it to its Store (``compressor.new_store()``); later tokens are appended to the Stores.
+    Build it with :func:`compressed_cache`.
+
+    Parameters
+    ----------
+    model : PreTrainedModel
+        A supported causal LM (:data:`kv_hf.support.SUPPORTED_MODEL_TYPES`); switched to the kv_hf attention.
+    compressor : kvcore.Compressor
+        Scorer -> selector -> store; ``compressor.budget`` is the prefill budget.
+    options : CacheOptions
+        Query capture and decode-time re-compression.
+    """
+
+    def __init__(self, model: "PreTrainedModel", compressor: Compressor, options: CacheOptions | None = None) -> None:
+        options = CacheOptions() if options is None else options
+        if not isinstance(options, CacheOptions):
+            raise TypeError(f"options must be a kv_hf.CacheOptions, got {type(options).__name__}")
+        config = check_model(model)
+        self.compressor = check_compressor(compressor, options)
+        self.options = options
+        self.recompressor = options.recompressor or compressor
+        enable_attention(model)
+        self._config = config
+        super().__init__(layers=[CompressedLayer(self, i) for i in range(config.num_hidden_layers)])
+
+    # -- transformers hooks ------------------------------------------------------------------------------
+    def check_attention(self) -> None:
+        """Raise if the model was switched away from the kv_hf attention (the per-head bias would be lost)."""
+        impl = self._config._attn_implementation
+        if impl not in KV_HF_IMPLEMENTATIONS:
+            raise RuntimeError(
+                f"the model's attention implementation is {impl!r}; a kv_hf cache needs 'kv_hf' or 'kv_hf_eager' "
+                "(call kv_hf.enable_attention(model))"
+            )
+
+    def layer_collected(self, layer: CompressedLayer) -> None:
+        """A layer finished its prefill step: compress it now, or (global budget) once the last layer is done."""
+        if self.compressor.budget.granularity != "global":
+            layer.compress_pending()
+        elif layer.layer_idx == len(self.layers) - 1:
+            self.compress()
+
+    # -- public API ----------------------------------------------------------------------------------------
+    def nbytes(self, device: torch.device | str | None = None) -> int:
+        """Bytes actually held: the sum of the layer Stores' ``nbytes`` (plus any not-yet-compressed prefill)."""
+        return sum(layer.nbytes(device) for layer in self.layers)
+
+    def seq_lengths(self) -> list[torch.Tensor]:
+        """Per layer, the ``[B, Hkv]`` number of entries held by the Store."""
+        return [layer.store.seq_lengths() for layer in self.layers]
+
+    def next_positions(self) -> torch.Tensor | None:
+        """``[B]`` true position of the next token of every row (``None`` before the first token)."""
+        return self.layers[0].next_positions
+
+    @property
+    def compress_next_prefill(self) -> bool:
+        """Whether the next forward pass is collected raw and compressed (with what is stored) at its end."""
+        return all(layer.mode == COLLECT and layer.auto_compress for layer in self.layers)
+
+    @compress_next_prefill.setter
+    def compress_next_prefill(self, value: bool) -> None:
+        for layer in self.layers:
+            if value:
+                layer.mode, layer.auto_compress = COLLECT, True
+            elif layer.mode == COLLECT and layer.pending is None:
+                layer.mode, layer.auto_compress = STORE, False
+
+    def collect(self) -> None:
+        """Keep the following forward passes raw (chunked prefill) until :meth:`compress` is called."""
+        for layer in self.layers:
+            layer.mode, layer.auto_compress = COLLECT, False
+
+    def compress(
+        self,
+        extras: Mapping[int, Mapping[str, Any]] | Mapping[str, Any] | None = None,
+        protect_before: int | None = None,
+    ) -> None:
+        """Compress every layer's collected (pending) entries now.
+
+        Parameters
+        ----------
+        extras : mapping, optional
+            ``ScoringContext.extras``: one mapping for all layers, or ``{layer_idx: mapping}``.
+        protect_before : int, optional
+            Entries whose true position is below this are always kept (a system prompt; KVzip's sink).
+        """
+        per_layer = self._per_layer(extras)
+        if self.compressor.budget.granularity == "global":
+            self._compress_global(per_layer, protect_before)
+            return
+        for layer in self.layers:
+            layer.compress_pending(extras=per_layer(layer.layer_idx), protect_before=protect_before)
+
+    def recompress(self, target_length: int | None = None, target_ratio: float | None = None) -> None:
+        """Re-score and prune every layer now (see :meth:`CompressedLayer.recompress`)."""
+        for layer in self.layers:
+            layer.recompress(target_length, target_ratio)
+
+    def rollback(self, length: int) -> None:
+        """Forget every token slot from ``length`` on (``get_seq_length()`` becomes ``length``): the
+        multi-question protocol's crop back to the context. Entries evicted by a re-compression stay gone."""
+        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+            raise ValueError(f"length must be an int >= 0, got {length!r}")
+        for layer in self.layers:
+            layer.truncate(length)
+
+    @contextlib.contextmanager
+    def scratch(self, observer: Callable[[CompressedLayer, torch.Tensor, torch.Tensor, float], None] | None = None) -> Iterator["CompressedCache"]:
+        """Forward passes inside this context attend to the cache but leave nothing in it; ``observer(layer, query,
+        new_keys, scaling)`` sees every layer's step (KVzip's context reconstruction)."""
+        saved = [(layer.mode, layer.observer) for layer in self.layers]
+        for layer in self.layers:
+            layer.mode, layer.observer = SCRATCH, observer
+        try:
+            yield self
+        finally:
+            for layer, (mode, obs) in zip(self.layers, saved):
+                layer.mode, layer.observer = mode, obs
+                layer._step = None
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    def _per_layer(self, extras) -> Callable[[int], Mapping[str, Any] | None]:
+        if not extras:
+            return lambda i: None
+        if all(isinstance(k, int) for k in extras):
+            return lambda i: extras.get(i)
+        return lambda i: extras
+
+    def _compress_global(self, per_layer, protect_before: int | None) -> None:
+        layers = [layer for layer in self.layers if layer.pending is not None and layer.pending.length]
+        if not layers:
+            for layer in self.layers:
+                layer.compress_pending()
+            return
+        if len(layers) != len(self.layers) or any(layer.held() for layer in self.layers):
+            raise ValueError(
+                "a 'global' budget selects over all layers at once: every layer must hold only its collected "
+                "prefill (no stored entries) when it is compressed"
+            )
+        ctxs = []
+        for layer in layers:
+            entries = gather_entries(None, layer.pending)
+            ctx = uniform_context(
+                entries, queries=layer.queries, layer_idx=layer.layer_idx, extras=per_layer(layer.layer_idx), protect_before=protect_before
+            )
+            missing = self.compressor.missing_inputs(ctx)
+            if missing:
+                raise ValueError(missing_message(self.compressor, missing, self.options.query_window))
+            ctxs.append(ctx)
+        lengths = {c.seq_len for c in ctxs}
+        if len(lengths) != 1:
+            raise ValueError(f"a 'global' budget needs the same number of collected tokens in every layer, got {sorted(lengths)}")
+        for layer, store in zip(layers, self.compressor.compress_layers(ctxs)):
+            layer.store = store
+            layer.pending = None
+            layer.mode, layer.auto_compress = STORE, False
+
+
+def compressed_cache(model: "PreTrainedModel", compressor: Compressor, **options: Any) -> CompressedCache:
+    """A transformers ``Cache`` that compresses ``model``'s KV cache with ``compressor``.
+
+    ``model.generate(ids, past_key_values=compressed_cache(model, compressor))`` prefills the prompt exactly, then
+    keeps only what ``compressor`` selects (real bytes freed: ``cache.nbytes()``) and decodes over it with the
+    true token positions. The model is switched to the kv_hf attention function (:func:`kv_hf.enable_attention`),
+    which behaves exactly like SDPA/eager for any other cache.
+
+    Parameters
+    ----------
+    model : PreTrainedModel
+        Llama, Mistral (full attention), Qwen2 or Qwen3 family causal LM with ``sdpa`` or ``eager`` attention.
+    compressor : kvcore.Compressor
+        Any kvcompress method (``Compressor(scorer=, selector=, store=, budget=)``).
+    **options
+        Fields of :class:`CacheOptions`: ``query_window``, ``recompress_every``, ``target_length``,
+        ``target_ratio``, ``recompressor``.
+
+    Returns
+    -------
+    CompressedCache
+    """
+    names = {f.name for f in dataclasses.fields(CacheOptions)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise TypeError(f"unknown compressed_cache options {unknown}; allowed: {sorted(names)}")
+    return CompressedCache(model, compressor, CacheOptions(**options))

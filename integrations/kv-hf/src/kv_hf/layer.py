@@ -1,0 +1,362 @@
+"""One attention layer of a compressed cache: a transformers ``CacheLayerMixin`` backed by a kvcore Store.
+
+State machine (DESIGN.md §2, §5):
+
+``collect``
+    Updates are kept raw in a *pending* buffer (attention over the whole prompt is exact) and the last
+    ``query_window`` post-RoPE queries are remembered. A fresh layer starts here with ``auto_compress`` on: at the
+    end of the first forward pass through the layer (right after its attention ran) the pending tokens are
+    scored, selected and written to the Store (``Compressor.plan`` -> ``Store.write``). So "prefill" means
+    *the first forward pass through a fresh cache* (or the next one after ``cache.compress_next_prefill = True``);
+    :func:`kv_hf.prefill` instead collects several chunks and compresses once at the end.
+``store``
+    Updates are appended to the Store (``Store.append``) with their true positions; attention sees the Store's
+    ``read()`` view (plus the step's own raw tokens) with the view's per-entry logit bias. Every
+    ``recompress_every`` committed tokens the stored entries are re-scored and pruned to the target.
+``scratch``
+    Updates are attended to but not kept (KVzip's reconstruction pass); an observer sees the queries.
+
+True positions: ``get_seq_length`` is the number of token slots seen (what transformers' ``generate`` and the
+models use to derive ``position_ids``), never the number of entries held; ``get_mask_sizes`` returns the number of
+keys attention really gets (stored view + pending + new), with ``kv_offset = seen - prefix`` so the last ``q``
+columns of transformers' mask line up with the 2-D padding mask of the new tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+import torch
+from kvcore import Compressor, storage_bytes
+from transformers.cache_utils import CacheLayerMixin
+
+from kv_hf.attention import STEP_ATTR
+from kv_hf.entries import Pending, gather_entries, plan_entries, with_tokens
+
+if TYPE_CHECKING:
+    from kv_hf.cache import CompressedCache
+
+COLLECT = "collect"
+STORE = "store"
+SCRATCH = "scratch"
+
+
+@dataclass
+class Step:
+    """What one ``update`` handed to attention: the new raw K/V and the bias of the columns before them."""
+
+    layer: "CompressedLayer"
+    keys: torch.Tensor
+    values: torch.Tensor
+    n_prefix: int = 0
+    bias: torch.Tensor | None = None  # [B, Hkv, n_prefix] float32 additive bias; None = all zero
+    deferred: bool = False
+
+
+class CompressedLayer(CacheLayerMixin):
+    """A cache layer whose entries live in a kvcore ``Store`` (one per layer, from ``compressor.new_store()``).
+
+    Parameters
+    ----------
+    owner : CompressedCache
+        The cache holding this layer (compressor, options, model config).
+    layer_idx : int
+        Index of the attention layer.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, owner: "CompressedCache", layer_idx: int) -> None:
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.store = owner.compressor.new_store()
+        self.observer: Callable[["CompressedLayer", torch.Tensor, torch.Tensor, float], None] | None = None
+        self.recompressions = 0
+        self._clear()
+
+    def _clear(self) -> None:
+        self.seen = 0
+        self.mode = COLLECT
+        self.auto_compress = True
+        self.pending: Pending | None = None
+        self.queries: torch.Tensor | None = None  # last W committed queries [B, Hq, <=W, D]
+        self.next_positions: torch.Tensor | None = None  # [B] next true position per row
+        self._since = 0
+        self._step: Step | None = None
+        self._batch: int | None = None
+
+    def __repr__(self) -> str:
+        return f"CompressedLayer(layer_idx={self.layer_idx}, mode={self.mode}, seen={self.seen}, store={type(self.store).__name__})"
+
+    # -- CacheLayerMixin ---------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        """Return ``[stored view | pending | new]`` keys/values; the new ones are committed by the attention function."""
+        if self._step is not None:
+            self._step = None
+            raise RuntimeError(
+                f"layer {self.layer_idx}: the kv_hf attention function did not run for the previous update; "
+                "the model's attention implementation must be 'kv_hf' or 'kv_hf_eager' (kv_hf.enable_attention)"
+            )
+        self.owner.check_attention()
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        B = key_states.shape[0]
+        if self._batch is not None and B != self._batch:
+            raise ValueError(f"layer {self.layer_idx}: batch size {B} does not match the cached batch size {self._batch}")
+        self._batch = B
+        step = Step(self, key_states, value_states)
+        self._step = step
+        if self.held() and getattr(self.store, "query_dependent", False):
+            step.deferred = True
+            setattr(key_states, STEP_ATTR, step)
+            return key_states, value_states
+        keys, values = self.assemble(step, None)
+        setattr(keys, STEP_ATTR, step)
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        prefix = min(self._prefix_length(), self.seen)
+        return prefix + query_length, self.seen - prefix
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def offload(self) -> None:  # the Store owns placement (tiers); transformers' offloading does not apply
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+    def reset(self) -> None:
+        self.store.reset()
+        self._clear()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers' crop: remove the last ``-tokens_to_remove`` token slots (a negative int)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        if tokens_to_remove == 0 or self.seen == 0:
+            return
+        self.truncate(max(self.seen + tokens_to_remove, 0))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self._batch:
+            self._select_rows(torch.arange(self._batch).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(torch.as_tensor(indices).flatten())
+
+    # -- attention hand-off ----------------------------------------------------------------------------
+    def assemble(self, step: Step, query: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Concatenate the stored view (read with ``query``), the pending raw entries and the step's new K/V."""
+        ks, vs, bs = [], [], []
+        dtype = step.keys.dtype
+        if self.held():
+            view = self.store.read(query)
+            ks.append(view.keys.to(dtype))
+            vs.append(view.values.to(dtype))
+            bs.append(view.logit_bias.float())
+        if self.pending is not None and self.pending.length:
+            p = self.pending
+            B, H = p.keys.shape[:2]
+            ks.append(p.keys)
+            vs.append(p.values)
+            pad = torch.zeros(p.valid.shape, dtype=torch.float32, device=p.keys.device).masked_fill(~p.valid, float("-inf"))
+            bs.append(pad[:, None, :].expand(B, H, -1))
+        if not ks:
+            step.n_prefix, step.bias = 0, None
+            return step.keys, step.values
+        bias = torch.cat(bs, -1)
+        step.n_prefix = bias.shape[-1]
+        step.bias = None if not bool(bias.ne(0).any()) else bias
+        return torch.cat(ks + [step.keys], 2), torch.cat(vs + [step.values], 2)
+
+    def commit(
+        self,
+        step: Step,
+        query: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        valid: torch.Tensor | None,
+        scaling: float,
+    ) -> None:
+        """Called by the attention function after attention ran: keep the step's tokens according to the mode."""
+        self._step = None
+        B, _, q, _ = step.keys.shape
+        device = step.keys.device
+        positions = self._positions(position_ids, B, q, device)
+        if valid is None:
+            valid = torch.ones(B, q, dtype=torch.bool, device=device)
+        if self.mode == SCRATCH:
+            if self.observer is not None:
+                self.observer(self, query, step.keys, scaling)
+            return
+        if self.mode == STORE and not bool(valid.all()):
+            raise ValueError(
+                f"layer {self.layer_idx}: padding inside a multi-token step after compression is not supported "
+                "(it would be stored as real entries); left-pad only the first (prefill) call"
+            )
+        self._remember_queries(query, valid)
+        self.seen += q
+        last = torch.where(valid, positions, -1).max(-1).values + 1
+        self.next_positions = last if self.next_positions is None else torch.maximum(self.next_positions, last)
+        if self.mode == COLLECT:
+            new = Pending(step.keys, step.values, positions, valid)
+            self.pending = new if self.pending is None else self.pending.extend(*new.tensors())
+            if self.auto_compress:
+                self.owner.layer_collected(self)
+            return
+        self.store.append(step.keys, step.values, positions)
+        self._since += q
+        every = self.owner.options.recompress_every
+        if every and self._since >= every:
+            self.recompress()
+
+    def _positions(self, position_ids: torch.Tensor | None, B: int, q: int, device: torch.device) -> torch.Tensor:
+        if position_ids is not None:
+            if position_ids.ndim != 2:
+                raise ValueError(f"kv_hf needs 2-D position_ids [B, q], got shape {tuple(position_ids.shape)}")
+            return position_ids.to(device=device, dtype=torch.long).expand(B, q)
+        start = self.next_positions if self.next_positions is not None else torch.full((B,), self.seen, device=device)
+        return start.to(device)[:, None] + torch.arange(q, device=device)
+
+    def _remember_queries(self, query: torch.Tensor, valid: torch.Tensor) -> None:
+        W = self.owner.options.query_window
+        if W <= 0:
+            return
+        q = query[:, :, -W:]
+        q = torch.where(valid[:, None, -W:, None], q, torch.zeros((), dtype=q.dtype, device=q.device))
+        if self.queries is not None and q.shape[2] < W:
+            q = torch.cat([self.queries.to(q.dtype), q], 2)[:, :, -W:]
+        self.queries = q.detach().clone()
+
+    # -- compression -----------------------------------------------------------------------------------
+    def held(self) -> bool:
+        """Whether the Store holds at least one entry."""
+        lengths = self.store.seq_lengths()
+        return bool(lengths.numel()) and int(lengths.max()) > 0
+
+    def _prefix_length(self) -> int:
+        n = self.pending.length if self.pending is not None else 0
+        if self.held():
+            n += int(self.store.seq_lengths().max())
+        return n
+
+    def compress_pending(
+        self,
+        *,
+        compressor: Compressor | None = None,
+        extras: Mapping[str, Any] | None = None,
+        protect_before: int | None = None,
+    ) -> None:
+        """Score, select and write the pending entries (merged with the stored ones, if any) into the Store."""
+        compressor = compressor or self.owner.compressor
+        if self.pending is not None and self.pending.length:
+            entries = gather_entries(self.store.read() if self.held() else None, self.pending)
+            if entries.length:
+                keys, values, plan, positions = plan_entries(
+                    entries,
+                    compressor,
+                    queries=self.queries,
+                    layer_idx=self.layer_idx,
+                    query_window=self.owner.options.query_window,
+                    extras=extras,
+                    protect_before=protect_before,
+                )
+                self.store.write(keys, values, plan, positions)
+        self.pending = None
+        self.mode = STORE
+        self.auto_compress = False
+        self._since = 0
+
+    def recompress(self, target_length: int | None = None, target_ratio: float | None = None) -> None:
+        """Re-score the stored entries and prune them to ``target_length`` per head (or keep ``1 - target_ratio``
+        of the tokens seen by the longest row); defaults come from the cache options.
+
+        Queries are the last ``query_window`` committed queries (the recent decode steps). Used for methods that
+        re-plan while decoding (HqeKV re-tiering, decoding-stage HubKV, kvpress ``DecodingPress``).
+        """
+        opts = self.owner.options
+        if target_length is None and target_ratio is None:
+            target_length, target_ratio = opts.target_length, opts.target_ratio
+        if (target_length is None) == (target_ratio is None):
+            raise ValueError("recompress needs exactly one of target_length or target_ratio")
+        if self.pending is not None:
+            raise ValueError(f"layer {self.layer_idx}: compress the pending prefill before re-compressing")
+        self._since = 0
+        if not self.held():
+            return
+        if target_length is None:
+            seen = int(self.next_positions.max()) if self.next_positions is not None else self.seen
+            target_length = max(1, math.floor(seen * (1.0 - target_ratio) + 1e-9))
+        compressor = with_tokens(self.owner.recompressor, target_length)
+        entries = gather_entries(self.store.read(), None)
+        keys, values, plan, positions = plan_entries(
+            entries, compressor, queries=self.queries, layer_idx=self.layer_idx, query_window=opts.query_window
+        )
+        self.store.write(keys, values, plan, positions)
+        self.recompressions += 1
+
+    # -- rollback / batch ------------------------------------------------------------------------------
+    def row_offsets(self) -> torch.Tensor | None:
+        """``[B]`` token slots minus true positions per row (left padding), or ``None`` before any token."""
+        if self.next_positions is None:
+            return None
+        return self.seen - self.next_positions
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` token slots: every entry whose slot is ``>= length`` is dropped."""
+        if length >= self.seen:
+            return
+        if length <= 0:
+            self.reset()
+            return
+        offsets = self.row_offsets()
+        if offsets is None or not bool((offsets == offsets[0]).all()):
+            raise ValueError(
+                "cannot roll back a batch whose rows have different left padding: rows would need different "
+                "true-position cut-offs (roll back each row separately or use batch size 1)"
+            )
+        limit = length - int(offsets[0])
+        if self.held():
+            self.store.crop(limit)
+        if self.pending is not None:
+            first_slot = self.seen - self.pending.length
+            self.pending = self.pending.head(max(length - first_slot, 0)) if length > first_slot else None
+        self.seen = length
+        self.next_positions = torch.minimum(self.next_positions, torch.full_like(self.next_positions, limit))
+
+    def _select_rows(self, index: torch.Tensor) -> None:
+        index = index.long()
+        if self.held():
+            self.store.reorder(index)
+        if self.pending is not None:
+            self.pending = self.pending.select_rows(index)
+        if self.queries is not None:
+            self.queries = self.queries.index_select(0, index.to(self.queries.device))
+        if self.next_positions is not None:
+            self.next_positions = self.next_positions.index_select(0, index.to(self.next_positions.device))
+        if self._batch is not None:
+            self._batch = index.numel()
+
+    # -- accounting ------------------------------------------------------------------------------------
+    def nbytes(self, device: torch.device | str | None = None) -> int:
+        """Bytes held by this layer: the Store's ``nbytes`` plus any pending raw prefill."""
+        n = self.store.nbytes(device)
+        if self.pending is not None:
+            n += storage_bytes(self.pending.tensors(), device)
+        return n

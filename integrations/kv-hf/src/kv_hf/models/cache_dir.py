@@ -1,0 +1,34 @@
+"""Where kvcompress keeps its per-user caches (exported models)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: Environment variable that overrides the cache root.
+CACHE_ENV_VAR = "KVCOMPRESS_CACHE"
+
+
+def default_cache_root() -> Path:
+    """Return the root folder of the kvcompress user cache.
+
+    The first of these that is set wins:
+
+    1. ``$KVCOMPRESS_CACHE``
+    2. ``$XDG_CACHE_HOME/kvcompress``
+    3. ``~/.cache/kvcompress``
+
+    The folder is not created here.
+
+    Returns
+    -------
+    Path
+        Absolute path of the cache root.
+    """
+    explicit = os.environ.get(CACHE_ENV_VAR)
+    if explicit:
+        return Path(explicit).expanduser().resolve()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return (Path(xdg).expanduser() / "kvcompress").resolve()
+    return (Path.home() / ".cache" / "kvcompress").resolve()

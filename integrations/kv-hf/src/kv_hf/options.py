@@ -1,0 +1,59 @@
+"""Options of a compressed cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcore import Compressor
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """How a :class:`~kv_hf.cache.CompressedCache` captures queries and re-compresses while decoding.
+
+    Parameters
+    ----------
+    query_window : int
+        Number of most recent post-RoPE query states kept per layer (``[B, Hq, W, D]``) and handed to scorers
+        as ``ScoringContext.queries``: the last ``W`` prompt queries at prefill (SnapKV's observation window,
+        kvpress ``window_size=64``), the last ``W`` decode queries at re-compression. ``0`` disables capture.
+    recompress_every : int, optional
+        Re-score the stored entries every ``N`` committed tokens per layer and prune them to ``target_length`` /
+        ``target_ratio`` (kvpress ``DecodingPress(compression_interval=N)``; HqeKV re-tiers every 32 tokens).
+    target_length : int, optional
+        Entries kept per KV head after a re-compression (kvpress ``target_size``).
+    target_ratio : float, optional
+        Fraction removed, relative to the tokens seen by the longest row: a re-compression keeps
+        ``floor(seen * (1 - target_ratio))`` entries per head.
+    recompressor : kvcore.Compressor, optional
+        Scorer/selector/protection used for re-compression (default: the cache's compressor). Its store is not
+        used: entries are rewritten into each layer's existing Store.
+    """
+
+    query_window: int = 64
+    recompress_every: int | None = None
+    target_length: int | None = None
+    target_ratio: float | None = None
+    recompressor: Compressor | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("query_window", "recompress_every", "target_length"):
+            value = getattr(self, name)
+            if value is None and name != "query_window":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            low = 0 if name == "query_window" else 1
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        if self.target_ratio is not None:
+            if isinstance(self.target_ratio, bool) or not isinstance(self.target_ratio, (int, float)):
+                raise TypeError(f"target_ratio must be a float in [0, 1), got {type(self.target_ratio).__name__}")
+            if not 0.0 <= float(self.target_ratio) < 1.0:
+                raise ValueError(f"target_ratio must be in [0, 1) (fraction removed), got {self.target_ratio}")
+        if self.target_length is not None and self.target_ratio is not None:
+            raise ValueError("give either target_length or target_ratio, not both")
+        if self.recompress_every is not None and self.target_length is None and self.target_ratio is None:
+            raise ValueError("recompress_every needs a target: target_length=... or target_ratio=...")
+        if self.recompressor is not None and not isinstance(self.recompressor, Compressor):
+            raise TypeError(f"recompressor must be a kvcore.Compressor, got {type(self.recompressor).__name__}")

@@ -1,0 +1,94 @@
+"""Which models and compressors the transformers adapter can serve, with errors that say what is missing."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvcore import Compressor
+
+from kv_hf.attention import KV_HF_IMPLEMENTATIONS
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from kv_hf.options import CacheOptions
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+"""Families whose attention modules call ``past_key_values.update(k, v, layer_idx)`` with post-RoPE K/V and
+dispatch through transformers' ``ALL_ATTENTION_FUNCTIONS`` with ``position_ids`` — the two hooks kv_hf needs."""
+
+PROVIDED_EXTRAS = frozenset({"kvzip_scores"})
+"""``ScoringContext.extras`` keys the adapter can supply (``kvzip_scores``: :func:`kv_hf.prefill` with KVzip)."""
+
+_KERNELS = ("sdpa", "eager", *KV_HF_IMPLEMENTATIONS)
+
+
+def text_config(model: "PreTrainedModel") -> "PretrainedConfig":
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def check_model(model: object) -> "PretrainedConfig":
+    """Raise unless ``model`` is a supported causal LM with only full-attention layers and an SDPA/eager kernel.
+
+    Returns the (text) config.
+    """
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    config = text_config(model)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"kv_hf supports the model types {sorted(SUPPORTED_MODEL_TYPES)}, got {model_type!r}: a supported "
+            "architecture must call past_key_values.update(k, v, layer_idx) with post-RoPE keys and dispatch "
+            "attention through ALL_ATTENTION_FUNCTIONS with position_ids"
+        )
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        bad = {i: t for i, t in enumerate(layer_types) if t != "full_attention"}
+        if bad:
+            raise ValueError(
+                f"kv_hf compresses full-attention layers only; layers {sorted(bad)} are {sorted(set(bad.values()))} "
+                "(sliding-window layers keep their own window and are not supported)"
+            )
+    if model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
+        raise ValueError(
+            f"kv_hf compresses full-attention layers only; this Mistral config has sliding_window="
+            f"{config.sliding_window} (set config.sliding_window = None for full attention)"
+        )
+    impl = config._attn_implementation or "sdpa"
+    if impl not in _KERNELS:
+        raise ValueError(
+            f"attention implementation {impl!r} is not supported: flash-attention and flex kernels cannot add the "
+            "per-head logit bias of a compressed layout; load the model with attn_implementation='sdpa' or 'eager'"
+        )
+    return config
+
+
+def check_compressor(compressor: object, options: "CacheOptions") -> Compressor:
+    """Raise unless the adapter can supply everything ``compressor`` (and the re-compressor) declares it needs."""
+    if not isinstance(compressor, Compressor):
+        raise TypeError(f"compressor must be a kvcore.Compressor, got {type(compressor).__name__}")
+    _check_needs(compressor, options, "compressor", PROVIDED_EXTRAS)
+    if options.recompressor is not None or options.recompress_every:
+        re = options.recompressor or compressor
+        if re.budget.granularity == "global":
+            raise ValueError(
+                "periodic re-compression runs per layer; budget granularity 'global' is not supported there "
+                "(use 'head' or 'layer' for the re-compressor)"
+            )
+        _check_needs(re, options, "recompressor", frozenset())
+    return compressor
+
+
+def _check_needs(compressor: Compressor, options: "CacheOptions", what: str, provided: frozenset[str]) -> None:
+    scorer = compressor.scorer
+    name = type(scorer).__name__
+    missing = sorted(set(scorer.needs_extras) - provided)
+    if missing:
+        hint = f"kv_hf supplies {sorted(provided)}" if provided else "no extras are available while decoding"
+        raise ValueError(f"{what} scorer {name} needs extras {missing} that the kv_hf adapter cannot supply ({hint})")
+    if scorer.needs_queries and options.query_window < 1:
+        raise ValueError(f"{what} scorer {name} needs queries: set query_window >= 1 (got {options.query_window})")

@@ -1,0 +1,168 @@
+"""Shared helpers for the kv_hf tests: tiny random models built in code, small scorers, naive references."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from kvcore import Budget, Compressor, DenseStore, Protection, Scores, ScoringContext, TopKSelector
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+)
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),
+}
+
+
+def tiny_model(family: str = "llama", attn: str = "sdpa", seed: int = 0, **overrides: Any):
+    """A 2-layer, hidden-64, 4 q / 2 kv heads, head_dim-16 random causal LM in float32 (eval mode)."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = config_cls(**{**TINY, **extra, **overrides})
+    config._attn_implementation = attn
+    model = model_cls(config).eval()
+    model.set_attn_implementation(attn)
+    return model
+
+
+def prompt(T: int, B: int = 1, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 256, (B, T), generator=g)
+
+
+# -- scorers -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ZeroScorer:
+    needs_queries: bool = False
+    needs_values: bool = False
+    needs_extras: frozenset = frozenset()
+
+    def score(self, ctx: ScoringContext) -> Scores:
+        return Scores(torch.zeros(ctx.keys.shape[:3], dtype=torch.float32, device=ctx.keys.device))
+
+
+@dataclass(frozen=True)
+class KnormScorer:
+    """kvpress Knorm: keep low-norm keys (score = -||k||)."""
+
+    needs_queries: bool = False
+    needs_values: bool = False
+    needs_extras: frozenset = frozenset()
+
+    def score(self, ctx: ScoringContext) -> Scores:
+        return Scores(-ctx.keys.float().norm(dim=-1))
+
+
+@dataclass(frozen=True)
+class WindowScorer:
+    """SnapKV-like: mean softmax attention of the query window (GQA mean)."""
+
+    needs_queries: bool = True
+    needs_values: bool = False
+    needs_extras: frozenset = frozenset()
+
+    def score(self, ctx: ScoringContext) -> Scores:
+        B, H, T, D = ctx.keys.shape
+        q = ctx.queries.float()
+        g = q.shape[1] // H
+        logits = q.view(B, H, g, -1, D) @ ctx.keys.float()[:, :, None].transpose(-1, -2) / math.sqrt(D)
+        logits = logits.masked_fill(~ctx.valid[:, None, None, None, :], float("-inf"))
+        return Scores(torch.softmax(logits, -1).mean(dim=(2, 3)).nan_to_num(0.0))
+
+
+@dataclass
+class Recording:
+    """Wraps a scorer and records every context it was given."""
+
+    inner: Any
+    contexts: list = field(default_factory=list)
+
+    @property
+    def needs_queries(self) -> bool:
+        return self.inner.needs_queries
+
+    @property
+    def needs_values(self) -> bool:
+        return self.inner.needs_values
+
+    @property
+    def needs_extras(self) -> frozenset:
+        return self.inner.needs_extras
+
+    def score(self, ctx: ScoringContext) -> Scores:
+        self.contexts.append(ctx)
+        return self.inner.score(ctx)
+
+
+def full_compressor() -> Compressor:
+    """Keep everything through the compressed path (kv_baselines.full() when it exists)."""
+    try:
+        from kv_baselines import full  # type: ignore[attr-defined]
+
+        return full()
+    except ImportError:
+        return Compressor(ZeroScorer(), TopKSelector(), DenseStore, Budget(ratio=0.0), name="full")
+
+
+def make(scorer, ratio: float = 0.5, granularity: str = "head", protect: Protection | None = None, tokens: int | None = None) -> Compressor:
+    budget = Budget(tokens=tokens, granularity=granularity) if tokens else Budget(ratio=ratio, granularity=granularity)
+    return Compressor(scorer, TopKSelector(), DenseStore, budget, protect or Protection())
+
+
+# -- references --------------------------------------------------------------------------------------------
+@torch.no_grad()
+def naive_qk(model, input_ids: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Post-RoPE queries ``[B, Hq, T, D]`` and keys ``[B, Hkv, T, D]`` of one layer, from a plain full forward."""
+    out = model(input_ids, output_hidden_states=True, use_cache=False)
+    h = out.hidden_states[layer_idx]
+    layer = model.model.layers[layer_idx]
+    attn = layer.self_attn
+    x = layer.input_layernorm(h)
+    B, T, _ = x.shape
+    D = attn.head_dim
+    q = attn.q_proj(x).view(B, T, -1, D)
+    k = attn.k_proj(x).view(B, T, -1, D)
+    if hasattr(attn, "q_norm"):
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    pos = torch.arange(T)[None].expand(B, T)
+    cos, sin = model.model.rotary_emb(x, pos)
+    return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+class CharTokenizer:
+    """A stub tokenizer (one id per character) with the encode/decode interface kv_hf uses."""
+
+    bos_token_id = 1
+    eos_token_id = 2
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [3 + (ord(c) % 250) for c in text]
+        return ([self.bos_token_id] if add_special_tokens else []) + ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i in (1, 2)))

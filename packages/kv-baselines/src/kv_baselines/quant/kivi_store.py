@@ -1,0 +1,319 @@
+"""KIVI's quantized KV cache as a ``kvcore.Store``: per-channel keys, per-token values, full-precision residuals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from kvcore import EVICT, FULL, KVView, Plan, Quantizer, storage_bytes
+from kvcore._checks import check_float, check_tensor
+
+from kv_baselines.quant.kivi_parts import Entries, FullRows, QuantUnits, Residual, compact_entries
+from kv_baselines.quant.segments import rank_in_segment
+from kv_baselines.quant.uniform import UniformQuantizer
+
+_ORDER_BITS = 32
+
+
+def _cat(parts: list[Entries | None]) -> Entries:
+    parts = [p for p in parts if p is not None]
+    return tuple(torch.cat([p[i] for p in parts]) for i in range(4))  # type: ignore[return-value]
+
+
+def _held_tensors(obj: object, seen: set[int]) -> list[torch.Tensor]:
+    """Every tensor reachable from ``obj`` through attributes, dataclass fields and containers."""
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        items = list(obj)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        items = list(vars(obj).values())
+    else:
+        return []
+    out: list[torch.Tensor] = []
+    for item in items:
+        out += _held_tensors(item, seen)
+    return out
+
+
+class KIVIStore:
+    """One layer's KV cache quantized the KIVI way (Liu et al. 2024, "KIVI", §3.3-3.4; anchors.md §4 KIVI).
+
+    Keys are quantized per channel (groups of ``G`` consecutive tokens of one head), values per token, and
+    each keeps a full-precision residual whose policy differs (KIVI ``models/llama_kivi.py``):
+
+    * keys: the residual grows to ``residual`` tokens, then the whole block is quantized per channel in one
+      go (so ``residual % G == 0``);
+    * values: the residual is a FIFO of ``residual`` tokens; once it is exceeded the oldest token is
+      quantized per token.
+
+    Already quantized data is never re-quantized (HF ``QuantizedLayer`` re-quantizes the whole cache when
+    its residual fills). Heads are ragged: evicted entries hold no memory.
+
+    ``write`` follows the plan exactly: entries planned ``EVICT`` are dropped, entries planned at a
+    quantizer's bits are quantized (groups of consecutive quantized entries of one head), entries planned
+    ``FULL`` stay in full precision and read back bit-exact. Keys and values may have different tiers but
+    must keep the same entries. The trailing ``FULL`` entries of a head (after its last quantized entry) are
+    KIVI's residual and follow the residual policy on ``append``: the last ``m mod residual`` of such a run of
+    ``m`` keys and the last ``min(m, residual)`` values; earlier ``FULL`` entries stay full precision for good.
+    :class:`~kv_baselines.quant.KIVITierSelector` produces KIVI's own prefill layout (all ``FULL`` entries
+    are then residual).
+
+    Parameters
+    ----------
+    key_quantizer : kvcore.Quantizer
+        Default ``UniformQuantizer(2, "channel", 32)`` (KIVI-2, ``example.py``).
+    value_quantizer : kvcore.Quantizer
+        Must group per token (``axis="token"``). Default ``UniformQuantizer(2, "token", 32)``.
+    residual : int
+        ``R``, full-precision residual length (KIVI's ``residual_length``; 128 in the paper's runs).
+    """
+
+    def __init__(
+        self,
+        key_quantizer: Quantizer | None = None,
+        value_quantizer: Quantizer | None = None,
+        residual: int = 128,
+    ) -> None:
+        kq = UniformQuantizer(2, "channel", 32) if key_quantizer is None else key_quantizer
+        vq = UniformQuantizer(2, "token", 32) if value_quantizer is None else value_quantizer
+        for name, q in (("key_quantizer", kq), ("value_quantizer", vq)):
+            if not isinstance(q, Quantizer):
+                raise TypeError(f"{name} must implement kvcore.Quantizer, got {type(q).__name__}")
+            if q.bits in (EVICT, FULL):
+                raise ValueError(f"{name}.bits must be a quantized width, not {q.bits}")
+        if vq.axis != "token":
+            raise ValueError(f"value_quantizer must group per token (axis='token'), got axis={vq.axis!r}")
+        if isinstance(residual, bool) or not isinstance(residual, int) or residual < 1:
+            raise ValueError(f"residual must be an int >= 1, got {residual!r}")
+        if kq.axis == "channel" and residual % kq.group_size:
+            raise ValueError(
+                f"residual ({residual}) must be a multiple of key_quantizer.group_size ({kq.group_size}): "
+                "a full key residual is quantized per channel in whole groups"
+            )
+        self.key_quantizer = kq
+        self.value_quantizer = vq
+        self.residual = residual
+        self.supported_bits = frozenset({EVICT, FULL, kq.bits, vq.bits})
+        self.reset()
+
+    # -- state -----------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Drop everything and free the memory."""
+        self._shape: tuple[int, int, int] | None = None  # (B, H, D)
+        self._dtype: torch.dtype | None = None
+        self._next_order = 0
+        self._parts: dict[str, tuple[FullRows, QuantUnits, Residual]] = {}
+
+    def _init(self, B: int, H: int, D: int, dtype: torch.dtype, device: torch.device) -> None:
+        self._shape, self._dtype = (B, H, D), dtype
+        empty = torch.zeros(B, H, 0, D, dtype=dtype, device=device)
+        none = torch.zeros(B, H, 0, dtype=torch.bool, device=device)
+        idx = torch.zeros(B, H, 0, dtype=torch.int32, device=device)
+        for kind, q in (("k", self.key_quantizer), ("v", self.value_quantizer)):
+            self._parts[kind] = (
+                FullRows.from_mask(empty, none, idx, idx),
+                QuantUnits(q, self._unit(q)),
+                Residual.from_mask(empty, none, idx, idx),
+            )
+
+    @staticmethod
+    def _unit(q: Quantizer) -> int:
+        return q.group_size if q.axis == "channel" else 1
+
+    @property
+    def _segments(self) -> int:
+        B, H, _ = self._shape
+        return B * H
+
+    # -- checks ----------------------------------------------------------------------------------------
+    def _check_kv(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        check_float("keys", check_tensor("keys", keys, ndim=4))
+        check_tensor("values", values, ndim=4)
+        if values.shape != keys.shape or values.dtype != keys.dtype or values.device != keys.device:
+            raise ValueError(
+                f"values {values.dtype} {tuple(values.shape)} must match keys {keys.dtype} {tuple(keys.shape)}"
+            )
+        if self._shape is not None:
+            B, H, D = self._shape
+            if keys.shape[:2] != (B, H) or keys.shape[-1] != D or keys.dtype != self._dtype:
+                raise ValueError(
+                    f"keys {keys.dtype} {tuple(keys.shape)} do not match the stored cache [B={B}, H={H}, *, D={D}] "
+                    f"{self._dtype}"
+                )
+
+    @staticmethod
+    def _check_positions(positions: object, B: int, T: int) -> torch.Tensor:
+        check_tensor("positions", positions, ndim=2)
+        if tuple(positions.shape) != (B, T) or positions.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"positions must be an integer tensor [B={B}, T={T}], got {positions.dtype} {tuple(positions.shape)}"
+            )
+        return positions
+
+    # -- protocol --------------------------------------------------------------------------------------
+    def write(self, keys: torch.Tensor, values: torch.Tensor, plan: Plan, positions: torch.Tensor) -> None:
+        """Replace the content with ``keys``/``values [B, H, T, D]`` laid out per ``plan`` (see class doc)."""
+        self.reset()
+        self._check_kv(keys, values)
+        B, H, T, D = keys.shape
+        self._check_positions(positions, B, T)
+        if not isinstance(plan, Plan) or tuple(plan.key_bits.shape) != (B, H, T):
+            raise ValueError(f"plan must be a kvcore.Plan of shape [B={B}, H={H}, T={T}]")
+        if plan.full_precision is not None:
+            raise ValueError("KIVIStore does not hold element-level full-precision masks (plan.full_precision)")
+        kb, vb = plan.key_bits.to(keys.device), plan.bits_for_values.to(keys.device)
+        for name, bits, q in (("key_bits", kb, self.key_quantizer), ("value_bits", vb, self.value_quantizer)):
+            tiers = set(torch.unique(bits).tolist())
+            allowed = {EVICT, FULL, q.bits}
+            if tiers - allowed:
+                raise ValueError(f"plan.{name} uses tiers {sorted(tiers)}; this KIVIStore holds {sorted(allowed)}")
+        if not torch.equal(kb != EVICT, vb != EVICT):
+            raise ValueError("KIVIStore needs the same kept entries for keys and values (tiers may differ)")
+        self._init(B, H, D, keys.dtype, keys.device)
+        pos = positions.to(keys.device)[:, None, :].expand(B, H, T).int()
+        order = torch.arange(T, device=keys.device, dtype=torch.int32).expand(B, H, T)
+        for kind, x, bits, q in (("k", keys, kb, self.key_quantizer), ("v", values, vb, self.value_quantizer)):
+            quant, resid, full = self._roles(bits, q.bits, kind)
+            units = self._parts[kind][1]
+            units.add(*QuantUnits.gather_units(*compact_entries(x, quant, pos, order), B * H, units.unit))
+            self._parts[kind] = (FullRows.from_mask(x, full, pos, order), units, Residual.from_mask(x, resid, pos, order))
+        self._next_order = T
+
+    def _roles(self, bits: torch.Tensor, qbits: int, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split a ``[B, H, T]`` tier tensor into (quantized, residual, permanent full) masks."""
+        T = bits.shape[-1]
+        quant = bits == qbits
+        full = bits == FULL
+        idx = torch.arange(T, device=bits.device)
+        last_q = torch.where(quant, idx, -1).amax(-1, keepdim=True) if T else idx[None, None, :1]
+        run = full & (idx > last_q)
+        m = run.sum(-1, keepdim=True)
+        r = m % self.residual if kind == "k" else m.clamp_max(self.residual)
+        from_end = run.flip(-1).cumsum(-1).flip(-1)  # run entries at or after t
+        resid = run & (from_end <= r)
+        return quant, resid, full & ~resid
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Add ``[B, H, n, D]`` new entries through the residuals (KIVI's decode-time policy, class doc)."""
+        self._check_kv(keys, values)
+        B, H, n, D = keys.shape
+        self._check_positions(positions, B, n)
+        if self._shape is None:
+            self._init(B, H, D, keys.dtype, keys.device)
+        S = B * H
+        pos = positions.to(keys.device)[:, None, :].expand(B, H, n).reshape(S, n)
+        order = (self._next_order + torch.arange(n, device=keys.device, dtype=torch.int32)).expand(S, n)
+        self._next_order += n
+        R = self.residual
+        # keys: grow the residual to R, then quantize whole blocks of R per channel
+        _, kunits, kres = self._parts["k"]
+        kres.push(keys.reshape(S, n, D), pos, order)
+        while bool((kres.length >= R).any()):
+            k = torch.where(kres.length >= R, R, 0)
+            rows, seg, p, o = kres.pop_front(k)
+            kunits.add(*QuantUnits.gather_units(rows, seg, p, o, S, kunits.unit))
+        # values: FIFO of R, the oldest overflow is quantized per token
+        _, vunits, vres = self._parts["v"]
+        vres.push(values.reshape(S, n, D), pos, order)
+        over = (vres.length - R).clamp_min(0)
+        if bool(over.any()):
+            rows, seg, p, o = vres.pop_front(over)
+            vunits.add(*QuantUnits.gather_units(rows, seg, p, o, S, vunits.unit))
+
+    def read(self, query: torch.Tensor | None = None) -> KVView:
+        """Dequantized, position-ordered view; heads padded with ``-inf`` bias and position ``-1``."""
+        if self._shape is None:
+            raise ValueError("read() on an empty store: write() or append() first")
+        B, H, D = self._shape
+        S = B * H
+        out = {}
+        for kind in ("k", "v"):
+            full, units, resid = self._parts[kind]
+            rows, seg, pos, order = _cat([full.entries(), units.entries(), resid.entries()])
+            key = (seg.long() << _ORDER_BITS) | order.long()
+            perm = torch.argsort(key)
+            rows, seg, pos = rows[perm], seg[perm].long(), pos[perm]
+            slot, counts = rank_in_segment(seg, S)
+            out[kind] = (rows, seg, slot, pos, counts)
+        rows_k, seg, slot, pos, counts = out["k"]
+        rows_v = out["v"][0]
+        if not torch.equal(counts, out["v"][4]):  # pragma: no cover - internal invariant
+            raise RuntimeError("KIVIStore: keys and values hold different entries")
+        T = int(counts.max()) if counts.numel() else 0
+        device = rows_k.device
+        k = torch.zeros(S, T, D, dtype=self._dtype, device=device)
+        v = torch.zeros(S, T, D, dtype=self._dtype, device=device)
+        positions = torch.full((S, T), -1, dtype=torch.long, device=device)
+        k[seg, slot], v[seg, slot], positions[seg, slot] = rows_k, rows_v, pos.long()
+        bias = torch.zeros(S, T, device=device).masked_fill(positions < 0, float("-inf"))
+        return KVView(k.view(B, H, T, D), v.view(B, H, T, D), positions.view(B, H, T), bias.view(B, H, T))
+
+    def nbytes(self, device: torch.device | str | None = None) -> int:
+        """Bytes of every tensor this store holds (codes, scales, zeros, residuals, positions, indices)."""
+        return storage_bytes(_held_tensors(self.__dict__, set()), device)
+
+    def seq_lengths(self) -> torch.Tensor:
+        """``[B, H]`` entries held per head."""
+        if self._shape is None:
+            return torch.zeros(0, 0, dtype=torch.long)
+        B, H, _ = self._shape
+        full, units, resid = self._parts["k"]
+        device = resid.length.device
+        return (full.counts(B * H) + units.counts(B * H, device) + resid.length).view(B, H)
+
+    def entry_counts(self) -> dict[str, torch.Tensor]:
+        """``[B, H]`` entries per tier: ``keys_quantized``, ``keys_full``, ``keys_residual`` and the same for values.
+
+        ``*_full`` counts every full-precision entry (the residual included); ``*_residual`` the residual only.
+        """
+        if self._shape is None:
+            return {}
+        B, H, _ = self._shape
+        out = {}
+        for kind, name in (("k", "keys"), ("v", "values")):
+            full, units, resid = self._parts[kind]
+            device = resid.length.device
+            out[f"{name}_quantized"] = units.counts(B * H, device).view(B, H)
+            out[f"{name}_residual"] = resid.length.view(B, H).clone()
+            out[f"{name}_full"] = (full.counts(B * H) + resid.length).view(B, H)
+        return out
+
+    def crop(self, position: int) -> None:
+        """Drop every entry whose true position is ``>= position``.
+
+        A per-channel key group cut by ``position`` keeps its codes (entries past the cut are masked out, not
+        re-quantized); groups left without entries are freed.
+        """
+        if isinstance(position, bool) or not isinstance(position, int):
+            raise TypeError(f"position must be an int, got {type(position).__name__}")
+        if self._shape is None:
+            return
+        for parts in self._parts.values():
+            for part in parts:
+                part.crop(position)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Row ``i`` of the batch becomes old row ``index[i]`` (beam search; rows may repeat or vanish)."""
+        if self._shape is None:
+            return
+        B, H, D = self._shape
+        check_tensor("index", index, ndim=1)
+        if index.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"index must be an integer tensor, got {index.dtype}")
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= B):
+            raise ValueError(f"index must hold batch rows in [0, {B}), got {index.tolist()}")
+        device = self._parts["k"][2].length.device
+        take = (index.to(device).long()[:, None] * H + torch.arange(H, device=device)).flatten()
+        for parts in self._parts.values():
+            for part in parts:
+                part.take_segments(take, B * H)
+        self._shape = (index.numel(), H, D)
+

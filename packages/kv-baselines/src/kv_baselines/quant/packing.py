@@ -1,0 +1,82 @@
+"""Dense bit-packing of integer codes along the last dimension (the ``kvcore.QuantizedTensor`` layout).
+
+Code ``j`` of a row occupies bits ``j*b .. j*b+b-1`` of the row's little-endian bit stream, so a row of
+``d`` codes takes ``kvcore.packed_width(d, b) = ceil(d*b/8)`` bytes: 8/b codes per byte for b in {1, 2, 4, 8}
+and 8 codes in 3 bytes for b = 3. KIVI (``quant/new_pack.py``) packs 32/b codes per int32 instead, which
+only works for b dividing 32 and rows that are a multiple of 32/b codes; this layout has neither limit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from kvcore import packed_width
+
+PACK_BITS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+"""Code widths :func:`pack_codes` accepts."""
+
+
+def _check_bits(bits: object) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in PACK_BITS:
+        raise ValueError(f"bits must be an int in {PACK_BITS}, got {bits!r}")
+    return bits
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack ``bits``-wide codes densely along the last dimension.
+
+    Parameters
+    ----------
+    codes : Tensor
+        uint8 ``[..., D]``, every value ``< 2**bits``.
+    bits : int
+        Code width, 1 to 8.
+
+    Returns
+    -------
+    Tensor
+        uint8 ``[..., packed_width(D, bits)]``; bits past ``D*bits`` in the last byte are zero.
+    """
+    bits = _check_bits(bits)
+    if not isinstance(codes, torch.Tensor):
+        raise TypeError(f"codes must be a torch.Tensor, got {type(codes).__name__}")
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"codes must be uint8, got {codes.dtype}")
+    if codes.ndim < 1:
+        raise ValueError("codes must have rank >= 1 ([..., D])")
+    if codes.numel() and int(codes.max()) >= (1 << bits):
+        raise ValueError(f"codes must be < 2**bits = {1 << bits}, got a code {int(codes.max())}")
+    *lead, d = codes.shape
+    if bits == 8:
+        return codes.clone()
+    chunks = -(-d // 8)  # 8 codes fill exactly `bits` bytes
+    c = F.pad(codes, (0, chunks * 8 - d)).view(*lead, chunks, 8).to(torch.int64)
+    shifts = torch.arange(8, device=codes.device, dtype=torch.int64) * bits
+    word = (c << shifts).sum(-1)  # disjoint bit fields: sum == or
+    byte_shift = torch.arange(bits, device=codes.device, dtype=torch.int64) * 8
+    out = ((word[..., None] >> byte_shift) & 0xFF).to(torch.uint8).view(*lead, chunks * bits)
+    return out[..., : packed_width(d, bits)].contiguous()
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: ``uint8 [..., packed_width(d, bits)] -> uint8 [..., d]``."""
+    bits = _check_bits(bits)
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"packed must be a torch.Tensor, got {type(packed).__name__}")
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed must be uint8, got {packed.dtype}")
+    if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+        raise ValueError(f"d must be an int >= 0, got {d!r}")
+    width = packed_width(d, bits)
+    if packed.ndim < 1 or packed.shape[-1] != width:
+        raise ValueError(f"packed must have shape [..., {width}] for d={d}, bits={bits}, got {tuple(packed.shape)}")
+    *lead, _ = packed.shape
+    if bits == 8:
+        return packed.clone()
+    chunks = -(-d // 8)
+    p = F.pad(packed, (0, chunks * bits - width)).view(*lead, chunks, bits).to(torch.int64)
+    byte_shift = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
+    word = (p << byte_shift).sum(-1)
+    shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
+    codes = ((word[..., None] >> shifts) & ((1 << bits) - 1)).to(torch.uint8).view(*lead, chunks * 8)
+    return codes[..., :d].contiguous()

@@ -1,0 +1,49 @@
+"""Ragged per-(batch, head) segments: the index arithmetic shared by the parts of the quantized stores.
+
+A *segment* is one (batch row, KV head) pair, ``seg = b * H + h``; items (cache entries or quantization
+units) carry the id of the segment they belong to.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """``[0, x0, x0 + x1, ...]`` of the same length as ``x``."""
+    return torch.cumsum(x, 0) - x
+
+
+def rank_in_segment(seg: torch.Tensor, num_segments: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For items sorted by segment: ``(rank of each item inside its segment, items per segment)``."""
+    counts = torch.bincount(seg.long(), minlength=num_segments)
+    rank = torch.arange(seg.numel(), device=seg.device) - exclusive_cumsum(counts)[seg.long()]
+    return rank, counts
+
+
+def segment_take(item_seg: torch.Tensor, take: torch.Tensor, num_segments: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Items of old segments ``take[i]`` in new-segment order (beam-search reorder, may repeat segments).
+
+    Parameters
+    ----------
+    item_seg : Tensor
+        ``[N]`` old segment id of every item.
+    take : Tensor
+        ``[S']`` old segment that new segment ``i`` copies.
+    num_segments : int
+        Number of old segments.
+
+    Returns
+    -------
+    index, new_seg : Tensor
+        ``[M]`` item indices (stable inside a segment) and the new segment id of each.
+    """
+    device = item_seg.device
+    order = torch.sort(item_seg.long(), stable=True).indices
+    counts = torch.bincount(item_seg.long(), minlength=num_segments)
+    starts = exclusive_cumsum(counts)
+    take = take.long().to(device)
+    n = counts[take]
+    new_seg = torch.repeat_interleave(torch.arange(take.numel(), device=device), n)
+    offset = torch.arange(int(n.sum()), device=device) - torch.repeat_interleave(exclusive_cumsum(n), n)
+    return order[starts[take][new_seg] + offset], new_seg

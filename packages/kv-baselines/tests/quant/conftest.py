@@ -1,0 +1,12 @@
+"""Setup of the quantization tests.
+
+``TRITON_INTERPRET`` must be set before any ``@triton.jit`` kernel module is imported, so the Triton
+kernels run on CPU tensors through the interpreter (shared/notes/env.md §2). The repository runs pytest
+with ``--import-mode=importlib``, so this folder is put on ``sys.path`` for the shared ``quant_testutil``.
+"""
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

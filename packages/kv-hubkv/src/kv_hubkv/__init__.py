@@ -1,0 +1,46 @@
+"""kv_hubkv — HubKV score refinement (Submodular Marginal Discounting) on any kvcore Scorer.
+
+Paper: *HubKV: Efficient KV Cache Compression via Submodular Marginal Discounting* (§3.3).
+
+Main entry points
+-----------------
+refine, refine_config        the refinement (Triton on CUDA, PyTorch reference on CPU)
+refine_torch, refine_triton  the two back ends with the same signature
+HubKVConfig                  validated hyper-parameters (paper defaults)
+HubKV, hubkv                 kvcore Scorer wrapper / ready-made Compressor around a base method
+DecodingSchedule             decoding-stage re-compression parameters (§4.3, App. A.1)
+local_hubs, head_weights     building blocks (Eqs. 6 and 8–9)
+theory                       F_sub, marginal gains, greedy oracle, Prop. 3 bounds (Appendix J)
+diagnostics                  Appendix I diagnostics on captured scores
+"""
+
+from . import diagnostics, theory
+from .ceiling import retention_ceiling
+from .compressor import hubkv
+from .config import HubKVConfig
+from .decoding import DecodingSchedule
+from .hubs import local_hubs, smd_discount
+from .reference import refine_torch
+from .refine import refine, refine_config
+from .scorer import HubKV
+from .selectivity import head_statistics, head_weights
+from .triton_kernel import HAS_TRITON, refine_triton
+
+__all__ = [
+    "DecodingSchedule",
+    "HAS_TRITON",
+    "HubKV",
+    "HubKVConfig",
+    "diagnostics",
+    "head_statistics",
+    "head_weights",
+    "hubkv",
+    "local_hubs",
+    "refine",
+    "refine_config",
+    "refine_torch",
+    "refine_triton",
+    "retention_ceiling",
+    "smd_discount",
+    "theory",
+]

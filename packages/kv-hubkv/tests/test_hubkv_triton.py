@@ -1,0 +1,127 @@
+"""Fused Triton kernel == PyTorch reference (DESIGN.md §4).
+
+On CPU machines ``conftest.py`` sets ``TRITON_INTERPRET=1`` before ``kv_hubkv`` is imported, so
+the launcher runs in Triton's interpreter on CPU tensors; on CUDA machines it runs compiled.
+Shapes stay small and every launch uses few programs (one per leading index, one block per row
+unless a test asks for several blocks).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_hubkv import HubKVConfig, refine_torch
+from kv_hubkv import triton_kernel as tk
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _kernel_is_runnable() -> bool:
+    if not tk.HAS_TRITON:
+        return False
+    if DEVICE == "cuda":
+        return True
+    # the kernel must have been decorated while TRITON_INTERPRET=1 was set
+    return type(tk._hubkv_refine_kernel).__name__ == "InterpretedFunction"
+
+
+pytestmark = pytest.mark.skipif(
+    not _kernel_is_runnable(),
+    reason="triton missing, or kv_hubkv.triton_kernel imported before TRITON_INTERPRET=1 "
+    f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}) on a machine without CUDA",
+)
+
+
+def _close(a, b):
+    assert a.shape == b.shape and a.dtype == b.dtype == torch.float32
+    torch.testing.assert_close(a.cpu(), b.cpu(), rtol=2e-6, atol=1e-6)
+
+
+def _inputs(seed, lead, H, N, plateau, prot_style, dtype):
+    g = torch.Generator().manual_seed(seed)
+    shape = (*lead, H, N)
+    if plateau:
+        s = torch.randint(0, 3, shape, generator=g).float() / 2
+    else:
+        s = torch.rand(shape, generator=g) * 2
+    s = s.to(dtype).to(DEVICE)
+    if prot_style == "none":
+        prot = None
+    elif prot_style == "shared":
+        prot = torch.zeros((*lead, 1, N), dtype=torch.bool)
+        prot[..., :2] = True
+        prot[..., -3:] = True
+    else:
+        prot = torch.rand(shape, generator=g) < 0.25
+    return s, (None if prot is None else prot.to(DEVICE))
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    lead=st.sampled_from([(), (2,), (1, 2)]),
+    H=st.integers(1, 4),
+    N=st.integers(1, 96),
+    plateau=st.booleans(),
+    prot_style=st.sampled_from(["none", "shared", "per_head"]),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    ratio=st.floats(0.0, 0.99),
+    kernel_size=st.sampled_from([1, 3, 5, 7]),
+    tau=st.sampled_from([0.0, 0.5, 2.0]),
+)
+def test_triton_matches_reference(seed, lead, H, N, plateau, prot_style, dtype, ratio, kernel_size, tau):
+    s, prot = _inputs(seed, lead, H, N, plateau, prot_style, dtype)
+    cfg = HubKVConfig(kernel_size=kernel_size, tau=tau)
+    _close(tk.refine_triton_config(s, ratio, prot, cfg), refine_torch(s, ratio, prot, **cfg.as_kwargs()))
+
+
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_triton_several_blocks_per_row(block_n):
+    # exercises the Chan merge across blocks and hub windows that straddle block edges
+    s, prot = _inputs(7, (2,), 3, 150, True, "shared", torch.float32)
+    cfg = HubKVConfig(kernel_size=7)
+    _close(tk.refine_triton_config(s, 0.9, prot, cfg, block_n=block_n), refine_torch(s, 0.9, prot, kernel_size=7))
+
+
+def test_triton_plateau_and_ceiling_above_one():
+    # scores up to 1 with hubs at s = 1 -> some z > 1 -> protected tokens get nextafter(max z)
+    s = torch.tensor([[[1.0, 1.0, 0.2, 1.0, 0.5, 0.5, 0.1, 0.9], [0.3, 0.3, 0.3, 0.3, 0.9, 0.0, 0.0, 0.7]]])
+    s = s.to(DEVICE)
+    prot = torch.zeros(1, 1, 8, dtype=torch.bool, device=DEVICE)
+    prot[..., 0] = True
+    out = tk.refine_triton(s, 0.95, prot)
+    ref = refine_torch(s, 0.95, prot)
+    _close(out, ref)
+    assert torch.equal(out, ref) or float((out - ref).abs().max()) < 1e-6
+    assert float(out[..., 0].min()) > float(out[..., 1:].max())
+
+
+def test_triton_all_protected_and_constant_rows():
+    s = torch.full((2, 3, 10), 0.25, device=DEVICE)
+    prot = torch.ones(2, 3, 10, dtype=torch.bool, device=DEVICE)
+    _close(tk.refine_triton(s, 0.5, prot), refine_torch(s, 0.5, prot))
+    _close(tk.refine_triton(s, 0.5), refine_torch(s, 0.5))
+
+
+def test_triton_non_contiguous_input():
+    g = torch.Generator().manual_seed(5)
+    base = torch.rand(3, 2, 40, generator=g).to(DEVICE)
+    s = base.transpose(0, 1)
+    _close(tk.refine_triton(s, 0.8), refine_torch(s, 0.8))
+
+
+def test_triton_rejects_bad_inputs_like_the_reference():
+    s = torch.rand(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="ratio"):
+        tk.refine_triton(s, 1.0)
+    with pytest.raises(ValueError, match="gamma"):
+        tk.refine_triton(s, 0.5, gamma=1.0)
+    with pytest.raises(ValueError, match="finite"):
+        tk.refine_triton(torch.tensor([[0.1, float("nan")]], device=DEVICE), 0.5)
+    with pytest.raises(ValueError, match="block_n"):
+        tk.refine_triton_config(s, 0.5, None, HubKVConfig(), block_n=24)
