@@ -17,6 +17,7 @@ Usage::
 
     python benchmarks/bench_hubkv.py            # CUDA: all Table 5 shapes; CPU: reference only
     python benchmarks/bench_hubkv.py --quick    # small shapes (CPU-friendly)
+    TRITON_INTERPRET=1 python benchmarks/bench_hubkv.py --quick --force-triton   # script check, CPU
 
 Medians from ``torch.utils.benchmark`` (which synchronises CUDA).
 """
@@ -89,11 +90,13 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--ratio", type=float, default=0.95)
     ap.add_argument("--min-run-time", type=float, default=None, help="seconds per measurement")
+    ap.add_argument("--force-triton", action="store_true",
+                    help="also time the Triton kernel off CUDA (needs TRITON_INTERPRET=1; checks this script only)")
     args = ap.parse_args(argv)
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
-    use_triton = device.type == "cuda" and HAS_TRITON
+    use_triton = HAS_TRITON and (device.type == "cuda" or args.force_triton)
     L = 4 if args.quick else L_FULL
     ns = (1024, 4096) if args.quick else N_FULL
     min_run = args.min_run_time if args.min_run_time is not None else (0.2 if device.type == "cpu" else 0.5)
@@ -106,7 +109,7 @@ def main(argv=None) -> None:
           f"median ms (torch.utils.benchmark, min_run_time={min_run}s)")
     cols = ["N", "B", "select", "refine", "refine+select", "overhead"]
     if use_triton:
-        cols += ["ref refine", "ref refine+select", "ref overhead", "ref/triton", "max|diff|", "peak MB"]
+        cols += ["ref refine", "ref refine+select", "ref overhead", "ref/triton", "max abs diff", "peak MB"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kvcore import DenseStore, TopKSelector, packed_width
 from kvcore.testing import ScorerTests, SelectorTests, StoreTests, overridden_standard_tests, pack_codes, unpack_codes
 from kvcore.testing.strategies import KINDS, budgets_below_protected, fill, kv_samples, left_padded_masks
-from kvcore.testing.walk import reachable_bytes, reachable_tensors
+from kvcore.testing import reachable_bytes, reachable_tensors
 
 FAST = settings(max_examples=20, deadline=None)
 

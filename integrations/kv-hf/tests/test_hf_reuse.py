@@ -38,7 +38,7 @@ def test_answers_on_shared_cache_equal_fresh_cache_answers(compressor):
         for (k, p), (k0, p0) in zip(_state(shared), after_prefill):
             assert torch.equal(k, k0) and torch.equal(p, p0)
     # the answer tokens were really appended while answering (then cropped): storage grew to hold them
-    assert shared.nbytes() >= nbytes
+    assert shared.nbytes() > nbytes
 
 
 @torch.no_grad()

@@ -208,6 +208,7 @@ def test_decoding_schedule():
     assert sch.needs_compression(1025) and not sch.needs_compression(1024)
     assert sch.ratio(4096) == 1 - 1024 / 4096 and sch.ratio(512) == 0.0
     assert sch.budget() == Budget(tokens=1024)
+    assert sch.cache_options() == {"recompress_every": 128, "target_length": 1024}
     # the gate ratio HubKV derives from the schedule's token budget is the schedule's ratio
     ctx = _ctx(B=1, T=40, budget=DecodingSchedule(target_length=10).budget())
     assert HubKV(WindowAttention())._ratios(ctx) == [DecodingSchedule(target_length=10).ratio(40)]

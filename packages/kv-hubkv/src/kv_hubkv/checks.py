@@ -83,21 +83,20 @@ def check_protected(protected: object, scores: torch.Tensor) -> torch.Tensor | N
 
 
 def check_values(scores: torch.Tensor, protected: torch.Tensor | None) -> None:
-    """Reject non-finite scores and negative unprotected scores (one host sync).
+    """Reject non-finite scores and negative unprotected scores.
 
-    HubKV's multiplicative discount and Prop. 3 assume ``s >= 0`` (paper §3.1: ``s_i ∈ [0, 1]``;
-    Appendix J.3); a negative score would be *raised* by the discount ``γ·s``.
+    One ``aminmax`` pass and one host sync (``aminmax`` propagates NaN); the protected-aware
+    negativity check only runs when the global minimum is negative. HubKV's multiplicative discount
+    and Prop. 3 assume ``s >= 0`` (paper §3.1: ``s_i ∈ [0, 1]``; Appendix J.3); a negative score
+    would be *raised* by the discount ``γ·s``.
     """
     if scores.numel() == 0:
         return
-    nonfinite = ~torch.isfinite(scores)
-    negative = scores < 0
-    if protected is not None:
-        negative = negative & ~protected
-    flags = torch.stack([nonfinite.any(), negative.any()]).tolist()
-    if flags[0]:
+    lo, hi = torch.aminmax(scores)
+    lo_f, hi_f = torch.stack([lo, hi]).float().tolist()
+    if not (math.isfinite(lo_f) and math.isfinite(hi_f)):
         raise ValueError("scores must be finite (found NaN or ±inf)")
-    if flags[1]:
+    if lo_f < 0 and (protected is None or bool((scores.masked_fill(protected, 0) < 0).any())):
         raise ValueError(
             "unprotected scores must be >= 0: HubKV's discount γ·s assumes non-negative importance "
             "(paper §3.1, Prop. 3); shift the base scores first (see HubKV(nonnegative='shift'))"

@@ -6,7 +6,8 @@ and evaluate fixed target KV lengths of 1024, 2048, 4096, and 6144. HubKV refine
 before applying the same target-length pruning operation." (Appendix A.1)
 
 :class:`DecodingSchedule` holds these parameters for the HuggingFace adapter's re-compression
-hook (``integrations/kv-hf``, not built yet): every ``interval`` generated tokens, a layer whose
+hook (``integrations/kv-hf``; :meth:`DecodingSchedule.cache_options` gives its
+``recompress_every`` / ``target_length`` options): every ``interval`` generated tokens, a layer whose
 cache holds more than ``target_length`` entries is re-scored and pruned back to
 ``target_length`` with :meth:`DecodingSchedule.budget`. ``HubKV`` turns that token budget into
 the gate ratio ``r = 1 - target_length / length`` (:class:`kv_hubkv.HubKV` notes).
@@ -61,6 +62,10 @@ class DecodingSchedule:
         if isinstance(length, bool) or not isinstance(length, int) or length < 1:
             raise ValueError(f"length must be an int >= 1, got {length!r}")
         return max(0.0, 1.0 - self.target_length / length)
+
+    def cache_options(self) -> dict[str, int]:
+        """Keyword options for the HF adapter: ``kv_hf.compressed_cache(model, method, **opts)``."""
+        return {"recompress_every": self.interval, "target_length": self.target_length}
 
     def budget(self) -> Budget:
         """The target-length budget for the re-compression step."""

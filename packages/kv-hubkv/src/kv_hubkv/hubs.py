@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["local_hubs", "smd_discount", "one_sided_window_max"]
+__all__ = ["local_hubs", "smd_discount", "one_sided_window_max", "hub_mask_from_masked"]
 
 
 def one_sided_window_max(masked: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +48,17 @@ def one_sided_window_max(masked: torch.Tensor, k: int) -> tuple[torch.Tensor, to
     return left.reshape(shape), right.reshape(shape)
 
 
+def hub_mask_from_masked(x: torch.Tensor, masked: torch.Tensor, k: int) -> torch.Tensor:
+    """Hub test of Eq. 6 given ``masked`` (``x`` with ``-inf`` at protected positions).
+
+    The value at protected positions themselves is unspecified (callers overwrite them).
+    """
+    left, right = one_sided_window_max(masked, k)
+    hub = x > left
+    hub &= x >= right
+    return hub
+
+
 def local_hubs(scores: torch.Tensor, protected: torch.Tensor | None = None, kernel_size: int = 5) -> torch.Tensor:
     """Local-hub mask ``M`` of Eq. 6 with lowest-index tie-breaking and protected masking.
 
@@ -67,12 +78,8 @@ def local_hubs(scores: torch.Tensor, protected: torch.Tensor | None = None, kern
         ``True`` where token ``i`` is the (lowest-index) argmax of its unprotected window.
     """
     x = scores.float()
-    if protected is None:
-        masked = x
-    else:
-        masked = x.masked_fill(protected, float("-inf"))
-    left, right = one_sided_window_max(masked, kernel_size // 2)
-    hub = (x > left) & (x >= right)
+    masked = x if protected is None else x.masked_fill(protected, float("-inf"))
+    hub = hub_mask_from_masked(x, masked, kernel_size // 2)
     if protected is not None:
         hub = hub & ~protected
     return hub

@@ -2,6 +2,11 @@
 
 Unfused: one-sided max-pools for the hub mask, masked head statistics, then element-wise mixing.
 :func:`kv_hubkv.triton_kernel.refine_triton` computes the same thing in one fused kernel.
+
+Mixing is evaluated in the factorised form of Appendix J.3, ``z = s·((1 - λ) + λ·β·q)`` with
+``q = 1`` for hubs and ``γ`` otherwise, i.e. one multiply by a per-head factor (``a_h`` for hubs,
+``b_h`` for non-hubs) instead of the five element-wise passes of ``(1 - λ)s + λβs̃``; it equals
+Eq. 10 up to float32 rounding (the Triton kernel uses the same form, so the two agree to an ulp).
 """
 
 from __future__ import annotations
@@ -11,10 +16,16 @@ import torch
 from .ceiling import retention_ceiling
 from .checks import prepare
 from .config import HubKVConfig
-from .hubs import local_hubs, smd_discount
-from .selectivity import head_weights
+from .hubs import hub_mask_from_masked
+from .selectivity import head_statistics, weights_from_statistics
 
-__all__ = ["refine_torch", "refine_torch_config"]
+__all__ = ["refine_torch", "refine_torch_config", "mixing_factors"]
+
+
+def mixing_factors(beta: torch.Tensor, lam: float, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head factors ``a = (1-λ) + λβ`` (hubs) and ``b = (1-λ) + λβγ`` (non-hubs), float32."""
+    one_minus = 1.0 - lam
+    return one_minus + lam * beta, one_minus + lam * (beta * gamma)
 
 
 def refine_torch_config(
@@ -22,20 +33,22 @@ def refine_torch_config(
 ) -> torch.Tensor:
     """:func:`refine_torch` with a ready :class:`HubKVConfig` (same checks and result)."""
     scores, prot, r = prepare(scores, ratio, protected, config)
+    small = None if protected is None else protected  # un-broadcast mask: cheaper element-wise ops
     x = scores.float()
     if x.numel() == 0:
         return x.clone()
     lam = config.gate(r)
-    hubs = local_hubs(x, prot, config.kernel_size)
-    s_tilde = smd_discount(x, hubs, config.gamma)
-    beta = head_weights(
-        x, prot, tau=config.tau, beta_min=config.beta_min, beta_max=config.beta_max, eps=config.eps
-    )
-    z = (1.0 - lam) * x + lam * (beta.unsqueeze(-1) * s_tilde)
+    masked = x if small is None else x.masked_fill(small, float("-inf"))
+    hub = hub_mask_from_masked(x, masked, config.half_window)
+    n, mean, std = head_statistics(x, small, neg_masked=masked if small is not None else None)
+    beta = weights_from_statistics(n, mean, std, tau=config.tau, beta_min=config.beta_min,
+                                   beta_max=config.beta_max, eps=config.eps)
+    a, b = mixing_factors(beta, lam, config.gamma)
+    z = x * torch.where(hub, a.unsqueeze(-1), b.unsqueeze(-1))
     if prot is None:
         return z
-    zmax = z.masked_fill(prot, float("-inf")).amax()
-    return z.masked_fill(prot, retention_ceiling(zmax))
+    zmax = z.masked_fill(small, float("-inf")).amax()
+    return z.masked_fill_(small, retention_ceiling(zmax))
 
 
 def refine_torch(

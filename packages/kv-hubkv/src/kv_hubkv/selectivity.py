@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["head_weights", "head_statistics"]
+__all__ = ["head_weights", "head_statistics", "weights_from_statistics"]
 
 
 def head_statistics(
-    scores: torch.Tensor, protected: torch.Tensor | None = None
+    scores: torch.Tensor, protected: torch.Tensor | None = None, *, neg_masked: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Count, mean and population std of each head's unprotected scores.
 
@@ -45,6 +45,8 @@ def head_statistics(
         ``[..., H, N]`` float scores.
     protected : torch.Tensor of bool, optional
         Broadcastable to ``scores``.
+    neg_masked : torch.Tensor, optional
+        ``scores`` (float32) with ``-inf`` at protected positions, if the caller already has it.
 
     Returns
     -------
@@ -54,29 +56,42 @@ def head_statistics(
         constant heads).
     """
     x = scores.float()
+    lead = x.shape[:-1]
     if protected is None:
-        n = torch.full(x.shape[:-1], x.shape[-1], dtype=torch.int64, device=x.device)
+        n = torch.full(lead, x.shape[-1], dtype=torch.int64, device=x.device)
         nf = n.clamp(min=1).float()
         mean = x.sum(-1) / nf
         dev = x - mean.unsqueeze(-1)
-        var = (dev * dev).sum(-1) / nf
+        lo, hi = torch.aminmax(x, dim=-1)
     else:
-        unprot = ~protected
-        n = unprot.sum(-1)
+        n = x.shape[-1] - protected.expand(x.shape).sum(-1)  # (a mask may also broadcast over N)
         nf = n.clamp(min=1).float()
-        mean = torch.where(unprot, x, 0.0).sum(-1) / nf
-        dev = torch.where(unprot, x - mean.unsqueeze(-1), 0.0)
-        var = (dev * dev).sum(-1) / nf
+        mean = x.masked_fill(protected, 0.0).sum(-1) / nf
+        dev = (x - mean.unsqueeze(-1)).masked_fill_(protected, 0.0)
+        if neg_masked is None:
+            neg_masked = x.masked_fill(protected, float("-inf"))
+        hi = neg_masked.amax(-1)
+        lo = x.masked_fill(protected, float("inf")).amin(-1)
+    var = dev.square_().sum(-1) / nf
     # Popoviciu: σ <= (max - min) / 2. Exact for the maths, and it makes σ exactly 0 on constant
     # heads, where float32 rounding of the mean would otherwise leave a noise-level σ that the
     # scale-free ratio c / c̄ would blow up to a full clip (see module notes).
-    if protected is None:
-        lo, hi = x.amin(-1), x.amax(-1)
-    else:
-        lo = x.masked_fill(protected, float("inf")).amin(-1)
-        hi = x.masked_fill(protected, float("-inf")).amax(-1)
     half_range = torch.where(n > 0, (hi - lo) * 0.5, 0.0)
     return n, mean, torch.minimum(var.sqrt(), half_range)
+
+
+def weights_from_statistics(
+    n: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, *, tau: float, beta_min: float, beta_max: float,
+    eps: float,
+) -> torch.Tensor:
+    """``β = clip((c / c̄)^τ, β_min, β_max)`` from per-head statistics ``[..., H]`` (Eqs. 8–9)."""
+    c = std / (mean + eps)
+    valid = n > 0
+    n_valid = valid.sum(-1, keepdim=True).clamp(min=1).float()
+    cbar = torch.where(valid, c, 0.0).sum(-1, keepdim=True) / n_valid
+    rel = torch.where(cbar > 0, c / torch.where(cbar > 0, cbar, 1.0), 1.0)
+    w = torch.pow(rel, tau)
+    return w.clamp(beta_min, beta_max)
 
 
 def head_weights(
@@ -105,10 +120,4 @@ def head_weights(
         ``[..., H]`` float32 weights in ``[beta_min, beta_max]``.
     """
     n, mean, std = head_statistics(scores, protected)
-    c = std / (mean + eps)
-    valid = n > 0
-    n_valid = valid.sum(-1, keepdim=True).clamp(min=1).float()
-    cbar = torch.where(valid, c, 0.0).sum(-1, keepdim=True) / n_valid
-    rel = torch.where(cbar > 0, c / torch.where(cbar > 0, cbar, 1.0), 1.0)
-    w = torch.pow(rel, tau)
-    return w.clamp(beta_min, beta_max)
+    return weights_from_statistics(n, mean, std, tau=tau, beta_min=beta_min, beta_max=beta_max, eps=eps)

@@ -13,7 +13,8 @@ in ``BLOCK_N`` blocks twice:
    heads, ``β = clip((c/c̄)^τ, β_min, β_max)``.
 2. *mixing pass* — masked one-sided max-pools over the ``k`` left and ``k`` right neighbours
    (protected neighbours read as ``-inf``; left strict / right non-strict comparison gives the
-   lowest-index tie-break, see :mod:`kv_hubkv.hubs`), SMD discount, head weight, ratio gate,
+   lowest-index tie-break, see :mod:`kv_hubkv.hubs`), then SMD discount, head weight and ratio
+   gate as one multiply by a per-head factor (``z = s·((1-λ) + λβq)``, q ∈ {1, γ}; App. J.3),
    store. Neighbour loads re-read the tile's halo, which is cache-resident, so each pass streams
    the scores (and mask) once.
 
@@ -114,6 +115,8 @@ if HAS_TRITON:
         rel = tl.where(cbar > 0, c / tl.where(cbar > 0, cbar, 1.0), 1.0)
         powv = tl.where(rel > 0, tl.exp2(tau * tl.log2(tl.maximum(rel, 1e-30))), zero_pow)
         beta = tl.minimum(tl.maximum(powv, beta_min), beta_max)
+        fac_hub = one_minus_lam + lam * beta
+        fac_non = one_minus_lam + lam * (beta * gamma)
 
         # ---- pass 2: hubs (Eq. 6), SMD (Eq. 7), calibration + gate (Eqs. 9-10) ----
         zmax = tl.full((BLOCK_H,), float("-inf"), tl.float32)
@@ -143,8 +146,8 @@ if HAS_TRITON:
                 left = tl.maximum(left, xl)
                 right = tl.maximum(right, xr)
             hub = (x > left) & (x >= right)
-            s_tilde = tl.where(hub, x, x * gamma)
-            z = one_minus_lam * x + lam * (beta[:, None] * s_tilde)
+            # z = (1-λ)s + λβs̃ in the factorised form s·((1-λ) + λβq), q ∈ {1, γ} (App. J.3)
+            z = x * tl.where(hub, fac_hub[:, None], fac_non[:, None])
             tl.store(o_base + offs_n[None, :], tl.where(u, z, 1.0), mask=valid)
             zmax = tl.maximum(zmax, tl.max(tl.where(u, z, float("-inf")), axis=1))
         tl.store(zmax_ptr + row, tl.max(zmax, axis=0))

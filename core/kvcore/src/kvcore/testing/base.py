@@ -1,26 +1,27 @@
-"""The standard-tests base: capability flags, flag-named skips, hypothesis settings and the no-override guard.
-
-Follows langchain-tests ``BaseStandardTests`` (anchors §8): a standard test may only be overridden with
-``@pytest.mark.xfail(reason=...)``, so a method cannot silently weaken the contract it claims.
-"""
+"""The standard-tests base: flags, flag-named skips, hypothesis settings, the no-override guard (langchain-tests
+``BaseStandardTests``, anchors §8) and a walker that finds every tensor an object holds."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+import types
+from typing import Any, Callable, Iterator
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcore.context import ScoringContext
+from kvcore.memory import storage_bytes
 from kvcore.testing.strategies import KVSample
 
-SUITE_MODULE_PREFIX = "kvcore.testing"
 MAX_EXAMPLES = 15
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, str, bytes)
 
 
 def forall(strategy: st.SearchStrategy, check: Callable[[Any], None], max_examples: int = MAX_EXAMPLES) -> None:
-    """Run ``check(example)`` over ``strategy`` with few examples and no deadline (suites stay fast on CPU)."""
+    """Run ``check(example)`` over ``strategy``: few examples, no deadline, no database (fast, stateless)."""
     @settings(max_examples=max_examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(example=strategy)
     def run(example: Any) -> None:
@@ -29,17 +30,42 @@ def forall(strategy: st.SearchStrategy, check: Callable[[Any], None], max_exampl
     run()
 
 
+def reachable_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors reachable from ``obj`` through ``__dict__``, ``__slots__``, dataclass fields, lists, tuples, sets
+    and dicts (keys and values); every object is visited once, so cycles are fine."""
+    seen, stack = set(), [obj]
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen or isinstance(x, _OPAQUE):
+            continue
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif isinstance(x, dict):
+            stack += [*x.keys(), *x.values()]
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            stack += list(x)
+        else:
+            stack += [getattr(x, f.name, None) for f in dataclasses.fields(x)] if dataclasses.is_dataclass(x) else []
+            stack += list(getattr(x, "__dict__", {}).values())
+            for cls in type(x).__mro__:
+                slots = cls.__dict__.get("__slots__", ())
+                stack += [getattr(x, s, None) for s in ((slots,) if isinstance(slots, str) else slots)]
+
+
+def reachable_bytes(obj: Any, device: torch.device | str | None = None) -> int:
+    """Bytes of the distinct storages of every tensor reachable from ``obj`` (on ``device`` if given)."""
+    return storage_bytes(reachable_tensors(obj), device)
+
+
 def overridden_standard_tests(cls: type) -> list[str]:
-    """Standard tests of the kvcore suites that ``cls`` overrides or deletes without
-    ``@pytest.mark.xfail(reason=...)``; empty when ``cls`` runs every standard test as written."""
-    suites = [c for c in cls.__mro__ if c.__module__.startswith(SUITE_MODULE_PREFIX) and issubclass(c, StandardTests)]
-    names = sorted({n for s in suites for n in dir(s) if n.startswith("test_")})
+    """Standard tests that ``cls`` overrides or deletes without ``@pytest.mark.xfail(reason=...)``."""
+    suites = [c for c in cls.__mro__ if c.__module__.startswith("kvcore.testing") and issubclass(c, StandardTests)]
     bad = []
-    for name in names:
-        reference = next(getattr(s, name) for s in suites if hasattr(s, name))
+    for name in sorted({n for s in suites for n in dir(s) if n.startswith("test_")}):
         mine = getattr(cls, name, None)
-        marks = getattr(mine, "pytestmark", [])
-        if mine is not reference and not any(m.name == "xfail" and m.kwargs.get("reason") for m in marks):
+        xfail = any(m.name == "xfail" and m.kwargs.get("reason") for m in getattr(mine, "pytestmark", []))
+        if mine is not next(getattr(s, name) for s in suites if hasattr(s, name)) and not xfail:
             bad.append(name)
     return bad
 
@@ -53,9 +79,8 @@ class StandardTests:
         assert not bad, f"standard tests overridden without @pytest.mark.xfail(reason='...'): {bad}"
 
     def flag(self, name: str, default: Any = None) -> Any:
-        """Value of capability flag ``name``; ``default`` (introspected from the object) when it is ``None``."""
-        value = getattr(self, name)
-        return default if value is None else value
+        """Capability flag ``name``, or ``default`` (introspected from the object) when it is ``None``."""
+        return default if getattr(self, name) is None else getattr(self, name)
 
     def require(self, ok: Any, reason: str) -> None:
         """Skip the calling test unless ``ok``; ``reason`` names the capability flag that turned it off."""
@@ -67,21 +92,17 @@ class ContextTests(StandardTests):
     """Builds scoring contexts that supply what a scorer declares (``needs_queries``, ``needs_extras``)."""
 
     def make_extras(self, shapes: dict[str, Any]) -> dict[str, Any]:
-        """Extras the scorer declared in ``needs_extras``; override when it declares any.
-
-        ``shapes`` holds ``B, Hkv, Hq, T, W, D`` (ints), ``dtype`` and ``seed`` (for a ``torch.Generator``).
-        """
+        """Extras the scorer declares in ``needs_extras`` (override when it declares any). ``shapes`` holds
+        ``B, Hkv, Hq, T, W, D`` (ints), ``dtype`` and ``seed`` (seed a ``torch.Generator`` with it)."""
         return {}
 
-    def make_context(self, scorer: Any, sample: KVSample, queries: bool | None = None, extras: bool = True,
+    def make_context(self, scorer: Any, x: KVSample, queries: bool | None = None, extras: bool = True,
                      **kw: Any) -> ScoringContext:
-        """A context over ``sample``; queries by default only if ``scorer.needs_queries``, extras if declared."""
-        needs = frozenset(getattr(scorer, "needs_extras", frozenset()))
-        ex = {}
+        """A context over ``x`` with queries (default: if ``scorer.needs_queries``) and the declared extras."""
+        needs, ex = frozenset(scorer.needs_extras), {}
         if extras and needs:
-            ex = dict(self.make_extras(sample.shapes()))
+            ex = dict(self.make_extras(x.shapes()))
             if needs - set(ex):
                 raise NotImplementedError(f"scorer needs extras {sorted(needs - set(ex))}: override make_extras()")
-        queries = getattr(scorer, "needs_queries", False) if queries is None else queries
-        q = sample.queries if queries else None
-        return ScoringContext(sample.keys, sample.values, q, attention_mask=sample.attention_mask, extras=ex, **kw)
+        q = x.queries if (scorer.needs_queries if queries is None else queries) else None
+        return ScoringContext(x.keys, x.values, q, attention_mask=x.attention_mask, extras=ex, **kw)

@@ -94,15 +94,16 @@ def _minmax_scale(span, LEVELS: tl.constexpr, SDT: tl.constexpr, FLOOR: tl.const
 
 @triton.jit
 def _codes(x, lo, s, LEVELS: tl.constexpr):
-    """``round_half_even((x - lo) / s)`` clamped to ``[0, LEVELS]``, as int32."""
-    v = tl.math.div_rn(x - lo, s)
+    """``round_half_even((x - lo) / s)`` clamped to ``[0, LEVELS]``, as int32.
+
+    Clamping before rounding gives the same codes (LEVELS is odd) and keeps padding lanes finite.
+    """
+    v = tl.minimum(tl.maximum(tl.math.div_rn(x - lo, s), 0.0), LEVELS)
     r = tl.floor(v)
     f = v - r
     odd = (r.to(tl.int32) & 1) == 1
     up = (f > 0.5) | ((f == 0.5) & odd)
-    c = r + up.to(tl.float32)
-    c = tl.minimum(tl.maximum(c, 0.0), LEVELS)
-    return c.to(tl.int32)
+    return (r + up.to(tl.float32)).to(tl.int32)
 
 
 @triton.jit

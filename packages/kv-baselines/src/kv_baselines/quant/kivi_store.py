@@ -223,7 +223,7 @@ class KIVIStore:
         # values: FIFO of R, the oldest overflow is quantized per token
         _, vunits, vres = self._parts["v"]
         vres.push(values.reshape(S, n, D), pos, order)
-        over = (vres.length - R).clamp_min(0)
+        over = (vres.length - R + 1).clamp_min(0)
         if bool(over.any()):
             rows, seg, p, o = vres.pop_front(over)
             vunits.add(*QuantUnits.gather_units(rows, seg, p, o, S, vunits.unit))

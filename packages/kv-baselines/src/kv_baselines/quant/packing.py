@@ -55,7 +55,8 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     word = (c << shifts).sum(-1)  # disjoint bit fields: sum == or
     byte_shift = torch.arange(bits, device=codes.device, dtype=torch.int64) * 8
     out = ((word[..., None] >> byte_shift) & 0xFF).to(torch.uint8).view(*lead, chunks * bits)
-    return out[..., : packed_width(d, bits)].contiguous()
+    width = packed_width(d, bits)
+    return out if out.shape[-1] == width else out[..., :width].clone(memory_format=torch.contiguous_format)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
@@ -79,4 +80,4 @@ def unpack_codes(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     word = (p << byte_shift).sum(-1)
     shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
     codes = ((word[..., None] >> shifts) & ((1 << bits) - 1)).to(torch.uint8).view(*lead, chunks * 8)
-    return codes[..., :d].contiguous()
+    return codes if codes.shape[-1] == d else codes[..., :d].clone(memory_format=torch.contiguous_format)

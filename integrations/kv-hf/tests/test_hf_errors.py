@@ -1,0 +1,116 @@
+"""Unsupported combinations raise errors that name what is missing."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from kvcore import Scores
+from kvhf_testkit import TINY, KnormScorer, WindowScorer, full_compressor, make, prompt, tiny_model
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import kv_hf
+
+
+@dataclass(frozen=True)
+class SurprisalScorer:
+    needs_queries: bool = False
+    needs_values: bool = False
+    needs_extras: frozenset = frozenset({"surprisal"})
+
+    def score(self, ctx):
+        return Scores(ctx.extras["surprisal"][:, None].expand(ctx.keys.shape[:3]).float())
+
+
+def test_unsupported_architecture():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).eval()
+    with pytest.raises(ValueError, match="model types .*'gpt2'"):
+        kv_hf.compressed_cache(model, full_compressor())
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        kv_hf.compressed_cache(object(), full_compressor())
+
+
+def test_sliding_window_layers_are_refused():
+    with pytest.raises(ValueError, match="sliding_window=4096"):
+        kv_hf.compressed_cache(tiny_model("mistral", sliding_window=4096), full_compressor())
+    qwen = tiny_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    with pytest.raises(ValueError, match=r"layers \[1\] are \['sliding_attention'\]"):
+        kv_hf.compressed_cache(qwen, full_compressor())
+
+
+def test_flash_attention_is_refused():
+    model = tiny_model("llama")
+    model.config._attn_implementation = "flash_attention_2"  # what from_pretrained(attn_implementation=...) sets
+    with pytest.raises(ValueError, match="flash_attention_2"):
+        kv_hf.compressed_cache(model, full_compressor())
+    with pytest.raises(ValueError, match="per-head logit bias"):
+        kv_hf.enable_attention(model)
+
+
+def test_scorer_needs_the_adapter_cannot_supply():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"needs extras \['surprisal'\]"):
+        kv_hf.compressed_cache(model, make(SurprisalScorer()))
+    with pytest.raises(ValueError, match="query_window >= 1"):
+        kv_hf.compressed_cache(model, make(WindowScorer()), query_window=0)
+    with pytest.raises(ValueError, match="no extras are available while decoding"):
+        kv_hf.compressed_cache(model, make(KnormScorer()), recompress_every=4, target_length=4, recompressor=kv_hf.kvzip(granularity="head"))
+    with pytest.raises(TypeError, match="kvcore.Compressor"):
+        kv_hf.compressed_cache(model, KnormScorer())
+
+
+def test_bad_options():
+    model = tiny_model("llama")
+    comp = make(KnormScorer())
+    with pytest.raises(TypeError, match="unknown compressed_cache options"):
+        kv_hf.compressed_cache(model, comp, window=3)
+    with pytest.raises(ValueError, match="needs a target"):
+        kv_hf.compressed_cache(model, comp, recompress_every=4)
+    with pytest.raises(ValueError, match="not both"):
+        kv_hf.compressed_cache(model, comp, target_length=4, target_ratio=0.5)
+    with pytest.raises(ValueError, match=r"target_ratio must be in \[0, 1\)"):
+        kv_hf.compressed_cache(model, comp, target_ratio=1.0)
+    with pytest.raises(ValueError, match="'global' is not supported"):
+        kv_hf.compressed_cache(model, make(KnormScorer(), granularity="global"), recompress_every=2, target_length=3)
+    with pytest.raises(ValueError, match="query_window must be >= 0"):
+        kv_hf.compressed_cache(model, comp, query_window=-1)
+
+
+@torch.no_grad()
+def test_switching_attention_away_is_detected():
+    model = tiny_model("llama")
+    cache = kv_hf.compressed_cache(model, make(KnormScorer()))
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(RuntimeError, match="'kv_hf' or 'kv_hf_eager'"):
+        model(prompt(8), past_key_values=cache)
+
+
+@torch.no_grad()
+def test_padding_after_compression_and_uneven_rollback_are_refused():
+    model = tiny_model("llama")
+    ids = prompt(10, B=2)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    cache = kv_hf.compressed_cache(model, make(KnormScorer()))
+    model(ids, attention_mask=mask, past_key_values=cache, position_ids=(mask.cumsum(-1) - 1).clamp_min(0))
+    assert cache.next_positions().tolist() == [7, 10]
+    with pytest.raises(ValueError, match="different left padding"):
+        cache.rollback(5)
+    with pytest.raises(ValueError, match="negative number"):
+        cache.crop(3)
+    q = prompt(3, B=2, seed=9)
+    qmask = torch.cat([mask, torch.tensor([[0, 1, 1], [1, 1, 1]])], 1)
+    with pytest.raises(ValueError, match="padding inside a multi-token step"):
+        model(q, attention_mask=qmask, past_key_values=cache, position_ids=torch.tensor([[7, 7, 8], [10, 11, 12]]))
+
+
+@torch.no_grad()
+def test_rollback_refused_when_recompression_may_prune_the_context():
+    model = tiny_model("llama")
+    cache = kv_hf.compressed_cache(model, make(KnormScorer()), recompress_every=2, target_length=3)
+    kv_hf.prefill(model, cache, prompt(10))
+    with pytest.raises(ValueError, match="recompress_every"):
+        kv_hf.generate_answer(model, cache, prompt(2), max_new_tokens=2)
+
+
+def test_tiny_config_is_what_the_tests_claim():
+    assert TINY["num_hidden_layers"] == 2 and TINY["num_attention_heads"] == 4 and TINY["num_key_value_heads"] == 2
