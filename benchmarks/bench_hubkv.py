@@ -102,7 +102,10 @@ def main(argv=None) -> None:
     min_run = args.min_run_time if args.min_run_time is not None else (0.2 if device.type == "cpu" else 0.5)
     ratio = args.ratio
 
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
     print(f"# HubKV score-stage benchmark: device={name}, torch {torch.__version__}, "
           f"triton {'yes' if use_triton else 'not used'}, kv_hubkv from {Path(kv_hubkv.__file__).parent}")
     print(f"# scores bf16 [L={L}, B, H={H_KV}, N], ratio={ratio}, protected = 4 sinks + floor(0.02 N) recent; "

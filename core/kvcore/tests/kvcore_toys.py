@@ -92,9 +92,10 @@ class MinMax:
         hi = torch.nn.functional.pad(xf, (0, pad), value=float("-inf")).unflatten(-1, (-1, G)).amax(-1)
         scale = (hi - lo) / (2**self.bits - 1)
         s, z = scale.repeat_interleave(G, -1)[..., :n], lo.repeat_interleave(G, -1)[..., :n]
-        codes = torch.where(s > 0, torch.round((xf - z) / torch.where(s > 0, s, 1)), 0).clamp(0, 2**self.bits - 1).long()
+        codes = torch.where(s > 0, torch.round((xf - z) / torch.where(s > 0, s, 1)), 0)
+        codes = codes.clamp(0, 2**self.bits - 1).long()
         if self.axis == "channel":
-            codes, scale, lo = codes.transpose(-1, -2), scale.transpose(-1, -2).contiguous(), lo.transpose(-1, -2).contiguous()
+            codes, scale, lo = (t.transpose(-1, -2).contiguous() for t in (codes, scale, lo))
         return QuantizedTensor(_pack(codes, self.bits), scale, lo, self.bits, self.axis, G, tuple(x.shape), x.dtype)
 
     def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
@@ -109,7 +110,8 @@ def _rows(x, m: torch.Tensor):
     """Rows ``m`` of a ``[n, D]`` tensor or token-axis QuantizedTensor (a copy, so dropped rows are freed)."""
     if isinstance(x, torch.Tensor):
         return x[m]
-    return dataclasses.replace(x, codes=x.codes[m], scales=x.scales[m], zeros=x.zeros[m], shape=(int(m.sum()), x.shape[1]))
+    shape = (int(m.sum()), x.shape[1])
+    return dataclasses.replace(x, codes=x.codes[m], scales=x.scales[m], zeros=x.zeros[m], shape=shape)
 
 
 class ToyTieredStore:
@@ -129,9 +131,11 @@ class ToyTieredStore:
             raise TypeError("keys and values must be float tensors")
         if keys.ndim != 4 or values.shape != keys.shape or values.dtype != keys.dtype:
             raise ValueError("keys and values must be matching [B, H, T, D] tensors")
-        if self.heads is not None and (keys.shape[:2] != self.shape[:2] or keys.shape[-1] != self.shape[2] or keys.dtype != self.dtype):
+        if self.heads is not None and ((*keys.shape[:2], keys.shape[-1]) != self.shape or keys.dtype != self.dtype):
             raise ValueError(f"entries must match the stored [B, H, *, D] = {self.shape} of {self.dtype}")
-        if not isinstance(positions, torch.Tensor) or positions.dtype != torch.int64 or positions.shape != (keys.shape[0], n):
+        if not isinstance(positions, torch.Tensor) or positions.dtype != torch.int64:
+            raise TypeError("positions must be an int64 tensor")
+        if positions.shape != (len(keys), n):
             raise ValueError("positions must be int64 [B, T]")
 
     def write(self, keys, values, plan, positions):
@@ -140,15 +144,17 @@ class ToyTieredStore:
         B, H, T, D = keys.shape
         if not isinstance(plan, Plan) or plan.key_bits.shape != (B, H, T) or plan.tiers() - self.supported_bits:
             raise ValueError(f"plan must be [B, H, T] over tiers {sorted(self.supported_bits)}")
+        if not torch.equal(plan.keep_keys, plan.keep_values):
+            raise ValueError("keys and values must keep the same entries")
         self.heads, self.shape, self.dtype = [], (B, H, D), keys.dtype
         for b in range(B):
             for h in range(H):
-                chunks = []
-                for w in set(plan.key_bits[b, h].tolist()) - {0}:
-                    m = plan.key_bits[b, h] == w
+                chunks, kb, vb = [], plan.key_bits[b, h], plan.bits_for_values[b, h]
+                for wk, wv in set(zip(kb.tolist(), vb.tolist())) - {(0, 0)}:
+                    m = (kb == wk) & (vb == wv)
                     k, v = keys[b, h][m], values[b, h][m]
-                    if w != 16:
-                        k, v = MinMax(w, "token", 4).quantize(k), MinMax(w, "token", 4).quantize(v)
+                    k = k if wk == 16 else MinMax(wk, "token", 4).quantize(k)
+                    v = v if wv == 16 else MinMax(wv, "token", 4).quantize(v)
                     chunks.append((positions[b][m], k, v))
                 self.heads.append(chunks)
 
@@ -162,11 +168,13 @@ class ToyTieredStore:
             chunks.append((positions[b].clone(), keys[b, h].clone(), values[b, h].clone()))
 
     def _head(self, chunks):
-        deq = lambda x: x if isinstance(x, torch.Tensor) else MinMax(x.bits, "token", 4).dequantize(x)  # noqa: E731
-        pos = torch.cat([c[0] for c in chunks]) if chunks else torch.zeros(0, dtype=torch.long)
+        if not chunks:
+            return torch.zeros(0, dtype=torch.long), *[torch.zeros(0, self.shape[2], dtype=self.dtype)] * 2
+        pos = torch.cat([c[0] for c in chunks])
         order = pos.argsort()
-        cat = lambda j: torch.cat([deq(c[j]) for c in chunks])[order] if chunks else torch.zeros(0, self.shape[2], dtype=self.dtype)  # noqa: E731
-        return pos[order], cat(1), cat(2)
+        deq = [[x if isinstance(x, torch.Tensor) else MinMax(x.bits, "token", 4).dequantize(x) for x in c[1:]]
+               for c in chunks]
+        return pos[order], torch.cat([k for k, _ in deq])[order], torch.cat([v for _, v in deq])[order]
 
     def read(self, query=None):
         if self.heads is None:
@@ -188,7 +196,8 @@ class ToyTieredStore:
 
     def seq_lengths(self):
         B, H, _ = self.shape
-        return torch.tensor([sum(len(c[0]) for c in chunks) for chunks in self.heads or []], dtype=torch.long).view(B, H)
+        lengths = [sum(len(c[0]) for c in chunks) for chunks in self.heads or []]
+        return torch.tensor(lengths, dtype=torch.long).view(B, H)
 
     def crop(self, position):
         for chunks in self.heads or []:

@@ -74,7 +74,8 @@ class TestSurprisal(ScorerTests):
 class TestCompressor(CompressorTests):
     @pytest.fixture(params=["head", "layer"])
     def compressor(self, request):
-        return Compressor(KeyNorm(), TopKSelector(), DenseStore, Budget(0.5, granularity=request.param), Protection(1, 2))
+        budget = Budget(0.5, granularity=request.param)
+        return Compressor(KeyNorm(), TopKSelector(), DenseStore, budget, Protection(1, 2))
 
 
 class TestCompressorWithQueries(CompressorTests):

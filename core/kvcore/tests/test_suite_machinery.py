@@ -3,17 +3,20 @@ strategies and the skips by capability flag."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from kvcore import DenseStore, TopKSelector, packed_width
-from kvcore.testing import ScorerTests, SelectorTests, StoreTests, overridden_standard_tests, pack_codes, unpack_codes
+from kvcore import DenseStore, Plan, Scores, TopKSelector, packed_width
+from kvcore.testing import (QuantizerTests, ScorerTests, SelectorTests, StoreTests, overridden_standard_tests,
+                            pack_codes, unpack_codes)
+from kvcore_toys import KeyNorm, MinMax
 from kvcore.testing.strategies import KINDS, budgets_below_protected, fill, kv_samples, left_padded_masks
 from kvcore.testing import reachable_bytes, reachable_tensors
 
@@ -155,6 +158,81 @@ def test_left_padded_masks_min_valid(m):
 
 # -- packaging -------------------------------------------------------------------------------------------
 def test_import_kvcore_stays_light():
-    code = "import sys, kvcore; print(sorted(m for m in ('transformers', 'pytest', 'hypothesis', 'triton') if m in sys.modules))"
+    heavy = ("transformers", "pytest", "hypothesis", "triton")
+    code = f"import sys, kvcore; print(sorted(m for m in {heavy} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# -- the suites catch broken implementations ---------------------------------------------------------------
+class Mutating(KeyNorm):
+    def score(self, ctx):
+        ctx.keys.mul_(2)
+        return super().score(ctx)
+
+
+class Noisy(KeyNorm):
+    def score(self, ctx):
+        return Scores(super().score(ctx).keys + torch.rand(ctx.keys.shape[:3]))
+
+
+class LastFirst:
+    """TopK on time-reversed input: equal scores favour *higher* indices."""
+
+    def select(self, scores, budget, protected=None, valid=None):
+        flip = lambda t: None if t is None else t.flip(-1)  # noqa: E731
+        plan = TopKSelector().select(Scores(flip(scores.keys)), budget, flip(protected), flip(valid))
+        return Plan(flip(plan.key_bits))
+
+
+class Hoarder(DenseStore):
+    """Keeps (and counts) the evicted entries too."""
+
+    def write(self, keys, values, plan, positions):
+        super().write(keys, values, plan, positions)
+        self._all = keys.clone()
+
+
+class Unaccounted(DenseStore):
+    def write(self, keys, values, plan, positions):
+        super().write(keys, values, plan, positions)
+        self._copy = keys.clone()
+
+    def nbytes(self, device=None):
+        return super().nbytes(device) - (0 if self._copy is None else self._copy.untyped_storage().nbytes())
+
+    def reset(self):
+        super().reset()
+        self._copy = None
+
+
+_REVERSE = torch.tensor([int(f"{i:08b}"[::-1], 2) for i in range(256)], dtype=torch.uint8)
+
+
+class BigEndian(MinMax):
+    """Packs the bits of each byte in the opposite order to the documented layout (and reads them back so)."""
+
+    def quantize(self, x):
+        q = super().quantize(x)
+        return dataclasses.replace(q, codes=_REVERSE[q.codes.long()])
+
+    def dequantize(self, q):
+        return super().dequantize(dataclasses.replace(q, codes=_REVERSE[q.codes.long()]))
+
+
+@pytest.mark.parametrize("run", [
+    lambda: ScorerTests().test_pure(Mutating()),
+    lambda: ScorerTests().test_deterministic(Noisy()),
+    lambda: type("T", (SelectorTests,), {})().test_ties_break_by_lower_index(LastFirst()),
+    lambda: StoreTests().test_evicted_entries_hold_no_memory(Hoarder),
+    lambda: StoreTests().test_write_read_roundtrip(Unaccounted),
+    lambda: QuantizerTests().test_packing_bijection(BigEndian(bits=3)),
+], ids=["mutating-scorer", "noisy-scorer", "ties-to-higher-index", "hoarding-store", "unaccounted-store", "big-endian"])
+def test_suites_catch_broken_implementations(run):
+    settings.register_profile("no-shrink", phases=[Phase.generate])
+    settings.load_profile("no-shrink")
+    try:
+        with pytest.raises(AssertionError):
+            run()
+    finally:
+        settings.load_profile("default")

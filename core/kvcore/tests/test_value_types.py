@@ -48,7 +48,8 @@ def test_budget_defaults_to_keep_all():
 def test_protection_mask_matches_a_loop(data, sinks, recent):
     B, T = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 20))
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 999)))
-    valid = data.draw(left_padded_masks(B, T, min_valid=0)) if data.draw(st.booleans()) else torch.rand(B, T, generator=g) > 0.3
+    valid = torch.rand(B, T, generator=g) > 0.3
+    valid = data.draw(left_padded_masks(B, T, min_valid=0)) if data.draw(st.booleans()) else valid
     got = Protection(sinks, recent).mask(valid)
     for b in range(B):
         real = valid[b].nonzero().flatten().tolist()
@@ -124,11 +125,12 @@ def test_scores_validation():
 
 @pytest.mark.parametrize("change, err", [
     (dict(keys=torch.zeros(2, 6, 8)), ValueError), (dict(keys=[0.0]), TypeError),
-    (dict(values=torch.zeros(2, 3, 6, 8)), ValueError), (dict(keys=torch.zeros(2, 2, 6, 8, dtype=torch.int8)), TypeError),
+    (dict(values=torch.zeros(2, 3, 6, 8)), ValueError), (dict(keys=torch.zeros(2, 2, 6, 8).to(torch.int8)), TypeError),
     (dict(keys=torch.zeros(2, 2, 0, 8), values=torch.zeros(2, 2, 0, 8)), ValueError),
     (dict(queries=torch.zeros(2, 3, 4, 8)), ValueError), (dict(queries=torch.zeros(2, 4, 4, 6)), ValueError),
     (dict(positions=torch.zeros(2, 5, dtype=torch.long)), ValueError), (dict(positions=torch.zeros(2, 6)), ValueError),
-    (dict(attention_mask=torch.ones(2, 6, dtype=torch.int64)), TypeError), (dict(attention_mask=torch.ones(3, 6, dtype=torch.bool)), ValueError),
+    (dict(attention_mask=torch.ones(2, 6, dtype=torch.int64)), TypeError),
+    (dict(attention_mask=torch.ones(3, 6, dtype=torch.bool)), ValueError),
     (dict(protected=torch.ones(2, 5, dtype=torch.bool)), ValueError),
 ])
 def test_scoring_context_rejects(change, err):

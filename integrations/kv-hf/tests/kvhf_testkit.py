@@ -128,7 +128,9 @@ def full_compressor() -> Compressor:
         return Compressor(ZeroScorer(), TopKSelector(), DenseStore, Budget(ratio=0.0), name="full")
 
 
-def make(scorer, ratio: float = 0.5, granularity: str = "head", protect: Protection | None = None, tokens: int | None = None) -> Compressor:
+def make(
+    scorer, ratio: float = 0.5, granularity: str = "head", protect: Protection | None = None, tokens: int | None = None
+) -> Compressor:
     budget = Budget(tokens=tokens, granularity=granularity) if tokens else Budget(ratio=ratio, granularity=granularity)
     return Compressor(scorer, TopKSelector(), DenseStore, budget, protect or Protection())
 

@@ -1,11 +1,10 @@
 """Batch > 1 with left padding: padding is never kept, positions are per row, rows equal unbatched runs."""
 
+import kv_hf
 import pytest
 import torch
 from kvcore import Budget, Protection
 from kvhf_testkit import KnormScorer, WindowScorer, make, prompt, tiny_model
-
-import kv_hf
 
 LENGTHS = (18, 11, 14)
 
@@ -35,16 +34,29 @@ def test_left_padded_batch_rows_equal_unbatched_runs(compressor):
     model = tiny_model("llama")
     rows, ids, mask = _batch()
     cache = kv_hf.compressed_cache(model, compressor, query_window=8)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, past_key_values=cache,
-                         output_scores=True, return_dict_in_generate=True)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        do_sample=False,
+        past_key_values=cache,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     T = ids.shape[1]
     assert cache.get_seq_length() == T + 5
     assert cache.next_positions().tolist() == [n + 5 for n in LENGTHS]
     for i, row in enumerate(rows):
         single = kv_hf.compressed_cache(model, compressor, query_window=8)
-        ref = model.generate(row[None], max_new_tokens=6, do_sample=False, past_key_values=single,
-                             output_scores=True, return_dict_in_generate=True)
-        assert torch.equal(out.sequences[i, T:], ref.sequences[0, len(row):])
+        ref = model.generate(
+            row[None],
+            max_new_tokens=6,
+            do_sample=False,
+            past_key_values=single,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        assert torch.equal(out.sequences[i, T:], ref.sequences[0, len(row) :])
         for got, want in zip(out.scores, ref.scores):
             torch.testing.assert_close(got[i], want[0], rtol=0, atol=1e-5)
         kept = Budget(ratio=compressor.budget.ratio).kept(len(row))

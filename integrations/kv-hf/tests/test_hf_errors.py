@@ -2,13 +2,12 @@
 
 from dataclasses import dataclass
 
+import kv_hf
 import pytest
 import torch
 from kvcore import Scores
 from kvhf_testkit import TINY, KnormScorer, WindowScorer, full_compressor, make, prompt, tiny_model
 from transformers import GPT2Config, GPT2LMHeadModel
-
-import kv_hf
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,13 @@ def test_scorer_needs_the_adapter_cannot_supply():
     with pytest.raises(ValueError, match="query_window >= 1"):
         kv_hf.compressed_cache(model, make(WindowScorer()), query_window=0)
     with pytest.raises(ValueError, match="no extras are available while decoding"):
-        kv_hf.compressed_cache(model, make(KnormScorer()), recompress_every=4, target_length=4, recompressor=kv_hf.kvzip(granularity="head"))
+        kv_hf.compressed_cache(
+            model,
+            make(KnormScorer()),
+            recompress_every=4,
+            target_length=4,
+            recompressor=kv_hf.kvzip(granularity="head"),
+        )
     with pytest.raises(TypeError, match="kvcore.Compressor"):
         kv_hf.compressed_cache(model, KnormScorer())
 

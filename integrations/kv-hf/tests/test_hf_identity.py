@@ -1,11 +1,10 @@
 """Ratio 0 through the compressed path gives the unmodified model's logits (DESIGN.md §5)."""
 
+import kv_hf
 import pytest
 import torch
 from kvhf_testkit import FAMILIES, full_compressor, prompt, tiny_model
 from transformers import DynamicCache
-
-import kv_hf
 
 
 def _decode_pair(model, ids, cache_a, cache_b, steps, attention_mask=None):
@@ -53,7 +52,9 @@ def test_ratio0_generate_equals_dynamic_cache(family):
     model = tiny_model(family)
     ids = prompt(9, seed=4)
     ref = model.generate(ids, max_new_tokens=10, do_sample=False, past_key_values=DynamicCache(config=model.config))
-    got = model.generate(ids, max_new_tokens=10, do_sample=False, past_key_values=kv_hf.compressed_cache(model, full_compressor()))
+    got = model.generate(
+        ids, max_new_tokens=10, do_sample=False, past_key_values=kv_hf.compressed_cache(model, full_compressor())
+    )
     assert torch.equal(ref, got)
 
 
@@ -66,14 +67,24 @@ def test_ratio0_batch_with_left_padding_matches_dynamic_cache(attn):
     mask[1, :4] = 0
     mask[2, :7] = 0
     ids = ids.masked_fill(mask == 0, 0)
-    pairs = _decode_pair(model, ids, DynamicCache(config=model.config), kv_hf.compressed_cache(model, full_compressor()), 5, mask)
+    pairs = _decode_pair(
+        model, ids, DynamicCache(config=model.config), kv_hf.compressed_cache(model, full_compressor()), 5, mask
+    )
     prefill_ref, prefill_got = pairs[0]
     real = mask.bool()
     assert torch.equal(prefill_ref[real], prefill_got[real])  # the identical call on the prompt
     for ref, got in pairs[1:]:
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
-    ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, past_key_values=DynamicCache(config=model.config))
-    got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, past_key_values=kv_hf.compressed_cache(model, full_compressor()))
+    ref = model.generate(
+        ids, attention_mask=mask, max_new_tokens=6, do_sample=False, past_key_values=DynamicCache(config=model.config)
+    )
+    got = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        do_sample=False,
+        past_key_values=kv_hf.compressed_cache(model, full_compressor()),
+    )
     assert torch.equal(ref, got)
 
 

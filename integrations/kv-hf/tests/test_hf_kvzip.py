@@ -2,12 +2,11 @@
 
 import math
 
+import kv_hf
 import pytest
 import torch
 from kvcore import Budget
 from kvhf_testkit import CharTokenizer, Recording, prompt, tiny_model
-
-import kv_hf
 
 PREFIX, CTX = 3, 25
 CONFIG = kv_hf.KVzipConfig(chunk_size=10, prev_tokens=3)
@@ -81,7 +80,9 @@ def test_kvzip_needs_the_adapter_pass_and_refuses_batches():
     with pytest.raises(ValueError, match=r"shape \(1, 2, 5\)"):
         from kvcore import ScoringContext
 
-        kv_hf.KVzipScorer().score(ScoringContext(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4), extras={"kvzip_scores": torch.zeros(1, 5)}))
+        kv_hf.KVzipScorer().score(
+            ScoringContext(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4), extras={"kvzip_scores": torch.zeros(1, 5)})
+        )
 
 
 @torch.no_grad()

@@ -1,11 +1,10 @@
 """Eviction frees real bytes: cache.nbytes() is what the Stores hold (DESIGN.md §3 Store, anchors.md §9)."""
 
+import kv_hf
 import torch
 from kvcore import storage_bytes
 from kvhf_testkit import KnormScorer, full_compressor, make, prompt, tiny_model
 from transformers import DynamicCache
-
-import kv_hf
 
 
 def _held(store) -> int:
@@ -22,7 +21,11 @@ def test_nbytes_halves_at_ratio_half_and_matches_store_storage():
     model(ids, past_key_values=full)
     model(ids, past_key_values=half)
     for cache in (full, half):
-        assert cache.nbytes() == sum(_held(layer.store) for layer in cache.layers) == sum(layer.store.nbytes() for layer in cache.layers)
+        assert (
+            cache.nbytes()
+            == sum(_held(layer.store) for layer in cache.layers)
+            == sum(layer.store.nbytes() for layer in cache.layers)
+        )
         assert cache.nbytes("cpu") == cache.nbytes() and cache.nbytes("meta") == 0
     assert all(int(n.max()) == 32 and int(n.min()) == 32 for n in half.seq_lengths())
     # K/V bytes of ratio 0 equal the unmodified cache's; the positions (int32) and per-head lengths are overhead

@@ -1,5 +1,6 @@
 """True positions after eviction (anchors.md §3 gotcha, §9): cache length != token position."""
 
+import kv_hf
 import pytest
 import torch
 from kvcore import Budget, Compressor, DenseStore, Scores, TopKSelector
@@ -7,8 +8,6 @@ from kvhf_testkit import KnormScorer, make, prompt, tiny_model
 from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
-
-import kv_hf
 
 
 class ReverseScorer:
@@ -28,7 +27,9 @@ def test_keep_everything_through_compressed_path_generates_like_dynamic_cache():
     ids = prompt(15, seed=7)
     keep_all = Compressor(ReverseScorer(), TopKSelector(), DenseStore, Budget(ratio=0.0))
     ref = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=DynamicCache(config=model.config))
-    got = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=kv_hf.compressed_cache(model, keep_all))
+    got = model.generate(
+        ids, max_new_tokens=12, do_sample=False, past_key_values=kv_hf.compressed_cache(model, keep_all)
+    )
     assert torch.equal(ref, got)
 
 

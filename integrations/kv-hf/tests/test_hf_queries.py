@@ -1,10 +1,9 @@
 """Query capture: scorers get the prefill's last-W post-RoPE query states, all query heads ([B, Hq, W, D])."""
 
+import kv_hf
 import pytest
 import torch
 from kvhf_testkit import Recording, WindowScorer, make, naive_qk, prompt, tiny_model
-
-import kv_hf
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])

@@ -1,11 +1,10 @@
 """Periodic re-compression while decoding (kvpress DecodingPress, HqeKV re-tiering, decoding-stage HubKV)."""
 
+import kv_hf
 import pytest
 import torch
 from kvcore import Budget, Protection
 from kvhf_testkit import KnormScorer, Recording, WindowScorer, make, prompt, tiny_model
-
-import kv_hf
 
 
 def _lengths(cache):
@@ -45,7 +44,9 @@ def test_recompression_keeps_the_content_of_surviving_entries_on_a_ragged_layout
         for h in range(new.keys.shape[1]):
             keep = torch.isin(old.positions[0, h], new.positions[0, h])
             assert int(keep.sum()) == 6
-            assert torch.equal(new.keys[0, h], old.keys[0, h][keep]) and torch.equal(new.values[0, h], old.values[0, h][keep])
+            assert torch.equal(new.keys[0, h], old.keys[0, h][keep]) and torch.equal(
+                new.values[0, h], old.values[0, h][keep]
+            )
             # Knorm keeps the 6 lowest-norm keys of what the head held
             norms = old.keys[0, h].norm(dim=-1)
             assert set(torch.topk(-norms, 6).indices.tolist()) == set(keep.nonzero().squeeze(-1).tolist())
@@ -57,7 +58,12 @@ def test_target_ratio_is_relative_to_tokens_seen_and_uses_decode_queries():
     rec = Recording(WindowScorer())
     recompressor = make(rec, ratio=0.5, protect=Protection(recent=2))
     cache = kv_hf.compressed_cache(
-        model, make(KnormScorer(), ratio=0.0), query_window=3, recompress_every=5, target_ratio=0.5, recompressor=recompressor
+        model,
+        make(KnormScorer(), ratio=0.0),
+        query_window=3,
+        recompress_every=5,
+        target_ratio=0.5,
+        recompressor=recompressor,
     )
     out = model.generate(prompt(15), max_new_tokens=6, do_sample=False, past_key_values=cache)
     assert out.shape[1] == 21

@@ -1,11 +1,10 @@
 """Query-agnostic reuse: one compressed context, several questions, each answer rolled back (kvpress pipeline)."""
 
+import kv_hf
 import pytest
 import torch
 from kvcore import Protection
 from kvhf_testkit import CharTokenizer, KnormScorer, WindowScorer, make, prompt, tiny_model
-
-import kv_hf
 
 QUESTIONS = [prompt(5, seed=40)[0], prompt(9, seed=41)[0], prompt(3, seed=42)[0]]
 
@@ -85,5 +84,24 @@ def test_answer_questions_matches_manual_protocol():
     cache = kv_hf.compressed_cache(model, compressor)
     kv_hf.prefill(model, cache, torch.tensor([tok.encode(context)]))
     for question, answer in zip(questions, answers):
-        ids = kv_hf.generate_answer(model, cache, torch.tensor([tok.encode(question, add_special_tokens=False)]), 5, eos_token_id=tok.eos_token_id)
+        ids = kv_hf.generate_answer(
+            model,
+            cache,
+            torch.tensor([tok.encode(question, add_special_tokens=False)]),
+            5,
+            eos_token_id=tok.eos_token_id,
+        )
         assert answer == tok.decode(ids[0].tolist())
+
+
+@torch.no_grad()
+def test_generate_after_prefill_continues_the_compressed_context():
+    """``model.generate(context + question)`` on a prefilled cache feeds only the question (true length)."""
+    model = tiny_model("qwen2")
+    context, q = prompt(22, seed=46), QUESTIONS[1][None]
+    cache = kv_hf.compressed_cache(model, make(KnormScorer(), ratio=0.5))
+    kv_hf.prefill(model, cache, context)
+    want = kv_hf.generate_answer(model, cache, q, max_new_tokens=5)
+    out = model.generate(torch.cat([context, q], 1), max_new_tokens=5, do_sample=False, past_key_values=cache)
+    assert torch.equal(out[:, 22 + q.shape[1] :], want)
+    assert cache.get_seq_length() == 22 + q.shape[1] + 4

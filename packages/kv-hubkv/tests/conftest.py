@@ -1,9 +1,10 @@
 """Test configuration for kv-hubkv.
 
-``TRITON_INTERPRET=1`` must be set before :mod:`kv_hubkv.triton_kernel` is imported (Triton reads
-it when ``@triton.jit`` decorates the kernel), so the Triton kernel can be compared with the
-PyTorch reference on CPU tensors. On a CUDA machine the variable is left alone and the kernel
-tests run compiled on the GPU.
+``TRITON_INTERPRET=1`` must be set before ``triton`` and :mod:`kv_hubkv.triton_kernel` are imported
+(Triton reads it when ``@triton.jit`` decorates a function, including its own ``tl`` helpers), so
+the Triton kernel can be compared with the PyTorch reference on CPU tensors. If another package
+imported triton earlier in the session without it, the kernel tests skip and say so. On a CUDA
+machine the variable is left alone and the kernel tests run compiled on the GPU.
 """
 
 import os

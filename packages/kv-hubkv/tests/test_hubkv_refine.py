@@ -244,6 +244,16 @@ def test_non_contiguous_scores_and_broadcast_mask():
     assert torch.equal(out, refine(s.contiguous(), 0.7, prot.expand(2, 4, 30).contiguous()))
 
 
+@pytest.mark.parametrize("mshape", [(30,), (1, 30), (4, 1), (2, 1, 30), (2, 4, 1), (1, 1, 1)])
+def test_broadcast_masks_equal_their_materialised_expansion(mshape):
+    g = torch.Generator().manual_seed(6)
+    s = torch.rand(2, 4, 30, generator=g)
+    prot = torch.rand(mshape, generator=g) < 0.4
+    out = refine(s, 0.8, prot)
+    assert torch.equal(out, refine(s, 0.8, prot.expand(2, 4, 30).contiguous()))
+    check_against_naive(out, s, prot, 0.8, HubKVConfig().as_kwargs())
+
+
 def test_empty_inputs():
     for shape in [(0, 4, 8), (2, 0, 8), (2, 4, 0)]:
         out = refine(torch.zeros(shape), 0.5)

@@ -21,20 +21,28 @@ from kv_hubkv import triton_kernel as tk
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _kernel_is_runnable() -> bool:
+# Symptoms of TRITON_INTERPRET having been set too late on a CPU machine (after `import triton`).
+_LATE_INTERPRET = ("outside of the scope of a kernel", "active drivers")
+
+
+def _kernel_probe() -> str | None:
+    """``None`` if the kernel can run here, else why not. Only environment problems skip: any other
+    error is left to the tests, which then fail."""
     if not tk.HAS_TRITON:
-        return False
+        return "triton is not installed"
     if DEVICE == "cuda":
-        return True
-    # the kernel must have been decorated while TRITON_INTERPRET=1 was set
-    return type(tk._hubkv_refine_kernel).__name__ == "InterpretedFunction"
+        return None
+    try:
+        tk.refine_triton(torch.ones(1, 1, 2), 0.5)
+    except Exception as e:  # noqa: BLE001
+        if any(m in str(e) for m in _LATE_INTERPRET):
+            return (f"Triton's CPU interpreter is not active (TRITON_INTERPRET="
+                    f"{os.environ.get('TRITON_INTERPRET')!r} must be set before triton is first imported): {e}")
+    return None
 
 
-pytestmark = pytest.mark.skipif(
-    not _kernel_is_runnable(),
-    reason="triton missing, or kv_hubkv.triton_kernel imported before TRITON_INTERPRET=1 "
-    f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}) on a machine without CUDA",
-)
+_WHY_NOT = _kernel_probe()
+pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=str(_WHY_NOT))
 
 
 def _close(a, b):
@@ -125,3 +133,11 @@ def test_triton_rejects_bad_inputs_like_the_reference():
         tk.refine_triton(torch.tensor([[0.1, float("nan")]], device=DEVICE), 0.5)
     with pytest.raises(ValueError, match="block_n"):
         tk.refine_triton_config(s, 0.5, None, HubKVConfig(), block_n=24)
+
+
+@pytest.mark.parametrize("mshape", [(30,), (4, 1), (2, 1, 1, 30)])
+def test_triton_broadcast_masks(mshape):
+    g = torch.Generator().manual_seed(8)
+    s = torch.rand(2, 3, 4, 30, generator=g).to(DEVICE)
+    prot = (torch.rand(mshape, generator=g) < 0.4).to(DEVICE)
+    _close(tk.refine_triton(s, 0.9, prot), refine_torch(s, 0.9, prot))

@@ -108,7 +108,11 @@ def step_mask(
         return (_as_float(m, dtype) if eager else m), new
     if step.bias is None and new is None and q == 1:
         return None, None
-    m_new = new if new is not None else (_causal(q, device) if q > 1 else torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device))
+    m_new = (
+        new
+        if new is not None
+        else (_causal(q, device) if q > 1 else torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device))
+    )
     heads = 1
     if step.bias is None:
         prefix = torch.zeros(B, 1, 1, step.n_prefix, dtype=dtype, device=device)
@@ -139,13 +143,18 @@ def _make(base: Callable[..., Any], eager: bool) -> Callable[..., Any]:
         step = getattr(key, STEP_ATTR, None)
         if step is None:
             return base(module, query, key, value, attention_mask, **kwargs)
+        delattr(key, STEP_ATTR)  # the tag would otherwise keep a reference cycle with the prefill keys
         layer = step.layer
         if layer._step is not step:
             raise RuntimeError("stale kv_hf step: the key tensor was not produced by the current cache update")
-        if step.deferred:
-            key, value = layer.assemble(step, query)
-        mask, new = step_mask(step, attention_mask, query, eager)
-        out = base(module, query, key, value, mask, **kwargs)
+        try:
+            if step.deferred:
+                key, value = layer.assemble(step, query)
+            mask, new = step_mask(step, attention_mask, query, eager)
+            out = base(module, query, key, value, mask, **kwargs)
+        except BaseException:
+            layer._step = None  # the step is abandoned; the next update must not report a missing commit
+            raise
         scaling = kwargs.get("scaling")
         if scaling is None:
             scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)

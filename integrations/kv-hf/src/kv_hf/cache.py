@@ -133,7 +133,9 @@ class CompressedCache(Cache):
             layer.truncate(length)
 
     @contextlib.contextmanager
-    def scratch(self, observer: Callable[[CompressedLayer, torch.Tensor, torch.Tensor, float], None] | None = None) -> Iterator["CompressedCache"]:
+    def scratch(
+        self, observer: Callable[[CompressedLayer, torch.Tensor, torch.Tensor, float], None] | None = None
+    ) -> Iterator["CompressedCache"]:
         """Forward passes inside this context attend to the cache but leave nothing in it; ``observer(layer, query,
         new_keys, scaling)`` sees every layer's step (KVzip's context reconstruction)."""
         saved = [(layer.mode, layer.observer) for layer in self.layers]
@@ -169,7 +171,11 @@ class CompressedCache(Cache):
         for layer in layers:
             entries = gather_entries(None, layer.pending)
             ctx = uniform_context(
-                entries, queries=layer.queries, layer_idx=layer.layer_idx, extras=per_layer(layer.layer_idx), protect_before=protect_before
+                entries,
+                queries=layer.queries,
+                layer_idx=layer.layer_idx,
+                extras=per_layer(layer.layer_idx),
+                protect_before=protect_before,
             )
             missing = self.compressor.missing_inputs(ctx)
             if missing:
@@ -177,7 +183,9 @@ class CompressedCache(Cache):
             ctxs.append(ctx)
         lengths = {c.seq_len for c in ctxs}
         if len(lengths) != 1:
-            raise ValueError(f"a 'global' budget needs the same number of collected tokens in every layer, got {sorted(lengths)}")
+            raise ValueError(
+                f"a 'global' budget needs the same number of collected tokens in every layer, got {sorted(lengths)}"
+            )
         for layer, store in zip(layers, self.compressor.compress_layers(ctxs)):
             layer.store = store
             layer.pending = None

@@ -37,7 +37,9 @@ class Pending:
     def length(self) -> int:
         return self.keys.shape[2]
 
-    def extend(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> "Pending":
+    def extend(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
+    ) -> "Pending":
         return Pending(
             torch.cat([self.keys, keys], 2),
             torch.cat([self.values, values], 2),
@@ -46,7 +48,9 @@ class Pending:
         )
 
     def select_rows(self, index: torch.Tensor) -> "Pending":
-        return Pending(*(t.index_select(0, index.to(t.device)) for t in (self.keys, self.values, self.positions, self.valid)))
+        return Pending(
+            *(t.index_select(0, index.to(t.device)) for t in (self.keys, self.values, self.positions, self.valid))
+        )
 
     def head(self, n: int) -> "Pending":
         """The first ``n`` slots."""
@@ -121,7 +125,10 @@ def missing_message(compressor: Compressor, missing: list[str], query_window: in
             f"(query_window={query_window}); none were captured for this layer yet"
         )
     if "kvzip_scores" in missing:
-        hints.append("kvzip_scores: compress with kv_hf.prefill(model, cache, ids, tokenizer=...) which runs KVzip's reconstruction pass")
+        hints.append(
+            "kvzip_scores: compress with kv_hf.prefill(model, cache, ids, tokenizer=...), "
+            "which runs KVzip's reconstruction pass"
+        )
     other = [m for m in missing if m not in ("queries", "kvzip_scores")]
     if other:
         hints.append(f"{other}: kv_hf cannot supply these")
@@ -172,7 +179,9 @@ def plan_entries(
 ) -> tuple[torch.Tensor, torch.Tensor, Plan, torch.Tensor]:
     """Score and select ``entries``; returns ``(keys, values, plan, positions)`` ready for ``Store.write``."""
     if entries.uniform:
-        ctx = uniform_context(entries, queries=queries, layer_idx=layer_idx, extras=extras, protect_before=protect_before)
+        ctx = uniform_context(
+            entries, queries=queries, layer_idx=layer_idx, extras=extras, protect_before=protect_before
+        )
         _check_inputs(compressor, ctx, query_window)
         return ctx.keys, ctx.values, compressor.plan(ctx), ctx.positions
     if extras:
@@ -246,4 +255,6 @@ def _to_union(
 
 def with_tokens(compressor: Compressor, tokens: int) -> Compressor:
     """``compressor`` with a token-count budget (ratio cleared), same granularity and protection."""
-    return dataclasses.replace(compressor, budget=dataclasses.replace(compressor.budget, ratio=None, tokens=int(tokens)))
+    return dataclasses.replace(
+        compressor, budget=dataclasses.replace(compressor.budget, ratio=None, tokens=int(tokens))
+    )

@@ -91,7 +91,8 @@ class CompressedLayer(CacheLayerMixin):
         self._batch: int | None = None
 
     def __repr__(self) -> str:
-        return f"CompressedLayer(layer_idx={self.layer_idx}, mode={self.mode}, seen={self.seen}, store={type(self.store).__name__})"
+        store = type(self.store).__name__
+        return f"CompressedLayer(layer_idx={self.layer_idx}, mode={self.mode}, seen={self.seen}, store={store})"
 
     # -- CacheLayerMixin ---------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -99,7 +100,7 @@ class CompressedLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        """Return ``[stored view | pending | new]`` keys/values; the new ones are committed by the attention function."""
+        """Return ``[stored view | pending | new]`` keys/values; the attention function commits the new ones."""
         if self._step is not None:
             self._step = None
             raise RuntimeError(
@@ -111,7 +112,9 @@ class CompressedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         B = key_states.shape[0]
         if self._batch is not None and B != self._batch:
-            raise ValueError(f"layer {self.layer_idx}: batch size {B} does not match the cached batch size {self._batch}")
+            raise ValueError(
+                f"layer {self.layer_idx}: batch size {B} does not match the cached batch size {self._batch}"
+            )
         self._batch = B
         step = Step(self, key_states, value_states)
         self._step = step
@@ -176,7 +179,9 @@ class CompressedLayer(CacheLayerMixin):
             B, H = p.keys.shape[:2]
             ks.append(p.keys)
             vs.append(p.values)
-            pad = torch.zeros(p.valid.shape, dtype=torch.float32, device=p.keys.device).masked_fill(~p.valid, float("-inf"))
+            pad = torch.zeros(p.valid.shape, dtype=torch.float32, device=p.keys.device).masked_fill(
+                ~p.valid, float("-inf")
+            )
             bs.append(pad[:, None, :].expand(B, H, -1))
         if not ks:
             step.n_prefix, step.bias = 0, None

@@ -15,7 +15,11 @@ if TYPE_CHECKING:
 
 
 def _check_ids(input_ids: object, attention_mask: object) -> None:
-    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+    if (
+        not isinstance(input_ids, torch.Tensor)
+        or input_ids.ndim != 2
+        or input_ids.dtype not in (torch.int32, torch.int64)
+    ):
         raise ValueError("input_ids must be an integer tensor [B, T]")
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids must hold at least one token")
@@ -73,7 +77,11 @@ def prefill(
     _check_ids(input_ids, attention_mask)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
-    if isinstance(context_start, bool) or not isinstance(context_start, int) or not 0 <= context_start < input_ids.shape[1]:
+    if (
+        isinstance(context_start, bool)
+        or not isinstance(context_start, int)
+        or not 0 <= context_start < input_ids.shape[1]
+    ):
         raise ValueError(f"context_start must be an int in [0, {input_ids.shape[1]}), got {context_start!r}")
     needs_kvzip = KVZIP_EXTRA in cache.compressor.scorer.needs_extras
     if needs_kvzip:
@@ -84,11 +92,18 @@ def prefill(
         if cache.get_seq_length() != 0:
             raise ValueError("KVzip scoring needs a fresh cache (the context is reconstructed from position 0)")
         if tokenizer is None or not hasattr(tokenizer, "encode"):
-            raise ValueError("the KVzip scorer needs tokenizer= (an object with encode(text, add_special_tokens=False)) for the reconstruction prompts")
+            raise ValueError(
+                "the KVzip scorer needs tokenizer= (an object with encode(text, add_special_tokens=False)) "
+                "for the reconstruction prompts"
+            )
 
     B, T = input_ids.shape
     device = input_ids.device
-    mask = torch.ones(B, T, dtype=torch.long, device=device) if attention_mask is None else attention_mask.to(device).long()
+    mask = (
+        torch.ones(B, T, dtype=torch.long, device=device)
+        if attention_mask is None
+        else attention_mask.to(device).long()
+    )
     seen = cache.get_seq_length()
     start = cache.next_positions()
     start = torch.zeros(B, dtype=torch.long, device=device) if start is None else start.to(device)
@@ -112,6 +127,8 @@ def prefill(
     extras = None
     if needs_kvzip:
         encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-        extras = kvzip_scores(model, cache, input_ids[:, context_start:], encode, context_start=context_start, config=kvzip)
+        extras = kvzip_scores(
+            model, cache, input_ids[:, context_start:], encode, context_start=context_start, config=kvzip
+        )
     cache.compress(extras=extras, protect_before=context_start or None)
     return logits

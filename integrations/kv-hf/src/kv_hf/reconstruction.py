@@ -62,7 +62,9 @@ class KVzipConfig:
         if self.prev_tokens < 0:
             raise ValueError(f"prev_tokens must be >= 0, got {self.prev_tokens}")
 
-    def requests(self, context_ids: torch.Tensor, encode: Callable[[str], Sequence[int]]) -> list[tuple[int, int, torch.Tensor]]:
+    def requests(
+        self, context_ids: torch.Tensor, encode: Callable[[str], Sequence[int]]
+    ) -> list[tuple[int, int, torch.Tensor]]:
         """``(start, end, input_ids)`` per chunk: context offsets ``[start, end)`` and the reconstruction input."""
         device = context_ids.device
 
@@ -157,7 +159,9 @@ def kvzip_scores(
     """
     config = KVzipConfig() if config is None else config
     if context_ids.ndim != 2 or context_ids.shape[0] != 1:
-        raise ValueError(f"KVzip reconstruction runs on batch size 1: context_ids must be [1, T], got {tuple(context_ids.shape)}")
+        raise ValueError(
+            f"KVzip reconstruction runs on batch size 1: context_ids must be [1, T], got {tuple(context_ids.shape)}"
+        )
     collector = _Collector(cache, context_start, config.query_block)
     with cache.scratch(collector):
         for start, end, ids in config.requests(context_ids, encode):

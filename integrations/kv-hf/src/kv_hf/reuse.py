@@ -66,7 +66,9 @@ def generate_answer(
     B, q = question_ids.shape
     length = cache.get_seq_length()
     start = cache.next_positions()
-    start = torch.zeros(B, dtype=torch.long, device=question_ids.device) if start is None else start.to(question_ids.device)
+    start = (
+        torch.zeros(B, dtype=torch.long, device=question_ids.device) if start is None else start.to(question_ids.device)
+    )
     pos = start[:, None] + torch.arange(q, device=question_ids.device)
     out = model(input_ids=question_ids, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
     tokens = []
@@ -81,7 +83,9 @@ def generate_answer(
             if i == max_new_tokens - 1 or bool(done.all()):
                 break
             pos = pos[:, -1:] + 1
-            out = model(input_ids=nxt[:, None], past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+            out = model(
+                input_ids=nxt[:, None], past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1
+            )
     finally:
         if not keep:
             cache.rollback(length)

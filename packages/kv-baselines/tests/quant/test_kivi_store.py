@@ -64,7 +64,7 @@ def _random_write(c):
     return store, keys, values, plan, positions
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(plans)
 def test_write_follows_the_plan(c):
     store, keys, values, plan, positions = _random_write(c)
@@ -161,17 +161,19 @@ def test_nbytes_is_every_byte_held():
     def units(n_units, unit, n_scale_per_unit):
         codes = n_units * unit * pw
         scales_zeros = 2 * n_units * n_scale_per_unit * f16
-        meta = n_units * i32 + 2 * n_units * unit * i32 + n_units * unit  # seg, pos, order, valid
+        meta = n_units * i32 + n_units * unit * i32  # a segment id per unit, a position per entry
         return codes + scales_zeros + meta
 
     def residual(cap):
-        return S * cap * D * f16 + 2 * S * cap * i32 + S * 8  # data, pos, order, int64 lengths
+        return S * cap * D * f16 + S * cap * i32 + S * 8  # data, positions, int64 lengths
 
     k_quant = T - T % R  # whole residual blocks are quantized per channel
     v_quant = T - R  # the last R values stay in full precision
     expected = (
         units(S * k_quant // G, G, D) + residual(T % R)  # keys: [units, 1, D] scales
         + units(S * v_quant, 1, D // G) + residual(R)  # values: [units, 1, D/G] scales
+        + 2 * S * 8  # int64 per-head counts of the (here empty) permanent full-precision rows, K and V
+        + B * 8  # int64 last position per batch row (append checks)
     )
     assert store.nbytes() == expected
     # 2-bit codes with their scales take well under the dense fp16 cache for long contexts
@@ -380,3 +382,46 @@ def test_bad_writes_and_appends():
         store.append(torch.randn(1, 2, 1, 3), torch.randn(1, 2, 1, 3), torch.tensor([[5]]))
     with pytest.raises(ValueError, match="positions"):
         store.append(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4), torch.tensor([5]))
+
+
+def test_trailing_full_run_of_any_plan_is_the_residual():
+    # an eviction-only plan (everything FULL): the last n mod R keys and the last min(n, R) values are
+    # KIVI's residual; the older FULL entries stay full precision for good
+    R, G, D, n = 8, 4, 6, 21
+    store = _store(2, G=G, R=R)
+    k, v = torch.randn(1, 1, n, D), torch.randn(1, 1, n, D)
+    store.write(k, v, Plan.from_keep(torch.ones(1, 1, n, dtype=torch.bool)), torch.arange(n)[None])
+    c = store.entry_counts()
+    assert (int(c["keys_residual"]), int(c["values_residual"])) == (n % R, R)
+    assert (int(c["keys_quantized"]), int(c["values_quantized"])) == (0, 0)
+    for step in range(1, 12):
+        store.append(torch.randn(1, 1, 1, D), torch.randn(1, 1, 1, D), torch.tensor([[n + step]]))
+        c = store.entry_counts()
+        assert int(c["keys_quantized"]) == R * ((n % R + step) // R)
+        assert int(c["values_quantized"]) == step
+        assert int(c["keys_full"]) == n + step - int(c["keys_quantized"])
+    view = store.read()
+    assert torch.equal(view.keys[0, 0, : n - n % R], k[0, 0, : n - n % R])  # permanent FULL keys untouched
+    assert torch.equal(view.values[0, 0, : n - R], v[0, 0, : n - R])
+
+
+def test_positions_must_identify_entries():
+    store = _store()
+    k = torch.randn(1, 2, 4, 4)
+    keep = torch.ones(1, 2, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="distinct"):
+        store.write(k, k, Plan.from_keep(keep), torch.tensor([[0, 1, 1, 2]]))
+    with pytest.raises(ValueError, match=">= 0"):
+        store.write(k, k, Plan.from_keep(keep), torch.tensor([[-1, 0, 1, 2]]))
+    # evicted tokens (e.g. left padding) may share positions
+    keep[:, :, 0] = False
+    store.write(k, k, Plan.from_keep(keep), torch.tensor([[1, 0, 1, 2]]))
+    assert torch.equal(store.read().positions[0, 0], torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="after every position held"):
+        store.append(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4), torch.tensor([[2]]))
+    with pytest.raises(ValueError, match="increase"):
+        store.append(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4), torch.tensor([[5, 4]]))
+    store.append(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4), torch.tensor([[3, 7]]))
+    store.crop(4)  # drops position 7: 4..6 may be appended again
+    store.append(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4), torch.tensor([[4]]))
+    assert store.read().positions[0, 1].tolist() == [0, 1, 2, 3, 4]

@@ -104,7 +104,9 @@ class HubKV:
             "Budget(tokens=...) (kvcore.Compressor does), or construct HubKV(..., default_ratio=r)"
         )
 
-    def _refine(self, s: torch.Tensor, excluded: torch.Tensor, valid: torch.Tensor, ratios: list[float]) -> torch.Tensor:
+    def _refine(
+        self, s: torch.Tensor, excluded: torch.Tensor, valid: torch.Tensor, ratios: list[float]
+    ) -> torch.Tensor:
         if self.nonnegative == "shift":
             content = ~excluded
             lo = s.float().masked_fill(~content, float("inf")).amin(-1, keepdim=True)
@@ -123,7 +125,9 @@ class HubKV:
             raise TypeError(f"base scorer {type(self.base).__name__} returned {type(base).__name__}, not kvcore.Scores")
         expect = (ctx.batch_size, ctx.num_kv_heads, ctx.seq_len)
         if tuple(base.keys.shape) != expect:
-            raise ValueError(f"base scorer {type(self.base).__name__} returned scores {tuple(base.shape)}, expected {expect}")
+            raise ValueError(
+                f"base scorer {type(self.base).__name__} returned scores {tuple(base.shape)}, expected {expect}"
+            )
         ratios = self._ratios(ctx)
         valid = ctx.valid
         excluded = ~valid

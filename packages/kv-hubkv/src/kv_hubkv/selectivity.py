@@ -64,7 +64,9 @@ def head_statistics(
         dev = x - mean.unsqueeze(-1)
         lo, hi = torch.aminmax(x, dim=-1)
     else:
-        n = x.shape[-1] - protected.expand(x.shape).sum(-1)  # (a mask may also broadcast over N)
+        # count on the un-broadcast mask (a bool sum over the full shape would copy it to int64)
+        n_prot = protected.expand(*protected.shape[:-1], x.shape[-1]).sum(-1)
+        n = (x.shape[-1] - n_prot).expand(lead)
         nf = n.clamp(min=1).float()
         mean = x.masked_fill(protected, 0.0).sum(-1) / nf
         dev = (x - mean.unsqueeze(-1)).masked_fill_(protected, 0.0)

@@ -21,8 +21,10 @@ _OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType
 
 
 def forall(strategy: st.SearchStrategy, check: Callable[[Any], None], max_examples: int = MAX_EXAMPLES) -> None:
-    """Run ``check(example)`` over ``strategy``: few examples, no deadline, no database (fast, stateless)."""
-    @settings(max_examples=max_examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    """Run ``check(example)`` over ``strategy``: few examples, no deadline, no database, one reported failure.
+    Other settings come from the loaded hypothesis profile."""
+    @settings(max_examples=max_examples, deadline=None, database=None, suppress_health_check=list(HealthCheck),
+              report_multiple_bugs=False)
     @given(example=strategy)
     def run(example: Any) -> None:
         check(example)

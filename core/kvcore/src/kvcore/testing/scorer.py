@@ -21,7 +21,8 @@ from kvcore.testing.strategies import DTYPES, SEEDS, kv_samples
 
 
 def _tensors(ctx: ScoringContext) -> dict[str, torch.Tensor]:
-    out = {f.name: getattr(ctx, f.name) for f in dataclasses.fields(ctx)} | {f"extras[{k}]": v for k, v in ctx.extras.items()}
+    out = {f.name: getattr(ctx, f.name) for f in dataclasses.fields(ctx)}
+    out |= {f"extras[{k}]": v for k, v in ctx.extras.items()}
     return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
 
 
@@ -43,7 +44,7 @@ class ScorerTests(ContextTests):
         assert isinstance(s, Scores), f"score() must return kvcore.Scores, got {type(s).__name__}"
         shape = (ctx.batch_size, ctx.num_kv_heads, ctx.seq_len)
         for t in (s.keys, s.for_values):
-            assert tuple(t.shape) == shape and t.dtype == torch.float32, f"need float32 {shape}, got {t.dtype} {tuple(t.shape)}"
+            assert tuple(t.shape) == shape and t.dtype == torch.float32, f"want float32 {shape}: {t.dtype} {t.shape}"
             assert bool(torch.isfinite(t).all()), "scores must be finite (padding included)"
         return s
 
@@ -86,10 +87,12 @@ class ScorerTests(ContextTests):
 
     def test_rejects_malformed_context(self, scorer) -> None:
         x, q = torch.randn(2, 2, 6, 8), torch.randn(2, 4, 3, 8)
-        ex = self.make_extras(dict(B=2, Hkv=2, Hq=4, T=6, W=3, D=8, dtype=torch.float32, seed=0)) if scorer.needs_extras else {}
-        for what, change in {"keys of rank 3": dict(keys=x[0], values=x[0]), "T == 0": dict(keys=x[:, :, :0], values=x[:, :, :0]),
-                             "values with other heads": dict(values=torch.randn(2, 3, 6, 8)),
-                             "integer keys": dict(keys=x.int()), "Hq not a multiple of Hkv": dict(queries=q[:, :3])}.items():
+        shapes = dict(B=2, Hkv=2, Hq=4, T=6, W=3, D=8, dtype=torch.float32, seed=0)
+        ex = self.make_extras(shapes) if scorer.needs_extras else {}
+        bad = {"keys of rank 3": dict(keys=x[0], values=x[0]), "T == 0": dict(keys=x[:, :, :0], values=x[:, :, :0]),
+               "values with other heads": dict(values=torch.randn(2, 3, 6, 8)), "integer keys": dict(keys=x.int()),
+               "Hq not a multiple of Hkv": dict(queries=q[:, :3])}
+        for what, change in bad.items():
             with pytest.raises((ValueError, TypeError)):
                 scorer.score(ScoringContext(**{"keys": x, "values": x, "queries": q, "extras": ex, **change}))
                 pytest.fail(f"no error for {what}")

@@ -35,7 +35,8 @@ def cases(draw, granularity: str, kinds=KINDS):
     """``(scores [B, H, T] ([L, B, H, T] for "global") float32, valid [B, T], protection)``."""
     B, H, T = draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(1, 48))
     shape = ((draw(st.integers(1, 3)),) if granularity == "global" else ()) + (B, H, T)
-    return fill(shape, torch.float32, draw(st.sampled_from(kinds)), draw(SEEDS)), draw(left_padded_masks(B, T)), draw(protections())
+    scores = fill(shape, torch.float32, draw(st.sampled_from(kinds)), draw(SEEDS))
+    return scores, draw(left_padded_masks(B, T)), draw(protections())
 
 
 class SelectorTests(StandardTests):
@@ -57,7 +58,8 @@ class SelectorTests(StandardTests):
 
     def avg_bits(self, selector) -> tuple[float, ...]:
         tiers = tuple(self.flag("tiers", getattr(selector, "tiers", None)))
-        return tuple(self.flag("avg_bits_choices", [min(tiers) + (max(tiers) - min(tiers)) * f for f in (0.25, 0.5, 0.75)]))
+        lo, hi = min(tiers), max(tiers)
+        return tuple(self.flag("avg_bits_choices", [lo + (hi - lo) * f for f in (0.25, 0.5, 0.75)]))
 
     def budget(self, selector, granularity: str, T: int) -> st.SearchStrategy[Budget]:
         if self.tiered:
@@ -132,7 +134,8 @@ class SelectorTests(StandardTests):
             for b, row in zip(*torch.nonzero(free.any(-1), as_tuple=True)):
                 lv = heads(plan.key_bits)[b, row][free[b, row]]
                 assert bool((lv[1:] <= lv[:-1]).all()), f"equal scores must favour lower indices, got {lv.tolist()}"
-            assert torch.equal(self.select(selector, case[0], budget, prot, case[1]).key_bits, plan.key_bits), "not deterministic"
+            again = self.select(selector, case[0], budget, prot, case[1])
+            assert torch.equal(again.key_bits, plan.key_bits), "the same input gave another plan"
 
         self.each(selector, check, kinds=("constant",))
 
@@ -160,12 +163,14 @@ class SelectorTests(StandardTests):
         top = max(self.flag("tiers", getattr(selector, "tiers", (16,))))
 
         def check(g, budget, prot, plan, case):
-            plan, a, n = self.select(selector, case[0], budget, None, case[1]), budget.avg_bits, int(case[1].sum(-1).min())
-            assert a - top / n - 1e-6 <= plan.average_bits(case[1]) <= a + 1e-6, f"{plan.average_bits(case[1])} bits, {a=}"
+            plan, a, valid = self.select(selector, case[0], budget, None, case[1]), budget.avg_bits, case[1]
+            avg = plan.average_bits(valid)
+            assert a - top / int(valid.sum(-1).min()) - 1e-6 <= avg <= a + 1e-6, f"{avg} bits for avg_bits={a}"
             shares = self.expected_shares(selector, budget)
-            bits = heads(plan.key_bits).long().masked_fill(~case[1][:, None], -1)
-            for b in range(bits.shape[0]) if shares else ():
-                groups, n = (bits[b], int(case[1][b].sum())) if g == "head" else (bits[b].flatten()[None], int(case[1][b].sum()) * bits.shape[1])
+            bits = heads(plan.key_bits).long().masked_fill(~valid[:, None], -1)
+            for b in range(bits.shape[0]) if shares else ():  # per head, or per layer ([1, H*T])
+                groups = bits[b] if g == "head" else bits[b].flatten()[None]
+                n = int(valid[b].sum()) * (1 if g == "head" else bits.shape[1])
                 for width, share in shares.items():
                     got = (groups == width).sum(-1).float()
                     assert bool(((got - share * n).abs() < 1 + 1e-6).all()), f"{width}-bit count {got} vs {share}*{n}"
@@ -176,7 +181,8 @@ class SelectorTests(StandardTests):
         for g in self.supports_granularities:
             def check(args, g=g):
                 (T, protect, budget), seed = args
-                scores, valid = fill(((2,) if g == "global" else ()) + (2, 3, T), seed=seed), torch.ones(2, T, dtype=torch.bool)
+                scores = fill(((2,) if g == "global" else ()) + (2, 3, T), seed=seed)
+                valid = torch.ones(2, T, dtype=torch.bool)
                 prot = protect.mask(valid)
                 if self.tiered:  # everything protected, but the top tier cannot hold everything
                     prot, budget = valid, Budget(avg_bits=min(self.avg_bits(selector)), granularity=g)
@@ -203,6 +209,7 @@ class SelectorTests(StandardTests):
 
     def test_rejects_wrong_types(self, selector) -> None:
         s, b = self._valid_call(selector)
-        for args in ((s, b), (Scores(s), 0.5), (Scores(s), b, torch.ones(2, 10, dtype=torch.int64)), (Scores(s), b, None, torch.ones(2, 10))):
+        int_mask, float_mask = torch.ones(2, 10, dtype=torch.int64), torch.ones(2, 10)
+        for args in ((s, b), (Scores(s), 0.5), (Scores(s), b, int_mask), (Scores(s), b, None, float_mask)):
             with pytest.raises(TypeError):
                 selector.select(*args)

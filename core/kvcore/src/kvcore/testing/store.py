@@ -4,10 +4,12 @@ over the view = attention over the kept entries, ``nbytes`` = storage reachable 
 for evicted entries, append after compression, crop, reorder, reset, clear errors.
 
 Fixture ``store_factory`` (a callable making an empty store, e.g. ``return lambda: MyStore(page=16)``). Flags:
-``quantized_bits`` (widths held besides 0 and 16; default ``supported_bits - {0, 16}``), ``supports_crop``,
-``supports_reorder``, ``lossless_full_tier`` (the 16 tier reads back bit-exact), ``lossless_append`` (appended
-entries read back bit-exact, earlier ones unchanged); all True by default. Hook ``max_quantization_error(x, bits)``
-bounds the error of one head's ``bits``-wide entries (default: uniform min-max grouped along tokens or channels).
+``quantized_bits`` (widths held besides 0 and 16; default ``supported_bits - {0, 16}``), ``quantized_key_bits`` /
+``quantized_value_bits`` (default ``quantized_bits``; plans draw key and value tiers independently over the same
+kept set), ``same_kv_tiers`` (values take the key tiers; default False), ``supports_crop``, ``supports_reorder``,
+``lossless_full_tier`` (the 16 tier reads back bit-exact), ``lossless_append`` (appended entries read back
+bit-exact, earlier ones unchanged); True by default. Hook ``max_quantization_error(x, bits)`` bounds the error of
+one head's ``bits``-wide entries (default: uniform min-max grouped along tokens or channels).
 """
 
 from __future__ import annotations
@@ -23,38 +25,48 @@ from kvcore.testing.base import StandardTests, forall, reachable_bytes
 from kvcore.testing.strategies import SEEDS, dtypes, fill, left_padded_masks
 from kvcore.view import KVView
 
+SIZES = st.sampled_from((4, 8, 16))  # head dims
+
 
 @st.composite
-def cases(draw, widths: tuple[int, ...], min_keep: int = 0, kinds=("normal", "plateau", "huge")):
-    """``(keys, values, plan, positions)``: left-padded batch, random tiers from ``widths``, padding evicted."""
-    B, H, T, D = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 24)), draw(st.sampled_from((4, 8, 16)))
+def cases(draw, widths: tuple[tuple[int, ...], tuple[int, ...] | None], min_keep: int = 0,
+          kinds=("normal", "plateau", "huge")):
+    """``(keys, values, plan, positions)``: a left-padded batch, a third of the real entries evicted, the others
+    at ``FULL`` or a width of ``widths = (key widths, value widths or None for "same as the keys")``."""
+    B, H, T, D = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 24)), draw(SIZES)
     dtype, kind, seed, valid = draw(dtypes()), draw(st.sampled_from(kinds)), draw(SEEDS), draw(left_padded_masks(B, T))
-    bits = torch.tensor(widths, dtype=torch.uint8)[torch.randint(len(widths), (B, H, T), generator=torch.Generator().manual_seed(seed))]
-    bits = bits.masked_fill(~valid[:, None, :], EVICT)
+    g = torch.Generator().manual_seed(seed)
+    keep = (torch.rand(B, H, T, generator=g) > 1 / 3) & valid[:, None, :]
     if min_keep:
-        bits[..., -1] = torch.where((bits != EVICT).sum(-1) < min_keep, FULL, bits[..., -1])
+        keep[..., -1] |= keep.sum(-1) < min_keep
+    tier = [torch.tensor((FULL, FULL, *w), dtype=torch.uint8)[torch.randint(len(w) + 2, (B, H, T), generator=g)]
+            for w in widths if w is not None]
+    kb, vb = (t.masked_fill(~keep, EVICT) for t in (tier[0], tier[-1]))
     positions = torch.where(valid, valid.long().cumsum(-1) - 1 + draw(st.integers(0, 5)), 0)
-    return fill((B, H, T, D), dtype, kind, seed), fill((B, H, T, D), dtype, kind, seed + 1), Plan(bits), positions
+    keys, values = fill((B, H, T, D), dtype, kind, seed), fill((B, H, T, D), dtype, kind, seed + 1)
+    return keys, values, Plan(kb, None if widths[1] is None else vb), positions
 
 
-def entries(pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bits: torch.Tensor | None = None) -> dict:
-    """``{(b, h): (positions, keys, values, bits)}`` of the entries with ``pos >= 0`` (``pos`` ``[B, H, T]``;
-    ``bits`` may be any per-entry tensor, e.g. the logit bias)."""
-    bits = torch.full_like(pos, FULL) if bits is None else bits
-    return {(b, h): tuple(t[b, h][pos[b, h] >= 0] for t in (pos, keys, values, bits))
+def entries(pos: torch.Tensor, *per_entry: torch.Tensor) -> dict:
+    """``{(b, h): (positions, *per_entry)}`` of the entries with ``pos >= 0`` (``pos`` ``[B, H, T]``; each tensor of
+    ``per_entry`` is ``[B, H, T, ...]``: keys, values, tiers, logit bias ...)."""
+    return {(b, h): tuple(t[b, h][pos[b, h] >= 0] for t in (pos, *per_entry))
             for b in range(pos.shape[0]) for h in range(pos.shape[1])}
 
 
 def written(keys, values, plan: Plan, positions) -> dict:
-    """The entries a plan keeps, in position order (positions are increasing along ``T`` here)."""
+    """The entries a plan keeps as ``(positions, keys, values, key tiers, value tiers)``, in position order."""
     pos = torch.where(plan.keep_keys, positions[:, None, :].expand(plan.key_bits.shape), -1)
-    return entries(pos, keys, values, plan.key_bits)
+    return entries(pos, keys, values, plan.key_bits, plan.bits_for_values)
 
 
 class StoreTests(StandardTests):
     """Standard tests for a ``kvcore.Store``."""
 
     quantized_bits: tuple[int, ...] | None = None
+    quantized_key_bits: tuple[int, ...] | None = None
+    quantized_value_bits: tuple[int, ...] | None = None
+    same_kv_tiers: bool = False
     supports_crop: bool = True
     supports_reorder: bool = True
     lossless_full_tier: bool = True
@@ -71,8 +83,10 @@ class StoreTests(StandardTests):
         ch, tok = x.max(0).values - x.min(0).values, x.max(1).values - x.min(1).values
         return 0.5 * torch.maximum(ch[None, :], tok[:, None]) / (2**bits - 1)
 
-    def widths(self, store_factory) -> tuple[int, ...]:
-        return (EVICT, FULL, FULL, *self.flag("quantized_bits", sorted(set(store_factory().supported_bits) - {EVICT, FULL})))
+    def widths(self, store_factory) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+        both = tuple(self.flag("quantized_bits", sorted(set(store_factory().supported_bits) - {EVICT, FULL})))
+        keys, values = self.flag("quantized_key_bits", both), self.flag("quantized_value_bits", both)
+        return tuple(keys), None if self.same_kv_tiers else tuple(values)
 
     def written_store(self, store_factory, case):
         store = store_factory()
@@ -80,19 +94,22 @@ class StoreTests(StandardTests):
         return store
 
     def assert_entries(self, got: dict, want: dict, exact: bool = True) -> None:
-        """Same heads and positions; full-tier rows identical (if ``exact``), quantized rows within the bound."""
+        """Same heads and positions; full-tier rows identical (if ``exact``), quantized rows within the bound.
+        ``want`` holds ``(positions, keys, values[, key tiers, value tiers])`` (no tiers: all ``FULL``)."""
         assert got.keys() == want.keys()
-        for head, (gp, gk, gv, _) in got.items():
-            wp, wk, wv, wb = want[head]
+        for head, (gp, gk, gv) in got.items():
+            wp, wk, wv, *tiers = want[head]
+            wkb, wvb = tiers or (torch.full_like(wp, FULL),) * 2
             assert torch.equal(gp.long(), wp.long()), f"head {head}: positions {gp.tolist()} != kept {wp.tolist()}"
-            for g, w in ((gk, wk), (gv, wv)):
+            for g, w, wb in ((gk, wk, wkb), (gv, wv, wvb)):
                 assert g.dtype == w.dtype, f"read back {g.dtype}, wrote {w.dtype}"
                 if exact and self.lossless_full_tier:
                     assert torch.equal(g[wb == FULL], w[wb == FULL]), f"head {head}: full-precision entries changed"
                 for bits in set(wb[wb != FULL].tolist()):
-                    gf, wf, fi, bound = g[wb == bits].float(), w[wb == bits].float(), torch.finfo(w.dtype), self.max_quantization_error(w[wb == bits], bits)
+                    m, fi = wb == bits, torch.finfo(w.dtype)
+                    gf, wf, bound = g[m].float(), w[m].float(), self.max_quantization_error(w[m], bits)
                     slack = bound * 2.0**bits * 2e-3 + fi.eps * (gf.abs() + wf.abs() + fi.tiny)
-                    assert bool(((gf - wf).abs() <= bound + slack).all()), f"head {head}: {bits}-bit error over the bound"
+                    assert bool(((gf - wf).abs() <= bound + slack).all()), f"head {head}: {bits}-bit error too large"
 
     def check_view(self, store, want: dict | None = None, exact: bool = True) -> KVView:
         """Read; check the view's structure, ``seq_lengths``, ``nbytes`` and (if given) the entries."""
@@ -102,7 +119,7 @@ class StoreTests(StandardTests):
         assert torch.equal(torch.isneginf(v.logit_bias), v.positions == -1), "-inf bias must mark padding exactly"
         assert not bool(v.logit_bias.isnan().any() | v.logit_bias.isposinf().any()), "bias must be finite or -inf"
         assert bool(torch.isfinite(v.keys).all() & torch.isfinite(v.values).all()), "padding must be finite"
-        for head, (p, *_) in entries(v.positions, v.keys, v.values).items():
+        for head, (p,) in entries(v.positions).items():
             assert bool((p[1:] > p[:-1]).all()), f"head {head}: positions {p.tolist()} are not ascending"
         assert torch.equal(store.seq_lengths().cpu(), (v.positions >= 0).sum(-1).cpu()), "seq_lengths != entries read"
         assert store.nbytes() == reachable_bytes(store), "nbytes() != bytes of the tensors the store holds"
@@ -114,12 +131,16 @@ class StoreTests(StandardTests):
     def append(self, store, like: torch.Tensor, last: torch.Tensor, n: int, seed: int) -> dict:
         """Append ``n`` entries per head at positions ``last + 1 ..`` (``last`` ``[B]``); returns them."""
         B, H, _, D = like.shape
-        pos, k, v = last[:, None] + 1 + torch.arange(n), fill((B, H, n, D), like.dtype, seed=seed), fill((B, H, n, D), like.dtype, seed=seed + 1)
+        pos = last[:, None] + 1 + torch.arange(n)
+        k, v = fill((B, H, n, D), like.dtype, seed=seed), fill((B, H, n, D), like.dtype, seed=seed + 1)
         store.append(k, v, pos)
         return entries(pos[:, None, :].expand(B, H, n), k, v)
 
     def test_write_read_roundtrip(self, store_factory) -> None:
-        forall(cases(self.widths(store_factory)), lambda c: self.check_view(self.written_store(store_factory, c), written(*c)))
+        def check(case):
+            self.check_view(self.written_store(store_factory, case), written(*case))
+
+        forall(cases(self.widths(store_factory)), check)
 
     def test_attend_matches_reference(self, store_factory) -> None:
         def check(args):
@@ -134,21 +155,23 @@ class StoreTests(StandardTests):
                     w = (logits - logits.amax(-1, keepdim=True)).exp()
                     torch.testing.assert_close(out[b, j], w @ v.float() / w.sum(-1, keepdim=True), rtol=1e-4, atol=1e-4)
 
-        forall(st.tuples(cases(self.widths(store_factory), 1, ("normal", "plateau")), st.sampled_from((1, 2, 4)), SEEDS), check)
+        cs = cases(self.widths(store_factory), min_keep=1, kinds=("normal", "plateau"))
+        forall(st.tuples(cs, st.sampled_from((1, 2, 4)), SEEDS), check)
 
     def test_evicted_entries_hold_no_memory(self, store_factory) -> None:
         def check(args):
             (B, H, D, k, seed), T = args, 48
-            x, pos, ones = fill((B, H, T, D), seed=seed), torch.arange(T).expand(B, T), torch.ones(B, H, T, dtype=torch.bool)
+            x, pos, ones = fill((B, H, T, D), seed=seed), torch.arange(T).expand(B, T), torch.ones(B, H, T).bool()
             keep = torch.rand(B, H, T, generator=torch.Generator().manual_seed(seed)).argsort(-1).argsort(-1) < k
             evicted = self.written_store(store_factory, (x, x, Plan.from_keep(keep), pos))
-            prefix = self.written_store(store_factory, (x[:, :, :k], x[:, :, :k], Plan.from_keep(ones[..., :k]), pos[:, :k]))
+            xk = x[:, :, :k]
+            prefix = self.written_store(store_factory, (xk, xk, Plan.from_keep(ones[..., :k]), pos[:, :k]))
             full = self.written_store(store_factory, (x, x, Plan.from_keep(ones), pos))
             assert evicted.nbytes() == prefix.nbytes() < full.nbytes(), "evicted entries still hold memory"
             full.write(x, x, Plan.from_keep(keep), pos)
-            assert full.nbytes() == evicted.nbytes() == reachable_bytes(full), "write() kept the previous content's memory"
+            assert full.nbytes() == evicted.nbytes() == reachable_bytes(full), "write() kept the old content's memory"
 
-        forall(st.tuples(st.integers(1, 2), st.integers(1, 3), st.sampled_from((4, 8, 16)), st.integers(1, 24), SEEDS), check, 10)
+        forall(st.tuples(st.integers(1, 2), st.integers(1, 3), SIZES, st.integers(1, 24), SEEDS), check, 10)
 
     def test_append_after_compression(self, store_factory) -> None:
         def check(args):
@@ -158,7 +181,8 @@ class StoreTests(StandardTests):
             before = entries(v.positions, v.keys, v.values)
             new = self.append(store, case[0], case[3].max(-1).values, n, seed)
             assert torch.equal(store.seq_lengths(), lens + n), "append must add n entries per head"
-            self.check_view(store, {h: tuple(torch.cat(p) for p in zip(before[h], new[h])) for h in before}, self.lossless_append)
+            want = {h: tuple(torch.cat(p) for p in zip(before[h], new[h])) for h in before}
+            self.check_view(store, want, self.lossless_append)
 
         forall(st.tuples(cases(self.widths(store_factory)), st.integers(1, 4), SEEDS), check)
 
@@ -187,7 +211,8 @@ class StoreTests(StandardTests):
             case, seed = args
             store, (B, H) = self.written_store(store_factory, case), case[0].shape[:2]
             v, lens = store.read(), store.seq_lengths().clone()
-            before, index = entries(v.positions, v.keys, v.values), torch.randint(B, (B,), generator=torch.Generator().manual_seed(seed))
+            before = entries(v.positions, v.keys, v.values)
+            index = torch.randint(B, (B,), generator=torch.Generator().manual_seed(seed))
             store.reorder(index)
             assert torch.equal(store.seq_lengths(), lens[index]), "seq_lengths must follow the new batch order"
             self.check_view(store, {(i, h): before[int(index[i]), h] for i in range(B) for h in range(H)})
@@ -211,8 +236,9 @@ class StoreTests(StandardTests):
             store_factory().read()
 
     def test_rejects_bad_input(self, store_factory) -> None:
-        x, pos, one, p1 = torch.randn(2, 2, 6, 8), torch.arange(6).expand(2, 6), torch.randn(2, 2, 1, 8), torch.full((2, 1), 6)
-        plan, plan7 = Plan.from_keep(torch.ones(2, 2, 6, dtype=torch.bool)), Plan.from_keep(torch.ones(2, 2, 7, dtype=torch.bool))
+        x, pos, one = torch.randn(2, 2, 6, 8), torch.arange(6).expand(2, 6), torch.randn(2, 2, 1, 8)
+        p1 = torch.full((2, 1), 6)
+        plan, plan7 = Plan.from_keep(torch.ones(2, 2, 6).bool()), Plan.from_keep(torch.ones(2, 2, 7).bool())
         odd = [b for b in range(1, 16) if b not in store_factory().supported_bits]
         cases = {  # name: (write a valid layer first?, the call that must raise)
             "plan of another shape": (False, lambda s: s.write(x, x, plan7, pos)),
@@ -221,7 +247,7 @@ class StoreTests(StandardTests):
             "values of another shape": (False, lambda s: s.write(x, x[..., :4], plan, pos)),
             "values of another dtype": (False, lambda s: s.write(x, x.half(), plan, pos)),
             "integer keys": (False, lambda s: s.write(x.int(), x.int(), plan, pos)),
-            "an unsupported tier": (False, lambda s: s.write(x, x, Plan(torch.full((2, 2, 6), odd[0], dtype=torch.uint8)), pos)),
+            "an unsupported tier": (False, lambda s: s.write(x, x, Plan(torch.full((2, 2, 6), odd[0]).byte()), pos)),
             "append with other heads": (True, lambda s: s.append(torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8), p1)),
             "append with another dtype": (True, lambda s: s.append(one.half(), one.half(), p1)),
             "append with another head_dim": (True, lambda s: s.append(one[..., :4], one[..., :4], p1)),

@@ -23,7 +23,7 @@ def dtypes() -> st.SearchStrategy[torch.dtype]:
     return st.sampled_from(DTYPES)
 
 
-def fill(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, kind: str = "normal", seed: int = 0) -> torch.Tensor:
+def fill(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, kind: str = "normal", seed: int = 0):
     """Values of ``kind``: ``normal`` N(0, 1); ``constant``; ``plateau`` (integers: ties); ``huge`` (x1e4; x30 in
     fp16 so that q·k stays finite); ``tiny`` (x1e-6; x1e-5 in fp16, subnormal)."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
@@ -66,7 +66,8 @@ class KVSample:
 def kv_samples(draw, dtype=None, kinds=KINDS, groups=(1, 2, 4), min_t=1, max_t=48, padding=True) -> KVSample:
     B, H, T, D = (draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(min_t, max_t)),
                   draw(st.sampled_from((4, 8, 16))))
-    group, W, kind, seed = draw(st.sampled_from(groups)), draw(st.integers(1, min(T, 8))), draw(st.sampled_from(kinds)), draw(SEEDS)
+    group, W = draw(st.sampled_from(groups)), draw(st.integers(1, min(T, 8)))
+    kind, seed = draw(st.sampled_from(kinds)), draw(SEEDS)
     dtype = draw(dtypes()) if dtype is None else dtype
     mask = draw(left_padded_masks(B, T)) if padding and draw(st.booleans()) else None
     return KVSample(fill((B, H, T, D), dtype, kind, seed), fill((B, H, T, D), dtype, kind, seed + 1),
@@ -81,7 +82,8 @@ def ratios() -> st.SearchStrategy[float]:
 def budgets(seq_len: int, granularity: str = "head", tokens: bool = True) -> st.SearchStrategy[Budget]:
     """A ratio budget or (if ``tokens``) a token budget in ``1 .. seq_len + 4``."""
     by_ratio = ratios().map(lambda r: Budget(ratio=r, granularity=granularity))
-    return by_ratio | st.integers(1, seq_len + 4).map(lambda n: Budget(tokens=n, granularity=granularity)) if tokens else by_ratio
+    by_tokens = st.integers(1, seq_len + 4).map(lambda n: Budget(tokens=n, granularity=granularity))
+    return by_ratio | by_tokens if tokens else by_ratio
 
 
 def protections(max_each: int = 3) -> st.SearchStrategy[Protection]:

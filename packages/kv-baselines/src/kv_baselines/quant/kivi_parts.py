@@ -7,8 +7,10 @@
   quantizers (KIVI values). Units are quantized once and never re-quantized (anchors.md §3: HF
   ``QuantizedLayer`` re-quantizes the whole cache when its residual fills).
 
-Every entry carries its segment, true position and an insertion ``order`` (unique inside a segment), which
-is how a read puts keys and values of different tiers back in the same order.
+A *segment* is one (batch row, KV head). Every entry keeps its true position (int32); positions are unique
+inside a segment, so ``(segment, position)`` orders keys and values of different tiers identically on read.
+Metadata is kept small because it is memory too: 4 bytes of position per entry, a 4-byte segment id per
+quantization unit, per-segment counts for the full-precision rows.
 """
 
 from __future__ import annotations
@@ -19,64 +21,70 @@ from kvcore import QuantizedTensor, Quantizer
 import kv_baselines.kernels.dispatch as _kernels
 from kv_baselines.quant.segments import exclusive_cumsum, rank_in_segment, segment_take
 
-Entries = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-"""``(rows [N, D], seg [N], pos [N], order [N])``."""
+Entries = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""``(rows [N, D], seg [N] int64, pos [N] int32)``, sorted by segment."""
 
 
-def compact_entries(x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, order: torch.Tensor) -> Entries:
-    """Entries of ``x [B, H, T, D]`` where ``mask [B, H, T]``, in (segment, T) order (``pos``/``order`` ``[B, H, T]``)."""
+def compact_entries(x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> tuple[Entries, torch.Tensor]:
+    """Entries of ``x [B, H, T, D]`` where ``mask [B, H, T]``, in (segment, T) order, and the counts ``[B*H]``."""
     rows, lengths = _kernels.compact(x, mask)
-    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=x.device), lengths.flatten())
-    return rows, seg.int(), pos[mask].int(), order[mask].int()
+    counts = lengths.flatten()
+    seg = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts)
+    return (rows, seg, pos[mask].int()), counts
 
 
 class FullRows:
-    """Flat full-precision entries ``[N, D]`` with their segment, position and order (int32)."""
+    """Flat full-precision entries ``rows [N, D]`` sorted by segment, with ``counts [S]`` and positions."""
 
-    def __init__(self, rows: torch.Tensor, seg: torch.Tensor, pos: torch.Tensor, order: torch.Tensor) -> None:
-        self.rows, self.seg, self.pos, self.order = rows, seg.int(), pos.int(), order.int()
+    def __init__(self, rows: torch.Tensor, pos: torch.Tensor, counts: torch.Tensor) -> None:
+        self.rows, self.pos, self.counts = rows, pos.int(), counts.long()
 
     @classmethod
-    def from_mask(cls, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, order: torch.Tensor) -> "FullRows":
-        """Entries of ``x [B, H, T, D]`` where ``mask [B, H, T]``; ``pos``, ``order`` ``[B, H, T]``."""
-        return cls(*compact_entries(x, mask, pos, order))
+    def from_mask(cls, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> "FullRows":
+        """Entries of ``x [B, H, T, D]`` where ``mask [B, H, T]``; ``pos`` ``[B, H, T]``."""
+        (rows, _, p), counts = compact_entries(x, mask, pos)
+        return cls(rows, p, counts)
+
+    def _seg(self) -> torch.Tensor:
+        return torch.repeat_interleave(torch.arange(self.counts.numel(), device=self.counts.device), self.counts)
 
     def entries(self) -> Entries:
-        return self.rows, self.seg, self.pos, self.order
+        return self.rows, self._seg(), self.pos
 
-    def counts(self, num_segments: int) -> torch.Tensor:
-        return torch.bincount(self.seg.long(), minlength=num_segments)
+    def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(seg, pos)`` of the entries, without touching the data."""
+        return self._seg(), self.pos
 
     def crop(self, position: int) -> None:
         keep = self.pos < position
-        self.rows, self.seg, self.pos, self.order = self.rows[keep], self.seg[keep], self.pos[keep], self.order[keep]
+        seg = self._seg()
+        self.counts = torch.bincount(seg[keep], minlength=self.counts.numel())
+        self.rows, self.pos = self.rows[keep], self.pos[keep]
 
     def take_segments(self, take: torch.Tensor, num_segments: int) -> None:
-        idx, new_seg = segment_take(self.seg, take, num_segments)
-        self.rows, self.pos, self.order = self.rows[idx], self.pos[idx], self.order[idx]
-        self.seg = new_seg.int()
+        idx, new_seg = segment_take(self._seg(), take, num_segments)
+        self.rows, self.pos = self.rows[idx], self.pos[idx]
+        self.counts = torch.bincount(new_seg, minlength=take.numel())
 
 
 class Residual:
     """Full-precision residual: ``data [S, cap, D]`` with ``length [S]`` valid slots per segment, oldest first."""
 
-    def __init__(self, data: torch.Tensor, pos: torch.Tensor, order: torch.Tensor, length: torch.Tensor) -> None:
-        self.data, self.pos, self.order, self.length = data, pos.int(), order.int(), length.long()
+    def __init__(self, data: torch.Tensor, pos: torch.Tensor, length: torch.Tensor) -> None:
+        self.data, self.pos, self.length = data, pos.int(), length.long()
 
     @classmethod
-    def from_mask(cls, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, order: torch.Tensor) -> "Residual":
+    def from_mask(cls, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> "Residual":
         """Entries of ``x [B, H, T, D]`` where ``mask [B, H, T]``, in ``T`` order per segment."""
         B, H, T, D = x.shape
         S = B * H
-        rows, seg, epos, eorder = compact_entries(x, mask, pos, order)
-        slot, length = rank_in_segment(seg, S)
+        (rows, seg, epos), length = compact_entries(x, mask, pos)
+        slot, _ = rank_in_segment(seg, S)
         cap = int(length.max()) if S else 0
-        seg = seg.long()
         data = torch.zeros(S, cap, D, dtype=x.dtype, device=x.device)
         p = torch.zeros(S, cap, dtype=torch.int32, device=x.device)
-        o = torch.zeros(S, cap, dtype=torch.int32, device=x.device)
-        data[seg, slot], p[seg, slot], o[seg, slot] = rows, epos, eorder
-        return cls(data, p, o, length)
+        data[seg, slot], p[seg, slot] = rows, epos
+        return cls(data, p, length)
 
     @property
     def capacity(self) -> int:
@@ -85,22 +93,31 @@ class Residual:
     def _valid(self) -> torch.Tensor:
         return torch.arange(self.capacity, device=self.data.device) < self.length[:, None]
 
+    def _seg_grid(self) -> torch.Tensor:
+        S, cap = self.pos.shape
+        return torch.arange(S, device=self.data.device)[:, None].expand(S, cap)
+
     def entries(self) -> Entries:
         valid = self._valid()
-        seg = torch.arange(self.data.shape[0], device=self.data.device)[:, None].expand_as(valid)
-        return self.data[valid], seg[valid].int(), self.pos[valid], self.order[valid]
+        return self.data[valid], self._seg_grid()[valid], self.pos[valid]
 
-    def push(self, rows: torch.Tensor, pos: torch.Tensor, order: torch.Tensor) -> None:
-        """Append ``rows [S, n, D]`` (with ``pos``/``order`` ``[S, n]``) after every segment's last entry."""
-        S, n, D = rows.shape
-        need = int(self.length.max()) + n if S else n
+    def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        valid = self._valid()
+        return self._seg_grid()[valid], self.pos[valid]
+
+    def push(self, rows: torch.Tensor, pos: torch.Tensor) -> None:
+        """Append ``rows [S, n, D]`` (positions ``[S, n]``) after every segment's last entry."""
+        S, n, _ = rows.shape
+        need = (int(self.length.max()) if S else 0) + n
         if need > self.capacity:
-            self._relayout(need)
+            data = torch.zeros(S, need, rows.shape[-1], dtype=self.data.dtype, device=self.data.device)
+            p = torch.zeros(S, need, dtype=torch.int32, device=self.data.device)
+            data[:, : self.capacity], p[:, : self.capacity] = self.data, self.pos
+            self.data, self.pos = data, p
         slot = self.length[:, None] + torch.arange(n, device=rows.device)
         seg = torch.arange(S, device=rows.device)[:, None].expand(S, n)
         self.data[seg, slot] = rows
         self.pos[seg, slot] = pos.int()
-        self.order[seg, slot] = order.int()
         self.length = self.length + n
 
     def pop_front(self, k: torch.Tensor) -> Entries:
@@ -108,52 +125,39 @@ class Residual:
         S, cap, _ = self.data.shape
         ar = torch.arange(cap, device=self.data.device)
         taken = ar < k[:, None]
-        seg = torch.arange(S, device=self.data.device)[:, None].expand(S, cap)
-        out = (self.data[taken], seg[taken].int(), self.pos[taken], self.order[taken])
+        out = (self.data[taken], self._seg_grid()[taken], self.pos[taken])
         src = (ar + k[:, None]).clamp_max(max(cap - 1, 0))
         self.data = torch.gather(self.data, 1, src[:, :, None].expand_as(self.data))
         self.pos = torch.gather(self.pos, 1, src)
-        self.order = torch.gather(self.order, 1, src)
         self.length = self.length - k
         return out
 
     def crop(self, position: int) -> None:
         keep = self._valid() & (self.pos < position)
         rank = torch.cumsum(keep, 1) - 1
-        S, cap, D = self.data.shape
-        seg = torch.arange(S, device=self.data.device)[:, None].expand(S, cap)
-        data, pos, order = torch.zeros_like(self.data), torch.zeros_like(self.pos), torch.zeros_like(self.order)
+        seg = self._seg_grid()
+        data, pos = torch.zeros_like(self.data), torch.zeros_like(self.pos)
         data[seg[keep], rank[keep]] = self.data[keep]
         pos[seg[keep], rank[keep]] = self.pos[keep]
-        order[seg[keep], rank[keep]] = self.order[keep]
-        self.data, self.pos, self.order, self.length = data, pos, order, keep.sum(1)
+        self.data, self.pos, self.length = data, pos, keep.sum(1)
 
     def take_segments(self, take: torch.Tensor, num_segments: int) -> None:
         take = take.long().to(self.data.device)
-        self.data, self.pos, self.order, self.length = (
-            self.data[take], self.pos[take], self.order[take], self.length[take]
-        )
-
-    def _relayout(self, cap: int) -> None:
-        S, old, D = self.data.shape
-        data = torch.zeros(S, cap, D, dtype=self.data.dtype, device=self.data.device)
-        pos = torch.zeros(S, cap, dtype=torch.int32, device=self.data.device)
-        order = torch.zeros(S, cap, dtype=torch.int32, device=self.data.device)
-        data[:, :old], pos[:, :old], order[:, :old] = self.data, self.pos, self.order
-        self.data, self.pos, self.order = data, pos, order
+        self.data, self.pos, self.length = self.data[take], self.pos[take], self.length[take]
 
 
 class QuantUnits:
     """Quantized entries in units of ``unit`` consecutive entries of one segment.
 
-    Buffers hold ``capacity`` units (``codes [cap, U, PW]``, ``scales``/``zeros [cap, ...]``) of which the
-    first ``n`` are in use; a unit's rows past its segment's entries (a partial last group) repeat the
-    unit's last real row, so they do not change its min/max, and are marked invalid.
+    Buffers hold ``capacity`` units (``codes [cap, U, PW]``, ``scales``/``zeros [cap, ...]``, ``seg [cap]``,
+    ``pos [cap, U]``) of which the first ``n`` are in use. A unit's rows past its segment's entries (a
+    partial last group) repeat the unit's last real row, so they leave its min/max unchanged, and have
+    position ``-1`` (not an entry).
 
     Parameters
     ----------
     quantizer : kvcore.Quantizer
-        Quantizes ``[units, U, D]`` tensors; with ``axis="channel"`` its ``group_size`` must equal ``unit``.
+        Quantizes ``[units, U, D]`` tensors; with ``axis="channel"`` its ``group_size`` equals ``unit``.
     unit : int
         Entries per unit ``U``.
     """
@@ -168,19 +172,16 @@ class QuantUnits:
         self.codebook: torch.Tensor | None = None
         self.seg: torch.Tensor | None = None
         self.pos: torch.Tensor | None = None
-        self.order: torch.Tensor | None = None
-        self.valid: torch.Tensor | None = None
         self._meta: tuple | None = None  # (bits, axis, group_size, D, dtype) of the stored QuantizedTensor
 
     # -- building ---------------------------------------------------------------------------------------
     @staticmethod
-    def gather_units(
-        rows: torch.Tensor, seg: torch.Tensor, pos: torch.Tensor, order: torch.Tensor, num_segments: int, unit: int
-    ) -> tuple[torch.Tensor, ...]:
-        """Cut entries sorted by (segment, order) into units of ``unit`` consecutive entries per segment.
+    def gather_units(entries: Entries, num_segments: int, unit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Cut entries sorted by (segment, position) into units of ``unit`` consecutive entries per segment.
 
-        Returns ``x [Nu, U, D]``, ``seg [Nu]``, ``pos``, ``order``, ``valid`` ``[Nu, U]``.
+        Returns ``x [Nu, U, D]``, ``seg [Nu]`` and ``pos [Nu, U]`` (``-1`` on padding rows).
         """
+        rows, seg, pos = entries
         device = rows.device
         counts = torch.bincount(seg.long(), minlength=num_segments)
         n_units = -(-counts // unit)
@@ -188,11 +189,10 @@ class QuantUnits:
         local = torch.arange(int(n_units.sum()), device=device) - torch.repeat_interleave(exclusive_cumsum(n_units), n_units)
         i = local[:, None] * unit + torch.arange(unit, device=device)
         cnt = counts[unit_seg][:, None]
-        valid = i < cnt
         src = exclusive_cumsum(counts)[unit_seg][:, None] + torch.minimum(i, cnt - 1)
-        return rows[src], unit_seg.int(), pos[src].int(), order[src].int(), valid
+        return rows[src], unit_seg, torch.where(i < cnt, pos[src], -1).int()
 
-    def add(self, x: torch.Tensor, seg: torch.Tensor, pos: torch.Tensor, order: torch.Tensor, valid: torch.Tensor) -> None:
+    def add(self, x: torch.Tensor, seg: torch.Tensor, pos: torch.Tensor) -> None:
         """Quantize ``x [Nu, U, D]`` (once) and append the units."""
         if x.shape[0] == 0:
             return
@@ -201,8 +201,7 @@ class QuantUnits:
         if self._meta is not None and meta != self._meta:
             raise ValueError(f"quantized units must share (bits, axis, group_size, D, dtype) {self._meta}, got {meta}")
         self._meta, self.codebook = meta, q.codebook
-        new = {"codes": q.codes, "scales": q.scales, "zeros": q.zeros, "seg": seg.int(), "pos": pos.int(),
-               "order": order.int(), "valid": valid}
+        new = {"codes": q.codes, "scales": q.scales, "zeros": q.zeros, "seg": seg.int(), "pos": pos.int()}
         m = x.shape[0]
         if self.codes is None:
             for name, t in new.items():
@@ -223,7 +222,7 @@ class QuantUnits:
     def _resize(self, cap: int, index: torch.Tensor | None = None) -> None:
         """Reallocate with ``cap`` units, keeping units ``index`` (default: the ``n`` in use) in front."""
         keep = torch.arange(self.n, device=self.codes.device) if index is None else index
-        for name in ("codes", "scales", "zeros", "seg", "pos", "order", "valid"):
+        for name in ("codes", "scales", "zeros", "seg", "pos"):
             old = getattr(self, name)
             if old is None:
                 continue
@@ -243,23 +242,33 @@ class QuantUnits:
             bits=bits, axis=axis, group_size=group_size, shape=(n, U, D), dtype=dtype, codebook=self.codebook,
         )
         x = self.quantizer.dequantize(q)
-        valid = self.valid[:n]
-        seg = self.seg[:n, None].expand(n, U)
-        return x[valid], seg[valid], self.pos[:n][valid], self.order[:n][valid]
+        pos = self.pos[:n]
+        valid = pos >= 0
+        seg = self.seg[:n, None].long().expand(n, U)
+        return x[valid], seg[valid], pos[valid]
+
+    def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.codes is None or self.n == 0:
+            empty = torch.zeros(0, dtype=torch.long, device=self.codes.device if self.codes is not None else None)
+            return empty, empty.int()
+        pos = self.pos[: self.n]
+        seg = self.seg[: self.n, None].long().expand_as(pos)
+        return seg[pos >= 0], pos[pos >= 0]
 
     def counts(self, num_segments: int, device: torch.device) -> torch.Tensor:
         if self.codes is None or self.n == 0:
             return torch.zeros(num_segments, dtype=torch.long, device=device)
-        return torch.bincount(self.seg[: self.n].long(), weights=self.valid[: self.n].sum(1).double(),
-                              minlength=num_segments).long()
+        per_unit = (self.pos[: self.n] >= 0).sum(1)
+        return torch.bincount(self.seg[: self.n].long(), weights=per_unit.double(), minlength=num_segments).long()
 
     # -- editing ----------------------------------------------------------------------------------------
     def crop(self, position: int) -> None:
-        """Invalidate entries at ``position`` or later; units left without entries are freed."""
+        """Drop entries at ``position`` or later (their rows stay in a kept unit); empty units are freed."""
         if self.codes is None:
             return
-        self.valid[: self.n] &= self.pos[: self.n] < position
-        keep = self.valid[: self.n].any(1).nonzero().flatten()
+        pos = self.pos[: self.n]
+        pos.masked_fill_(pos >= position, -1)
+        keep = (pos >= 0).any(1).nonzero().flatten()
         self._resize(keep.numel(), keep)
 
     def take_segments(self, take: torch.Tensor, num_segments: int) -> None:

@@ -12,12 +12,10 @@ from kv_baselines.quant.kivi_parts import Entries, FullRows, QuantUnits, Residua
 from kv_baselines.quant.segments import rank_in_segment
 from kv_baselines.quant.uniform import UniformQuantizer
 
-_ORDER_BITS = 32
-
 
 def _cat(parts: list[Entries | None]) -> Entries:
     parts = [p for p in parts if p is not None]
-    return tuple(torch.cat([p[i] for p in parts]) for i in range(4))  # type: ignore[return-value]
+    return tuple(torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
 
 
 def _held_tensors(obj: object, seen: set[int]) -> list[torch.Tensor]:
@@ -55,7 +53,9 @@ class KIVIStore:
       quantized per token.
 
     Already quantized data is never re-quantized (HF ``QuantizedLayer`` re-quantizes the whole cache when
-    its residual fills). Heads are ragged: evicted entries hold no memory.
+    its residual fills). Heads are ragged: evicted entries hold no memory. ``read`` returns each head's
+    entries in position order, so the true positions of the kept entries of a batch row must be distinct
+    (>= 0), and appended positions must come after every position held in their row.
 
     ``write`` follows the plan exactly: entries planned ``EVICT`` are dropped, entries planned at a
     quantizer's bits are quantized (groups of consecutive quantized entries of one head), entries planned
@@ -109,19 +109,20 @@ class KIVIStore:
         """Drop everything and free the memory."""
         self._shape: tuple[int, int, int] | None = None  # (B, H, D)
         self._dtype: torch.dtype | None = None
-        self._next_order = 0
+        self._last_pos: torch.Tensor | None = None  # [B] largest position held per batch row (-1: none)
         self._parts: dict[str, tuple[FullRows, QuantUnits, Residual]] = {}
 
     def _init(self, B: int, H: int, D: int, dtype: torch.dtype, device: torch.device) -> None:
         self._shape, self._dtype = (B, H, D), dtype
+        self._last_pos = torch.full((B,), -1, dtype=torch.long, device=device)
         empty = torch.zeros(B, H, 0, D, dtype=dtype, device=device)
         none = torch.zeros(B, H, 0, dtype=torch.bool, device=device)
         idx = torch.zeros(B, H, 0, dtype=torch.int32, device=device)
         for kind, q in (("k", self.key_quantizer), ("v", self.value_quantizer)):
             self._parts[kind] = (
-                FullRows.from_mask(empty, none, idx, idx),
+                FullRows.from_mask(empty, none, idx),
                 QuantUnits(q, self._unit(q)),
-                Residual.from_mask(empty, none, idx, idx),
+                Residual.from_mask(empty, none, idx),
             )
 
     @staticmethod
@@ -175,17 +176,25 @@ class KIVIStore:
             allowed = {EVICT, FULL, q.bits}
             if tiers - allowed:
                 raise ValueError(f"plan.{name} uses tiers {sorted(tiers)}; this KIVIStore holds {sorted(allowed)}")
-        if not torch.equal(kb != EVICT, vb != EVICT):
+        keep = kb != EVICT
+        if not torch.equal(keep, vb != EVICT):
             raise ValueError("KIVIStore needs the same kept entries for keys and values (tiers may differ)")
+        positions = positions.to(keys.device).long()
+        kept_any = keep.any(1)  # [B, T]
+        if bool((positions[kept_any] < 0).any()):
+            raise ValueError("positions of kept entries must be >= 0")
+        marked = torch.where(kept_any, positions, -1).sort(-1).values
+        if bool(((marked[:, 1:] == marked[:, :-1]) & (marked[:, 1:] >= 0)).any()):
+            raise ValueError("positions of the kept entries of a batch row must be distinct")
         self._init(B, H, D, keys.dtype, keys.device)
-        pos = positions.to(keys.device)[:, None, :].expand(B, H, T).int()
-        order = torch.arange(T, device=keys.device, dtype=torch.int32).expand(B, H, T)
+        self._last_pos = marked[:, -1].clone() if T else self._last_pos
+        pos = positions[:, None, :].expand(B, H, T).int()
         for kind, x, bits, q in (("k", keys, kb, self.key_quantizer), ("v", values, vb, self.value_quantizer)):
             quant, resid, full = self._roles(bits, q.bits, kind)
             units = self._parts[kind][1]
-            units.add(*QuantUnits.gather_units(*compact_entries(x, quant, pos, order), B * H, units.unit))
-            self._parts[kind] = (FullRows.from_mask(x, full, pos, order), units, Residual.from_mask(x, resid, pos, order))
-        self._next_order = T
+            entries, _ = compact_entries(x, quant, pos)
+            units.add(*QuantUnits.gather_units(entries, B * H, units.unit))
+            self._parts[kind] = (FullRows.from_mask(x, full, pos), units, Residual.from_mask(x, resid, pos))
 
     def _roles(self, bits: torch.Tensor, qbits: int, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split a ``[B, H, T]`` tier tensor into (quantized, residual, permanent full) masks."""
@@ -208,25 +217,29 @@ class KIVIStore:
         self._check_positions(positions, B, n)
         if self._shape is None:
             self._init(B, H, D, keys.dtype, keys.device)
+        positions = positions.to(keys.device).long()
+        if n and bool(((positions[:, 1:] <= positions[:, :-1]).any()) or (positions[:, 0] <= self._last_pos).any()):
+            raise ValueError(
+                "positions of appended entries must increase and come after every position held in their row "
+                f"(held up to {self._last_pos.tolist()}, got {positions.tolist()})"
+            )
+        if n:
+            self._last_pos = positions[:, -1].clone()
         S = B * H
-        pos = positions.to(keys.device)[:, None, :].expand(B, H, n).reshape(S, n)
-        order = (self._next_order + torch.arange(n, device=keys.device, dtype=torch.int32)).expand(S, n)
-        self._next_order += n
+        pos = positions[:, None, :].expand(B, H, n).reshape(S, n)
         R = self.residual
         # keys: grow the residual to R, then quantize whole blocks of R per channel
         _, kunits, kres = self._parts["k"]
-        kres.push(keys.reshape(S, n, D), pos, order)
+        kres.push(keys.reshape(S, n, D), pos)
         while bool((kres.length >= R).any()):
-            k = torch.where(kres.length >= R, R, 0)
-            rows, seg, p, o = kres.pop_front(k)
-            kunits.add(*QuantUnits.gather_units(rows, seg, p, o, S, kunits.unit))
+            block = kres.pop_front(torch.where(kres.length >= R, R, 0))
+            kunits.add(*QuantUnits.gather_units(block, S, kunits.unit))
         # values: FIFO of R, the oldest overflow is quantized per token
         _, vunits, vres = self._parts["v"]
-        vres.push(values.reshape(S, n, D), pos, order)
-        over = (vres.length - R + 1).clamp_min(0)
+        vres.push(values.reshape(S, n, D), pos)
+        over = (vres.length - R).clamp_min(0)
         if bool(over.any()):
-            rows, seg, p, o = vres.pop_front(over)
-            vunits.add(*QuantUnits.gather_units(rows, seg, p, o, S, vunits.unit))
+            vunits.add(*QuantUnits.gather_units(vres.pop_front(over), S, vunits.unit))
 
     def read(self, query: torch.Tensor | None = None) -> KVView:
         """Dequantized, position-ordered view; heads padded with ``-inf`` bias and position ``-1``."""
@@ -237,10 +250,9 @@ class KIVIStore:
         out = {}
         for kind in ("k", "v"):
             full, units, resid = self._parts[kind]
-            rows, seg, pos, order = _cat([full.entries(), units.entries(), resid.entries()])
-            key = (seg.long() << _ORDER_BITS) | order.long()
-            perm = torch.argsort(key)
-            rows, seg, pos = rows[perm], seg[perm].long(), pos[perm]
+            rows, seg, pos = _cat([full.entries(), units.entries(), resid.entries()])
+            perm = torch.argsort((seg.long() << 32) | pos.long())
+            rows, seg, pos = rows[perm], seg[perm], pos[perm]
             slot, counts = rank_in_segment(seg, S)
             out[kind] = (rows, seg, slot, pos, counts)
         rows_k, seg, slot, pos, counts = out["k"]
@@ -267,7 +279,7 @@ class KIVIStore:
         B, H, _ = self._shape
         full, units, resid = self._parts["k"]
         device = resid.length.device
-        return (full.counts(B * H) + units.counts(B * H, device) + resid.length).view(B, H)
+        return (full.counts + units.counts(B * H, device) + resid.length).view(B, H)
 
     def entry_counts(self) -> dict[str, torch.Tensor]:
         """``[B, H]`` entries per tier: ``keys_quantized``, ``keys_full``, ``keys_residual`` and the same for values.
@@ -283,7 +295,7 @@ class KIVIStore:
             device = resid.length.device
             out[f"{name}_quantized"] = units.counts(B * H, device).view(B, H)
             out[f"{name}_residual"] = resid.length.view(B, H).clone()
-            out[f"{name}_full"] = (full.counts(B * H) + resid.length).view(B, H)
+            out[f"{name}_full"] = (full.counts + resid.length).view(B, H)
         return out
 
     def crop(self, position: int) -> None:
@@ -299,6 +311,11 @@ class KIVIStore:
         for parts in self._parts.values():
             for part in parts:
                 part.crop(position)
+        B, H, _ = self._shape
+        held = [part.positions() for part in self._parts["k"]]
+        row = torch.cat([seg.to(self._last_pos.device) for seg, _ in held]) // H
+        pos = torch.cat([p.to(self._last_pos.device) for _, p in held]).long()
+        self._last_pos = torch.full_like(self._last_pos, -1).scatter_reduce(0, row, pos, reduce="amax")
 
     def reorder(self, index: torch.Tensor) -> None:
         """Row ``i`` of the batch becomes old row ``index[i]`` (beam search; rows may repeat or vanish)."""
@@ -315,5 +332,6 @@ class KIVIStore:
         for parts in self._parts.values():
             for part in parts:
                 part.take_segments(take, B * H)
+        self._last_pos = self._last_pos[index.to(device).long()]
         self._shape = (index.numel(), H, D)
 

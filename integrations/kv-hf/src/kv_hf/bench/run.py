@@ -1,0 +1,157 @@
+"""Run methods x ratios on generated tasks and continuation KL with a real model, against the full cache."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from kvcore import Compressor
+from kv_hf.bench.memory import peak_memory
+from kv_hf.bench.report import Row
+from kv_hf.bench.tasks import TaskSample, score
+from kv_hf.cache import compressed_cache
+from kv_hf.prefill import prefill
+from kv_hf.reuse import generate_answer
+
+
+@dataclass
+class Workload:
+    """What every (method, ratio) is evaluated on."""
+
+    samples: list[TaskSample]
+    kl_pairs: list[tuple[list[int], list[int]]] = field(default_factory=list)
+
+
+def _full_cache_bytes(model, n_tokens: int) -> int:
+    """Bytes of an uncompressed K+V cache of ``n_tokens`` in the model's dtype."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    elt = next(model.parameters()).element_size()
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * n_tokens * elt
+
+
+@torch.no_grad()
+def _prefill(model, tokenizer, compressor: Compressor, ids: torch.Tensor):
+    cache = compressed_cache(model, compressor)
+    with peak_memory(ids.device) as peak:
+        t0 = time.perf_counter()
+        logits = prefill(model, cache, ids, tokenizer=tokenizer)
+        elapsed = time.perf_counter() - t0
+    return cache, logits, elapsed, peak.bytes
+
+
+@torch.no_grad()
+def evaluate(
+    model,
+    tokenizer,
+    compressor: Compressor,
+    work: Workload,
+    full_logits: Sequence[torch.Tensor] | None = None,
+) -> tuple[Row, list[torch.Tensor]]:
+    """Evaluate one compressor; returns its row and its continuation logits (the reference for others when
+    ``compressor`` is the full cache)."""
+    device = next(model.parameters()).device
+    row = Row(method=compressor.name or type(compressor.scorer).__name__, ratio=compressor.budget.ratio or 0.0)
+    acc: dict[str, list[float]] = {}
+    kv_bytes, kv_frac, prefill_s, peaks, dec_tok, dec_s = [], [], [], [], 0, 0.0
+    eos = getattr(tokenizer, "eos_token_id", None)
+    for s in work.samples:
+        ids = torch.tensor([tokenizer.encode(s.context, add_special_tokens=True)], device=device)
+        q = torch.tensor([tokenizer.encode(s.question, add_special_tokens=False)], device=device)
+        cache, _, t, peak = _prefill(model, tokenizer, compressor, ids)
+        kv_bytes.append(cache.nbytes())
+        kv_frac.append(cache.nbytes() / _full_cache_bytes(model, ids.shape[1]))
+        prefill_s.append(t)
+        peaks.append(peak)
+        t0 = time.perf_counter()
+        out = generate_answer(model, cache, q, s.max_new_tokens, eos_token_id=eos)
+        dec_s += time.perf_counter() - t0
+        dec_tok += out.shape[1]
+        text = tokenizer.decode(out[0].tolist(), skip_special_tokens=True)
+        acc.setdefault(f"{s.task}@{s.target_length}", []).append(score(text, s))
+    logits_out, kls, nlls = [], [], []
+    for i, (ctx_ids, cont_ids) in enumerate(work.kl_pairs):
+        ids = torch.tensor([ctx_ids], device=device)
+        cont = torch.tensor([cont_ids], device=device)
+        cache, last, t, peak = _prefill(model, tokenizer, compressor, ids)
+        kv_bytes.append(cache.nbytes())
+        kv_frac.append(cache.nbytes() / _full_cache_bytes(model, ids.shape[1]))
+        prefill_s.append(t)
+        peaks.append(peak)
+        pos = cache.next_positions().to(device)[:, None] + torch.arange(cont.shape[1] - 1, device=device)
+        rest = model(input_ids=cont[:, :-1], past_key_values=cache, position_ids=pos, use_cache=True).logits
+        logits = torch.cat([last.reshape(1, 1, -1), rest], 1).float().log_softmax(-1)[0]  # [k, V]
+        logits_out.append(logits)
+        nlls.append(-logits.gather(-1, cont[0, :, None]).mean())
+        if full_logits is not None:
+            ref = full_logits[i]
+            kls.append((ref.exp() * (ref - logits)).sum(-1).mean())
+    row.accuracy = {k: sum(v) / len(v) for k, v in acc.items()}
+    row.samples = len(work.samples) + len(work.kl_pairs)
+    row.kv_bytes = sum(kv_bytes) / max(1, len(kv_bytes))
+    row.kv_fraction = sum(kv_frac) / max(1, len(kv_frac))
+    row.prefill_s = sum(prefill_s) / max(1, len(prefill_s))
+    known = [p for p in peaks if p is not None]
+    row.peak_bytes = max(known) if known else None
+    row.decode_tok_s = dec_tok / dec_s if dec_s > 0 else None
+    if nlls:
+        row.ppl = math.exp(float(torch.stack(nlls).mean()))
+    if kls:
+        row.kl = float(torch.stack(kls).mean())
+    return row, logits_out
+
+
+def run_grid(
+    model,
+    tokenizer,
+    methods: dict[str, Callable[[float], Compressor]],
+    grid: list[tuple[str, float]],
+    work: Workload,
+    progress: bool = True,
+) -> list[Row]:
+    """Evaluate the full cache first (the reference), then every (method, ratio) of ``grid``."""
+    if "full" not in methods:
+        raise ValueError("the registry must provide the 'full' method (kv-baselines) as the reference")
+    rows: list[Row] = []
+    bar = tqdm(total=len(grid) + 1, desc="kvbench", disable=not progress)
+    ref_row, ref_logits = evaluate(model, tokenizer, methods["full"](0.0), work)
+    ref_row.kl = 0.0 if work.kl_pairs else None
+    rows.append(ref_row)
+    bar.update()
+    for name, ratio in grid:
+        if name == "full":
+            bar.update()
+            continue
+        bar.set_postfix_str(f"{name}@{ratio:g}")
+        row, _ = evaluate(model, tokenizer, methods[name](ratio), work, ref_logits)
+        row.method, row.ratio = name, ratio
+        row.compress_s = max(0.0, row.prefill_s - ref_row.prefill_s)
+        rows.append(row)
+        bar.update()
+    bar.close()
+    return rows
+
+
+def describe_machine() -> dict[str, Any]:
+    """CPU / GPU description for the results' metadata."""
+    import os
+    import platform
+
+    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
+                            "torch": torch.__version__, "threads": torch.get_num_threads(),
+                            "cpu_count": os.cpu_count()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
