@@ -7,17 +7,18 @@ A method adopts a suite by subclassing it in a test module and supplying one fix
         def scorer(self):
             return KeyNorm()
 
-=================  =================  =========================================================================
-suite              fixture            capability flags (class attributes) and hooks (methods)
-=================  =================  =========================================================================
-``ScorerTests``    ``scorer``         ``requires_queries``, ``stochastic``; ``make_extras(shapes)``
-``SelectorTests``  ``selector``       ``supports_granularities``, ``supports_token_budget``, ``tiered``,
-                                      ``tiers``, ``avg_bits_choices``; ``expected_shares(selector, budget)``
-``QuantizerTests`` ``quantizer``      ``uniform``, ``divisible_only``
-``StoreTests``     ``store_factory``  ``quantized_bits``, ``supports_crop``, ``supports_reorder``,
-                                      ``lossless_full_tier``, ``lossless_append``; ``max_quantization_error``
-``CompressorTests`` ``compressor``    ``lossless_at_zero_ratio``, ``evicts``; ``make_extras(shapes)``
-=================  =================  =========================================================================
+===================  =================  ======================================================================
+suite                fixture            capability flags (class attributes) and hooks (methods)
+===================  =================  ======================================================================
+``ScorerTests``      ``scorer``         ``requires_queries``, ``stochastic``; ``make_extras(shapes)``
+``SelectorTests``    ``selector``       ``supports_granularities``, ``supports_token_budget``, ``tiered``,
+                                        ``tiers``, ``avg_bits_choices``; ``expected_shares(selector, budget)``
+``QuantizerTests``   ``quantizer``      ``uniform``, ``divisible_only``
+``StoreTests``       ``store_factory``  ``quantized_bits``, ``quantized_key_bits``, ``quantized_value_bits``,
+                                        ``same_kv_tiers``, ``supports_crop``, ``supports_reorder``,
+                                        ``lossless_full_tier``, ``lossless_append``; ``max_quantization_error``
+``CompressorTests``  ``compressor``     ``lossless_at_zero_ratio``, ``evicts``; ``make_extras(shapes)``
+===================  =================  ======================================================================
 
 Each suite's module documents its flags; a flag left ``None`` is read from the object under test. A test of a
 feature a flag turns off is skipped with the flag in the reason. Every suite runs

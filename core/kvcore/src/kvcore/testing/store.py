@@ -240,7 +240,7 @@ class StoreTests(StandardTests):
         p1 = torch.full((2, 1), 6)
         plan, plan7 = Plan.from_keep(torch.ones(2, 2, 6).bool()), Plan.from_keep(torch.ones(2, 2, 7).bool())
         odd = [b for b in range(1, 16) if b not in store_factory().supported_bits]
-        cases = {  # name: (write a valid layer first?, the call that must raise)
+        bad = {  # name: (write a valid layer first?, the call that must raise)
             "plan of another shape": (False, lambda s: s.write(x, x, plan7, pos)),
             "positions of another shape": (False, lambda s: s.write(x, x, plan, pos[:, :5])),
             "float positions": (False, lambda s: s.write(x, x, plan, pos.float())),
@@ -254,8 +254,8 @@ class StoreTests(StandardTests):
             "append with positions of another shape": (True, lambda s: s.append(one, one, torch.full((2, 2), 6))),
         }
         if not odd:  # the store holds every width
-            del cases["an unsupported tier"]
-        for what, (setup, call) in cases.items():
+            del bad["an unsupported tier"]
+        for what, (setup, call) in bad.items():
             store = store_factory()
             if setup:
                 store.write(x, x, plan, pos)

@@ -12,32 +12,31 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
+from kvcore import packed_width
 
 from kv_baselines.quant.minmax import minmax_scale, scale_dtype_for
-from kv_baselines.quant.packing import pack_codes, unpack_codes
+from kv_baselines.quant.packing import pack_unchecked, unpack_unchecked
 
 
-def _group_minmax(x: torch.Tensor, axis: str, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-group min and max of float32 ``x [M, T, D]`` (partial last groups allowed)."""
+def _pad_groups(x: torch.Tensor, axis: str, group_size: int, replicate: bool) -> tuple[torch.Tensor, int]:
+    """``[M, T, D]`` -> grouped view ``[M, T, n, G]`` (token) or ``[M, n, G, D]`` (channel), and ``n``.
+
+    A partial last group is filled by repeating the last element (which leaves its min and max unchanged)
+    or with zeros.
+    """
     M, T, D = x.shape
     G = group_size
     if axis == "token":
         n = -(-D // G)
-        lo = F.pad(x, (0, n * G - D), value=float("inf")).view(M, T, n, G).amin(-1)
-        hi = F.pad(x, (0, n * G - D), value=float("-inf")).view(M, T, n, G).amax(-1)
-    else:
-        n = -(-T // G)
-        lo = F.pad(x, (0, 0, 0, n * G - T), value=float("inf")).view(M, n, G, D).amin(-2)
-        hi = F.pad(x, (0, 0, 0, n * G - T), value=float("-inf")).view(M, n, G, D).amax(-2)
-    return lo, hi
-
-
-def _expand(stat: torch.Tensor, axis: str, group_size: int, T: int, D: int) -> torch.Tensor:
-    """Broadcast per-group statistics ``[M, *, *]`` back to elements ``[M, T, D]``."""
-    if axis == "token":
-        return stat.repeat_interleave(group_size, dim=-1)[..., :D]
-    return stat.repeat_interleave(group_size, dim=-2)[..., :T, :]
+        if n * G != D:
+            fill = x[..., -1:] if replicate else torch.zeros_like(x[..., :1])
+            x = torch.cat([x, fill.expand(M, T, n * G - D)], -1)
+        return x.view(M, T, n, G), n
+    n = -(-T // G)
+    if n * G != T:
+        fill = x[:, -1:] if replicate else torch.zeros_like(x[:, :1])
+        x = torch.cat([x, fill.expand(M, n * G - T, D)], 1)
+    return x.view(M, n, G, D), n
 
 
 def quantize_pack_ref(
@@ -54,20 +53,24 @@ def quantize_pack_ref(
         ``scale_dtype_for(x.dtype, bits)``, zeros (the group minima) in ``x.dtype``.
     """
     *lead, T, D = x.shape
-    xf = x.reshape(math.prod(lead), T, D).float()
-    lo, hi = _group_minmax(xf, axis, group_size)
+    G = group_size
     sdt = scale_dtype_for(x.dtype, bits)
+    gshape = (*lead, T, -(-D // G)) if axis == "token" else (*lead, -(-T // G), D)
+    if x.numel() == 0:
+        return (torch.zeros(*lead, T, packed_width(D, bits), dtype=torch.uint8, device=x.device),
+                torch.zeros(gshape, dtype=sdt, device=x.device), torch.zeros(gshape, dtype=x.dtype, device=x.device))
+    M = math.prod(lead)
+    xg, _ = _pad_groups(x.reshape(M, T, D).float(), axis, G, replicate=True)
+    rdim = -1 if axis == "token" else -2
+    lo, hi = xg.amin(rdim, keepdim=True), xg.amax(rdim, keepdim=True)
     scale = minmax_scale(hi - lo, bits, sdt)
-    z_el = _expand(lo, axis, group_size, T, D)
-    s_el = _expand(scale, axis, group_size, T, D)
-    levels = (1 << bits) - 1
-    codes = torch.round((xf - z_el) / s_el).clamp_(0, levels).to(torch.uint8)
-    packed = pack_codes(codes, bits)
-    shape_g = tuple(scale.shape[1:])
+    codes = torch.round((xg - lo) / scale).clamp_(0, (1 << bits) - 1).to(torch.uint8)
+    codes = codes.view(M, T, -1) if axis == "token" else codes.view(M, -1, D)
+    packed = pack_unchecked(codes[:, :T, :D], bits)
     return (
         packed.view(*lead, T, packed.shape[-1]),
-        scale.to(sdt).view(*lead, *shape_g),
-        lo.to(x.dtype).view(*lead, *shape_g),
+        scale.squeeze(rdim).to(sdt).reshape(gshape),
+        lo.squeeze(rdim).to(x.dtype).reshape(gshape),
     )
 
 
@@ -87,13 +90,19 @@ def unpack_dequantize_ref(
     final round-to-nearest cast.
     """
     *lead, T, D = shape
+    if math.prod(shape) == 0:
+        return torch.zeros(shape, dtype=dtype, device=codes.device)
     M = math.prod(lead)
-    c = unpack_codes(codes.reshape(M, T, codes.shape[-1]), bits, D).float()
-    s_el = _expand(scales.reshape(M, *scales.shape[-2:]).float(), axis, group_size, T, D)
-    z_el = _expand(zeros.reshape(M, *zeros.shape[-2:]).float(), axis, group_size, T, D)
+    c = unpack_unchecked(codes.reshape(M, T, codes.shape[-1]), bits, D)
+    cg, n = _pad_groups(c, axis, group_size, replicate=False)
+    if axis == "token":
+        s, z = scales.reshape(M, T, n, 1).float(), zeros.reshape(M, T, n, 1).float()
+    else:
+        s, z = scales.reshape(M, n, 1, D).float(), zeros.reshape(M, n, 1, D).float()
     fmax = torch.finfo(dtype).max
-    y = (z_el + c * s_el).clamp_(-fmax, fmax)
-    return y.to(dtype).view(*lead, T, D)
+    y = (z + cg.float() * s).clamp_(-fmax, fmax).to(dtype)
+    y = y.view(M, T, -1)[:, :, :D] if axis == "token" else y.view(M, -1, D)[:, :T]
+    return y.reshape(shape)
 
 
 def compact_ref(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ import torch
 from kvcore import QuantizedTensor, Quantizer
 
 import kv_baselines.kernels.dispatch as _kernels
-from kv_baselines.quant.segments import exclusive_cumsum, rank_in_segment, segment_take
+from kv_baselines.quant.segments import exclusive_cumsum, rank_in_segment, segment_ids, segment_take
 
 Entries = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """``(rows [N, D], seg [N] int64, pos [N] int32)``, sorted by segment."""
@@ -29,7 +29,7 @@ def compact_entries(x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> t
     """Entries of ``x [B, H, T, D]`` where ``mask [B, H, T]``, in (segment, T) order, and the counts ``[B*H]``."""
     rows, lengths = _kernels.compact(x, mask)
     counts = lengths.flatten()
-    seg = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts)
+    seg = segment_ids(counts)
     return (rows, seg, pos[mask].int()), counts
 
 
@@ -46,7 +46,7 @@ class FullRows:
         return cls(rows, p, counts)
 
     def _seg(self) -> torch.Tensor:
-        return torch.repeat_interleave(torch.arange(self.counts.numel(), device=self.counts.device), self.counts)
+        return segment_ids(self.counts)
 
     def entries(self) -> Entries:
         return self.rows, self._seg(), self.pos
@@ -185,8 +185,8 @@ class QuantUnits:
         device = rows.device
         counts = torch.bincount(seg.long(), minlength=num_segments)
         n_units = -(-counts // unit)
-        unit_seg = torch.repeat_interleave(torch.arange(num_segments, device=device), n_units)
-        local = torch.arange(int(n_units.sum()), device=device) - torch.repeat_interleave(exclusive_cumsum(n_units), n_units)
+        unit_seg = segment_ids(n_units)
+        local = torch.arange(unit_seg.numel(), device=device) - exclusive_cumsum(n_units)[unit_seg]
         i = local[:, None] * unit + torch.arange(unit, device=device)
         cnt = counts[unit_seg][:, None]
         src = exclusive_cumsum(counts)[unit_seg][:, None] + torch.minimum(i, cnt - 1)

@@ -46,16 +46,28 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         raise ValueError("codes must have rank >= 1 ([..., D])")
     if codes.numel() and int(codes.max()) >= (1 << bits):
         raise ValueError(f"codes must be < 2**bits = {1 << bits}, got a code {int(codes.max())}")
+    return pack_unchecked(codes, bits)
+
+
+def pack_unchecked(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`pack_codes` without argument checks (for callers that produced valid codes)."""
     *lead, d = codes.shape
+    width = packed_width(d, bits)
     if bits == 8:
-        return codes.clone()
-    chunks = -(-d // 8)  # 8 codes fill exactly `bits` bytes
-    c = F.pad(codes, (0, chunks * 8 - d)).view(*lead, chunks, 8).to(torch.int64)
+        return codes.clone(memory_format=torch.contiguous_format)
+    if 8 % bits == 0:  # 1, 2, 4 bits: whole codes per byte, combined lane by lane in uint8
+        per = 8 // bits
+        c = F.pad(codes, (0, width * per - d)).reshape(*lead, width, per)
+        out = c[..., 0].clone(memory_format=torch.contiguous_format)
+        for lane in range(1, per):
+            out |= c[..., lane] << (lane * bits)
+        return out
+    chunks = -(-d // 8)  # 8 codes fill exactly `bits` bytes (at most 56 bits: int64)
+    c = F.pad(codes, (0, chunks * 8 - d)).reshape(*lead, chunks, 8).to(torch.int64)
     shifts = torch.arange(8, device=codes.device, dtype=torch.int64) * bits
     word = (c << shifts).sum(-1)  # disjoint bit fields: sum == or
     byte_shift = torch.arange(bits, device=codes.device, dtype=torch.int64) * 8
     out = ((word[..., None] >> byte_shift) & 0xFF).to(torch.uint8).view(*lead, chunks * bits)
-    width = packed_width(d, bits)
     return out if out.shape[-1] == width else out[..., :width].clone(memory_format=torch.contiguous_format)
 
 
@@ -71,13 +83,23 @@ def unpack_codes(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     width = packed_width(d, bits)
     if packed.ndim < 1 or packed.shape[-1] != width:
         raise ValueError(f"packed must have shape [..., {width}] for d={d}, bits={bits}, got {tuple(packed.shape)}")
-    *lead, _ = packed.shape
+    return unpack_unchecked(packed, bits, d)
+
+
+def unpack_unchecked(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
+    """:func:`unpack_codes` without argument checks."""
+    *lead, width = packed.shape
     if bits == 8:
-        return packed.clone()
-    chunks = -(-d // 8)
-    p = F.pad(packed, (0, chunks * bits - width)).view(*lead, chunks, bits).to(torch.int64)
-    byte_shift = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
-    word = (p << byte_shift).sum(-1)
-    shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
-    codes = ((word[..., None] >> shifts) & ((1 << bits) - 1)).to(torch.uint8).view(*lead, chunks * 8)
+        return packed.clone(memory_format=torch.contiguous_format)
+    if 8 % bits == 0:  # 1, 2, 4 bits
+        per = 8 // bits
+        shifts = torch.arange(per, device=packed.device, dtype=torch.uint8) * bits
+        codes = ((packed[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*lead, width * per)
+    else:
+        chunks = -(-d // 8)
+        p = F.pad(packed, (0, chunks * bits - width)).reshape(*lead, chunks, bits).to(torch.int64)
+        byte_shift = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
+        word = (p << byte_shift).sum(-1)
+        shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
+        codes = ((word[..., None] >> shifts) & ((1 << bits) - 1)).to(torch.uint8).view(*lead, chunks * 8)
     return codes if codes.shape[-1] == d else codes[..., :d].clone(memory_format=torch.contiguous_format)
