@@ -18,7 +18,8 @@ Usage::
     python benchmarks/bench_quant.py --quick    # small shapes (T in {1024, 4096}), fewer repetitions
     python benchmarks/bench_quant.py --device cpu
 
-Ratios are ``anchor time / our time`` (above 1: we are faster). GPU figures must come from a real GPU run,
+Ratios are ``anchor time / our time`` (above 1: we are faster), the median over rounds in which the contenders
+run back to back, which keeps them meaningful on a shared machine. GPU figures must come from a real GPU run,
 with the device named; the table header prints the device.
 """
 
@@ -82,24 +83,42 @@ def anchor_unpack_dequantize(packed: torch.Tensor, scale: torch.Tensor, mn: torc
 # ------------------------------------------------------------------------------------------------------------
 # timing
 # ------------------------------------------------------------------------------------------------------------
-def timeit(fn, device: torch.device, reps: int, warmup: int = 2) -> float:
-    """Median wall time of ``fn()`` in milliseconds (CUDA events on GPU)."""
-    for _ in range(warmup):
+def _once(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
-    times = []
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def time_paired(fns: dict, device: torch.device, reps: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Wall times (ms, CUDA events on GPU) of each function, interleaved round by round.
+
+    Interleaving puts a shared machine's bursts of load on every contender alike, so the per-round ratios
+    stay meaningful when the absolute times do not.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
     for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            times[name].append(_once(fn, device))
+    return times
+
+
+def summary(times: list[float], stat: str) -> float:
+    return min(times) if stat == "min" else statistics.median(times)
+
+
+def ratio(num: list[float], den: list[float]) -> float:
+    """Median over rounds of ``num / den``."""
+    return statistics.median(a / b for a, b in zip(num, den))
 
 
 def nbytes(*ts) -> int:
@@ -118,14 +137,20 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (median reported)")
     ap.add_argument("--group-size", type=int, default=32)
+    ap.add_argument("--stat", choices=("median", "min"), default="median",
+                    help="statistic over the timed runs (min is steadier on a shared machine)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     B, H, D, G = 1, 8, 128, args.group_size
     lengths = (1024, 4096) if args.quick else (4096, 32768)
     reps = args.reps or (3 if args.quick else 10)
     on_gpu = device.type == "cuda"
-    print(f"device: {device_name(device)}; torch {torch.__version__}; triton path: {kernels.use_triton(torch.empty(0, device=device))}")
-    print(f"shapes: B={B} H={H} D={D} G={G}, T in {lengths}; median of {reps} runs, ms\n")
+    triton_path = kernels.use_triton(torch.empty(0, device=device))
+    print(f"device: {device_name(device)}; torch {torch.__version__}; triton path: {triton_path}")
+    print(f"shapes: B={B} H={H} D={D} G={G}, T in {lengths}; {args.stat} of {reps} runs, ms\n")
     cols = ["op", "axis", "bits", "dtype", "T"]
     cols += (["dispatch", "reference", "anchor", "anchor/dispatch", "anchor/reference"] if on_gpu
              else ["reference", "anchor", "anchor/reference"])
@@ -157,13 +182,13 @@ def main() -> None:
                         ),
                     }
                     for op, (disp, ref, anc) in timings.items():
-                        t_ref, t_anc = timeit(ref, device, reps), timeit(anc, device, reps)
+                        fns = {"dispatch": disp} if on_gpu else {}
+                        fns.update(reference=ref, anchor=anc)
+                        t = time_paired(fns, device, reps)
+                        vals = [f"{summary(t[k], args.stat):.3f}" for k in fns]
                         if on_gpu:
-                            t_disp = timeit(disp, device, reps)
-                            vals = [f"{t_disp:.3f}", f"{t_ref:.3f}", f"{t_anc:.3f}", f"{t_anc / t_disp:.2f}x",
-                                    f"{t_anc / t_ref:.2f}x"]
-                        else:
-                            vals = [f"{t_ref:.3f}", f"{t_anc:.3f}", f"{t_anc / t_ref:.2f}x"]
+                            vals.append(f"{ratio(t['anchor'], t['dispatch']):.2f}x")
+                        vals.append(f"{ratio(t['anchor'], t['reference']):.2f}x")
                         rows.append([op, *common, *vals, *tail])
                         print(" | ".join(str(v) for v in rows[-1]), flush=True)
     print()

@@ -143,8 +143,9 @@ def test_evicted_entries_hold_no_memory():
                 torch.arange(T // 2).expand(B, T // 2))
     assert evicting.nbytes() == dense.nbytes()
     everything = _store()
-    everything.write(keys, values, Plan(kivi_tiers(torch.ones_like(keep), 2, 8, "keys"),
-                                        kivi_tiers(torch.ones_like(keep), 2, 8, "values")), torch.arange(T).expand(B, T))
+    ones = torch.ones_like(keep)
+    everything.write(keys, values, Plan(kivi_tiers(ones, 2, 8, "keys"), kivi_tiers(ones, 2, 8, "values")),
+                     torch.arange(T).expand(B, T))
     assert evicting.nbytes() < everything.nbytes()
 
 
@@ -273,7 +274,8 @@ def test_crop_drops_later_positions_and_keeps_the_rest():
     store, T = _kivi_prefill([[9, 14]], G=G, R=R, D=D, seed=2)
     g = torch.Generator().manual_seed(9)
     for step in range(11):
-        store.append(torch.randn(1, 2, 1, D, generator=g), torch.randn(1, 2, 1, D, generator=g), torch.tensor([[T + step]]))
+        k, v = torch.randn(1, 2, 1, D, generator=g), torch.randn(1, 2, 1, D, generator=g)
+        store.append(k, v, torch.tensor([[T + step]]))
     before = store.read()
     bytes_before = store.nbytes()
     cut = T + 3  # inside the appended tokens: cuts a quantized key block of head 1

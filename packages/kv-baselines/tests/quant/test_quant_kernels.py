@@ -51,7 +51,8 @@ def test_quantize_dequantize_triton_matches_reference(bits, axis, c):
         assert r.dtype == t.dtype and r.shape == t.shape
         assert torch.equal(r, t)  # codes, scales and zeros bit-exact
     args = (*ref, bits, axis, c["G"], tuple(x.shape), x.dtype)
-    _assert_close_1ulp(unpack_dequantize_triton(*args, block_rows=c["block_rows"]), kernels.unpack_dequantize_ref(*args))
+    tri_y = unpack_dequantize_triton(*args, block_rows=c["block_rows"])
+    _assert_close_1ulp(tri_y, kernels.unpack_dequantize_ref(*args))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

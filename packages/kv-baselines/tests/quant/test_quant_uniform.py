@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvcore import QuantizedTensor, Quantizer, packed_width
+from kvcore import QuantizedTensor, Quantizer
 from quant_testutil import DTYPES, group_view, make_data, ulp
 
 from kv_baselines.quant import QUANT_BITS, UniformQuantizer, unpack_codes

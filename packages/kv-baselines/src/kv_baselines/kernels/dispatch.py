@@ -71,7 +71,9 @@ def compact(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     check_tensor("x", x, ndim=4)
     check_tensor("keep", keep, ndim=3)
     if keep.dtype != torch.bool or tuple(keep.shape) != tuple(x.shape[:3]):
-        raise ValueError(f"keep must be a bool tensor of shape {tuple(x.shape[:3])}, got {keep.dtype} {tuple(keep.shape)}")
+        raise ValueError(
+            f"keep must be a bool tensor of shape {tuple(x.shape[:3])}, got {keep.dtype} {tuple(keep.shape)}"
+        )
     if keep.device != x.device:
         raise ValueError(f"keep is on {keep.device} but x is on {x.device}")
     if use_triton(x):
