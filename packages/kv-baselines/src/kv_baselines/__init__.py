@@ -5,6 +5,7 @@ per-channel or per-token groups, KIVI). Store: KIVI's quantized store with a ful
 """
 
 from kv_baselines.compressors import full, h2o, kivi, knorm, random, snapkv, snapkv_kivi, streaming_llm
+from kv_baselines.quant import KIVIStore, KIVITierSelector, UniformQuantizer
 from kv_baselines.scorers import (
     ConstantScorer,
     H2OScorer,
@@ -15,6 +16,7 @@ from kv_baselines.scorers import (
 )
 
 __all__ = [
+    "KIVIStore", "KIVITierSelector", "UniformQuantizer",
     "ConstantScorer", "H2OScorer", "KnormScorer", "RandomScorer", "SnapKVScorer", "StreamingLLMScorer",
     "full", "h2o", "kivi", "knorm", "random", "snapkv", "snapkv_kivi", "streaming_llm",
 ]

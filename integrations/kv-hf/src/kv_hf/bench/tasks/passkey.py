@@ -12,7 +12,9 @@ from kv_hf.bench.tasks.values import random_number
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 FILLER_SENTENCES = tuple(s if s.endswith(".") else s + "." for s in FILLER.split(". "))
-PREAMBLE = (
+#: Optional instructions (LongLoRA's). Off by default: with them SmolLM2-135M found the key at
+#: depth 0.1 of a 2k-token prompt in 2/4 seeds, without them in 4/4.
+INSTRUCTIONS = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
     "I will quiz you about the important information there.\n"
 )
@@ -33,6 +35,7 @@ def passkey(
     *,
     digits: int = 5,
     max_new_tokens: int = 8,
+    preamble: str = "",
 ) -> TaskSample:
     """Generate one passkey sample.
 
@@ -50,6 +53,9 @@ def passkey(
         Digits of the key.
     max_new_tokens : int
         Generation budget.
+    preamble : str
+        Text before the filler, e.g. :data:`INSTRUCTIONS`; none by default, so the context is
+        filler and needle only.
 
     Returns
     -------
@@ -61,12 +67,14 @@ def passkey(
     depth = check_depth(depth)
     check_count(digits, "digits")
     check_count(max_new_tokens, "max_new_tokens")
+    if not isinstance(preamble, str):
+        raise TypeError(f"preamble must be a str, got {type(preamble).__name__}")
     rng = random.Random(seed)
     for _ in range(20):
         key = random_number(rng, digits)
         needle = NEEDLE.format(key=key)
         built = build_context(
-            tokenizer, length, preamble=PREAMBLE, question=QUESTION, units=filler_unit,
+            tokenizer, length, preamble=preamble, question=QUESTION, units=filler_unit,
             needles=[(depth, needle)], task="passkey",
         )
         if answers_only_in_needles(built.context, [key], [needle]):
