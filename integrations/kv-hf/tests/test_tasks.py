@@ -90,7 +90,14 @@ def test_passkey_format() -> None:
     assert f"The pass key is {key}. Remember it. {key} is the pass key." in s.context
     assert s.question == "\nWhat is the pass key? The pass key is"
     assert "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again." in s.context
+    assert s.context.startswith("The grass is green.")  # no instructions by default
     assert (s.task, s.kind) == ("passkey", "retrieval")
+    from kv_hf.bench.tasks.passkey import INSTRUCTIONS
+
+    t = passkey(WhitespaceTokenizer(), 300, 0.5, seed=4, preamble=INSTRUCTIONS)
+    assert t.context.startswith(INSTRUCTIONS) and t.answers == s.answers and abs(t.length - 300) <= 3
+    with pytest.raises(TypeError, match="preamble"):
+        passkey(WhitespaceTokenizer(), 300, 0.5, preamble=None)
     assert s.metadata == {"task": "passkey", "kind": "retrieval", "length": s.length, "target_length": 300,
                           "depth": 0.5, "seed": 4}
 
@@ -194,7 +201,7 @@ def test_bad_arguments(name: str) -> None:
     tok = WhitespaceTokenizer()
     gen = TASKS[name]
     with pytest.raises(ValueError, match="length"):
-        gen(tok, 20, 0.5)  # the instructions and needle alone are longer
+        gen(tok, 12, 0.5)  # the instructions, needle and question alone are longer
     with pytest.raises(ValueError, match="length"):
         gen(tok, 0, 0.5)
     with pytest.raises(TypeError, match="length"):

