@@ -18,7 +18,7 @@ class Row:
     kl: float | None = None  # mean teacher-forced next-token KL(full || compressed), nats
     ppl: float | None = None  # perplexity of the continuation given the compressed context
     kv_bytes: float = 0.0  # mean KV bytes held after compression (all layers)
-    kv_fraction: float = 0.0  # kv_bytes / bytes of the same cache in fp16
+    kv_fraction: float = 0.0  # kv_bytes / bytes of the uncompressed cache in the model dtype
     prefill_s: float = 0.0  # mean prefill time including compression
     compress_s: float = 0.0  # mean prefill time above the full cache's (the compression overhead)
     peak_bytes: int | None = None  # peak extra memory during prefill + compression
@@ -39,7 +39,7 @@ def write_json(rows: list[Row], path: Path, meta: dict[str, Any]) -> None:
 def format_table(rows: list[Row]) -> str:
     """A Markdown table (also readable on a terminal)."""
     tasks = sorted({t for r in rows for t in r.accuracy})
-    head = ["method", "ratio", *tasks, "mean acc", "KL", "ppl", "KV MB", "% fp16", "prefill s", "+compress s",
+    head = ["method", "ratio", *tasks, "mean acc", "KL", "ppl", "KV MB", "% full", "prefill s", "+compress s",
             "peak MB", "decode tok/s"]
 
     def f(x, spec=".3f"):
@@ -68,8 +68,8 @@ def plot(rows: list[Row], path: Path, title: str = "") -> None:
         x = [100 * r.kv_fraction for r in pts]
         axes[0].plot(x, [r.mean_accuracy for r in pts], "o-", label=method)
         axes[1].plot(x, [r.kl for r in pts], "o-", label=method)
-    axes[0].set(xlabel="KV bytes (% of fp16 cache)", ylabel="mean task accuracy", ylim=(-0.05, 1.05))
-    axes[1].set(xlabel="KV bytes (% of fp16 cache)", ylabel="next-token KL(full || compressed), nats")
+    axes[0].set(xlabel="KV bytes (% of the full cache)", ylabel="mean task accuracy", ylim=(-0.05, 1.05))
+    axes[1].set(xlabel="KV bytes (% of the full cache)", ylabel="next-token KL(full || compressed), nats")
     axes[1].set_yscale("symlog", linthresh=1e-3)
     for ax in axes:
         ax.grid(alpha=0.3)
