@@ -40,3 +40,12 @@ def test_reports(tmp_path):
     assert [r["mean_accuracy"] for r in data["results"]] == [1.0, 0.5]
     plot(rows, tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_refused_configuration_is_reported_not_fatal(tmp_path):
+    rows = [Row("full", 0.0, {"passkey@1000": 1.0}, kv_fraction=1.0),
+            Row("snapkv", 0.95, error="budget below the protected count")]
+    table = format_table(rows)
+    assert "not run: budget below the protected count" in table
+    plot(rows, tmp_path / "r.png")  # the refused row is left out of the plot instead of breaking it
+    assert (tmp_path / "r.png").exists()

@@ -24,6 +24,7 @@ class Row:
     peak_bytes: int | None = None  # peak extra memory during prefill + compression
     decode_tok_s: float | None = None  # greedy decode throughput
     samples: int = 0
+    error: str | None = None  # why this configuration could not run (e.g. budget below the protected count)
 
     @property
     def mean_accuracy(self) -> float | None:
@@ -47,6 +48,9 @@ def format_table(rows: list[Row]) -> str:
 
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
+        if r.error:
+            lines.append(f"| {r.method} | {r.ratio:g} | not run: {r.error} |" + " |" * (len(head) - 3))
+            continue
         cells = [r.method, f"{r.ratio:g}", *(f(r.accuracy.get(t), ".2f") for t in tasks), f(r.mean_accuracy, ".2f"),
                  f(r.kl, ".4f"), f(r.ppl, ".2f"), f(r.kv_bytes / 2**20, ".2f"), f(100 * r.kv_fraction, ".1f"),
                  f(r.prefill_s, ".2f"), f(r.compress_s, ".2f"),
@@ -64,7 +68,7 @@ def plot(rows: list[Row], path: Path, title: str = "") -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for method in dict.fromkeys(r.method for r in rows):
-        pts = sorted((r for r in rows if r.method == method), key=lambda r: r.kv_fraction)
+        pts = sorted((r for r in rows if r.method == method and not r.error), key=lambda r: r.kv_fraction)
         x = [100 * r.kv_fraction for r in pts]
         axes[0].plot(x, [r.mean_accuracy for r in pts], "o-", label=method)
         axes[1].plot(x, [r.kl for r in pts], "o-", label=method)
