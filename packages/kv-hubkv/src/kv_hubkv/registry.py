@@ -45,4 +45,5 @@ METHODS: dict[str, Callable[[float], Compressor]] = {
     "hubkv": _over("snapkv"),
     "hubkv-snapkv": _over("snapkv"),
     "hubkv-h2o": _over("h2o"),
+    "hubkv-kvzip": _over("kvzip"),
 }
