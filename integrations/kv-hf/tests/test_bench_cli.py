@@ -49,3 +49,16 @@ def test_refused_configuration_is_reported_not_fatal(tmp_path):
     assert "not run: budget below the protected count" in table
     plot(rows, tmp_path / "r.png")  # the refused row is left out of the plot instead of breaking it
     assert (tmp_path / "r.png").exists()
+
+
+def test_kvzip_and_hubkv_over_kvzip_are_registered():
+    from kv_hubkv import HubKV
+
+    from kv_hf import KVzipScorer
+
+    registry = discover()
+    base = build("kvzip", 0.75, registry)
+    assert isinstance(base.scorer, KVzipScorer) and base.budget.granularity == "global"
+    paired = build("hubkv-kvzip", 0.75, registry)
+    assert isinstance(paired.scorer, HubKV) and isinstance(paired.scorer.base, KVzipScorer)
+    assert paired.selector == base.selector and paired.budget == base.budget
