@@ -146,8 +146,10 @@ class DenseStore:
         """Rebuild the buffers holding segments ``segs`` (in that order) with capacities ``new_cap``."""
         lens = self._len[segs]
         new_start = _exclusive_cumsum(new_cap)
-        seg_of = torch.repeat_interleave(torch.arange(segs.numel(), device=lens.device), lens)
-        offset = torch.arange(int(lens.sum()), device=lens.device) - torch.repeat_interleave(_exclusive_cumsum(lens), lens)
+        # segment of every held entry via searchsorted (repeat_interleave with tensor repeats is ms-slow on CPU)
+        flat = torch.arange(int(lens.sum()), device=lens.device)
+        seg_of = torch.searchsorted(torch.cumsum(lens, 0), flat, right=True)
+        offset = flat - _exclusive_cumsum(lens)[seg_of]
         src = self._start[segs][seg_of] + offset
         dst = new_start[seg_of] + offset
         total = int(new_cap.sum())
