@@ -6,6 +6,8 @@ import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
+import time
+
 import torch
 from kvcore import Compressor
 from transformers.cache_utils import Cache
@@ -36,6 +38,12 @@ class CompressedCache(Cache):
         Scorer -> selector -> store; ``compressor.budget`` is the prefill budget.
     options : CacheOptions
         Query capture and decode-time re-compression.
+
+    Attributes
+    ----------
+    compress_seconds : float
+        Wall time spent compressing so far (scoring, selection, Store writes, re-compressions and KVzip's
+        reconstruction pass), separate from the model's own forward passes.
     """
 
     def __init__(self, model: "PreTrainedModel", compressor: Compressor, options: CacheOptions | None = None) -> None:
@@ -48,7 +56,26 @@ class CompressedCache(Cache):
         self.recompressor = options.recompressor or compressor
         enable_attention(model)
         self._config = config
+        self.compress_seconds = 0.0
+        self._timing = 0
         super().__init__(layers=[CompressedLayer(self, i) for i in range(config.num_hidden_layers)])
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        """Add the wall time of the enclosed compression work (scoring, selection, store writes, KVzip's
+        reconstruction pass) to :attr:`compress_seconds`; CUDA work is synchronised; nested blocks count once."""
+        self._timing += 1
+        outer = self._timing == 1
+        if outer:
+            _sync()
+            t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._timing -= 1
+            if outer:
+                _sync()
+                self.compress_seconds += time.perf_counter() - t0
 
     # -- transformers hooks ------------------------------------------------------------------------------
     def check_attention(self) -> None:
@@ -113,11 +140,12 @@ class CompressedCache(Cache):
             Entries whose true position is below this are always kept (a system prompt; KVzip's sink).
         """
         per_layer = self._per_layer(extras)
-        if self.compressor.budget.granularity == "global":
-            self._compress_global(per_layer, protect_before)
-            return
-        for layer in self.layers:
-            layer.compress_pending(extras=per_layer(layer.layer_idx), protect_before=protect_before)
+        with self.timed():
+            if self.compressor.budget.granularity == "global":
+                self._compress_global(per_layer, protect_before)
+                return
+            for layer in self.layers:
+                layer.compress_pending(extras=per_layer(layer.layer_idx), protect_before=protect_before)
 
     def recompress(self, target_length: int | None = None, target_ratio: float | None = None) -> None:
         """Re-score and prune every layer now (see :meth:`CompressedLayer.recompress`)."""
@@ -190,6 +218,11 @@ class CompressedCache(Cache):
             layer.store = store
             layer.pending = None
             layer.mode, layer.auto_compress = STORE, False
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def compressed_cache(model: "PreTrainedModel", compressor: Compressor, **options: Any) -> CompressedCache:

@@ -269,7 +269,10 @@ class CompressedLayer(CacheLayerMixin):
         protect_before: int | None = None,
     ) -> None:
         """Score, select and write the pending entries (merged with the stored ones, if any) into the Store."""
-        compressor = compressor or self.owner.compressor
+        with self.owner.timed():
+            self._compress_pending(compressor or self.owner.compressor, extras, protect_before)
+
+    def _compress_pending(self, compressor: Compressor, extras, protect_before) -> None:
         if self.pending is not None and self.pending.length:
             entries = gather_entries(self.store.read() if self.held() else None, self.pending)
             if entries.length:
@@ -309,11 +312,12 @@ class CompressedLayer(CacheLayerMixin):
             seen = int(self.next_positions.max()) if self.next_positions is not None else self.seen
             target_length = max(1, math.floor(seen * (1.0 - target_ratio) + 1e-9))
         compressor = with_tokens(self.owner.recompressor, target_length)
-        entries = gather_entries(self.store.read(), None)
-        keys, values, plan, positions = plan_entries(
-            entries, compressor, queries=self.queries, layer_idx=self.layer_idx, query_window=opts.query_window
-        )
-        self.store.write(keys, values, plan, positions)
+        with self.owner.timed():
+            entries = gather_entries(self.store.read(), None)
+            keys, values, plan, positions = plan_entries(
+                entries, compressor, queries=self.queries, layer_idx=self.layer_idx, query_window=opts.query_window
+            )
+            self.store.write(keys, values, plan, positions)
         self.recompressions += 1
 
     # -- rollback / batch ------------------------------------------------------------------------------

@@ -127,8 +127,9 @@ def prefill(
     extras = None
     if needs_kvzip:
         encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-        extras = kvzip_scores(
-            model, cache, input_ids[:, context_start:], encode, context_start=context_start, config=kvzip
-        )
+        with cache.timed():
+            extras = kvzip_scores(
+                model, cache, input_ids[:, context_start:], encode, context_start=context_start, config=kvzip
+            )
     cache.compress(extras=extras, protect_before=context_start or None)
     return logits

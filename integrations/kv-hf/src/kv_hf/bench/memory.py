@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +25,32 @@ def _rss_kb(field: str) -> int | None:
     return None
 
 
+@functools.cache
+def _libc_trim():
+    """glibc's ``malloc_trim`` (``None`` on other C libraries)."""
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+def release_free_memory() -> bool:
+    """Hand the C allocator's free pages back to the OS (glibc ``malloc_trim(0)``); ``False`` where unsupported.
+
+    Without it, memory freed by an earlier run stays resident and is reused, so a later run's peak-RSS rise
+    reads near zero although it allocated as much.
+    """
+    fn = _libc_trim()
+    if fn is None:
+        return False
+    fn(0)
+    return True
+
+
 @dataclass
 class Peak:
     """Bytes above the level at entry (``None`` where the platform cannot tell)."""
@@ -34,8 +63,9 @@ def peak_memory(device: torch.device | str = "cpu"):
     """Measure the peak extra memory of the enclosed block.
 
     On CUDA this is ``torch.cuda.max_memory_allocated`` above the allocation at entry. On Linux CPUs the
-    kernel's peak-RSS counter is reset (``echo 5 > /proc/self/clear_refs``) and read back (``VmHWM``),
-    so the figure includes allocator slack; elsewhere it is ``None``.
+    allocator's free pages are first returned to the OS (:func:`release_free_memory`), then the kernel's peak-RSS
+    counter is reset (``echo 5 > /proc/self/clear_refs``) and read back (``VmHWM``); the figure includes
+    allocator slack and page-granular rounding. Elsewhere it is ``None``.
     """
     device = torch.device(device)
     peak = Peak()
@@ -47,6 +77,7 @@ def peak_memory(device: torch.device | str = "cpu"):
         torch.cuda.synchronize(device)
         peak.bytes = torch.cuda.max_memory_allocated(device) - base
         return
+    release_free_memory()
     base = _rss_kb("VmRSS")
     try:
         _CLEAR.write_text("5")

@@ -20,7 +20,7 @@ class Row:
     kv_bytes: float = 0.0  # mean KV bytes held after compression (all layers)
     kv_fraction: float = 0.0  # kv_bytes / bytes of the uncompressed cache in the model dtype
     prefill_s: float = 0.0  # mean prefill time including compression
-    compress_s: float = 0.0  # mean prefill time above the full cache's (the compression overhead)
+    compress_s: float = 0.0  # mean time of the compression itself within prefill (CompressedCache.compress_seconds)
     peak_bytes: int | None = None  # peak extra memory during prefill + compression
     decode_tok_s: float | None = None  # greedy decode throughput
     samples: int = 0
@@ -40,7 +40,7 @@ def write_json(rows: list[Row], path: Path, meta: dict[str, Any]) -> None:
 def format_table(rows: list[Row]) -> str:
     """A Markdown table (also readable on a terminal)."""
     tasks = sorted({t for r in rows for t in r.accuracy})
-    head = ["method", "ratio", *tasks, "mean acc", "KL", "ppl", "KV MB", "% full", "prefill s", "+compress s",
+    head = ["method", "ratio", *tasks, "mean acc", "KL", "ppl", "KV MB", "% full", "prefill s", "compress s",
             "peak MB", "decode tok/s"]
 
     def f(x, spec=".3f"):

@@ -43,7 +43,7 @@ def _prefill(model, tokenizer, compressor: Compressor, ids: torch.Tensor):
         t0 = time.perf_counter()
         logits = prefill(model, cache, ids, tokenizer=tokenizer)
         elapsed = time.perf_counter() - t0
-    return cache, logits, elapsed, peak.bytes
+    return cache, logits, elapsed, cache.compress_seconds, peak.bytes
 
 
 @torch.no_grad()
@@ -59,15 +59,16 @@ def evaluate(
     device = next(model.parameters()).device
     row = Row(method=compressor.name or type(compressor.scorer).__name__, ratio=compressor.budget.ratio or 0.0)
     acc: dict[str, list[float]] = {}
-    kv_bytes, kv_frac, prefill_s, peaks, dec_tok, dec_s = [], [], [], [], 0, 0.0
+    kv_bytes, kv_frac, prefill_s, compress_s, peaks, dec_tok, dec_s = [], [], [], [], [], 0, 0.0
     eos = getattr(tokenizer, "eos_token_id", None)
     for s in work.samples:
         ids = torch.tensor([tokenizer.encode(s.context, add_special_tokens=True)], device=device)
         q = torch.tensor([tokenizer.encode(s.question, add_special_tokens=False)], device=device)
-        cache, _, t, peak = _prefill(model, tokenizer, compressor, ids)
+        cache, _, t, tc, peak = _prefill(model, tokenizer, compressor, ids)
         kv_bytes.append(cache.nbytes())
         kv_frac.append(cache.nbytes() / _full_cache_bytes(model, ids.shape[1]))
         prefill_s.append(t)
+        compress_s.append(tc)
         peaks.append(peak)
         t0 = time.perf_counter()
         out = generate_answer(model, cache, q, s.max_new_tokens, eos_token_id=eos)
@@ -79,10 +80,11 @@ def evaluate(
     for i, (ctx_ids, cont_ids) in enumerate(work.kl_pairs):
         ids = torch.tensor([ctx_ids], device=device)
         cont = torch.tensor([cont_ids], device=device)
-        cache, last, t, peak = _prefill(model, tokenizer, compressor, ids)
+        cache, last, t, tc, peak = _prefill(model, tokenizer, compressor, ids)
         kv_bytes.append(cache.nbytes())
         kv_frac.append(cache.nbytes() / _full_cache_bytes(model, ids.shape[1]))
         prefill_s.append(t)
+        compress_s.append(tc)
         peaks.append(peak)
         pos = cache.next_positions().to(device)[:, None] + torch.arange(cont.shape[1] - 1, device=device)
         rest = model(input_ids=cont[:, :-1], past_key_values=cache, position_ids=pos, use_cache=True).logits
@@ -97,6 +99,7 @@ def evaluate(
     row.kv_bytes = sum(kv_bytes) / max(1, len(kv_bytes))
     row.kv_fraction = sum(kv_frac) / max(1, len(kv_frac))
     row.prefill_s = sum(prefill_s) / max(1, len(prefill_s))
+    row.compress_s = sum(compress_s) / max(1, len(compress_s))
     known = [p for p in peaks if p is not None]
     row.peak_bytes = max(known) if known else None
     row.decode_tok_s = dec_tok / dec_s if dec_s > 0 else None
@@ -136,7 +139,6 @@ def run_grid(
             bar.update()
             continue
         row.method, row.ratio = name, ratio
-        row.compress_s = max(0.0, row.prefill_s - ref_row.prefill_s)
         rows.append(row)
         bar.update()
     bar.close()

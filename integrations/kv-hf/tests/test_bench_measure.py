@@ -1,0 +1,62 @@
+"""kvbench's measurements: peak memory of a block (allocator reuse must not hide it) and compression time."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import kv_hf
+import pytest
+import torch
+from kvhf_testkit import KnormScorer, make, prompt, tiny_model
+
+from kv_hf.bench.memory import peak_memory, release_free_memory
+
+MIB = 2**20
+LINUX_PEAK = Path("/proc/self/clear_refs").exists()
+
+
+def _allocate(chunks: int = 8, mib: int = 16) -> None:
+    held = [torch.ones(mib * MIB // 4) for _ in range(chunks)]  # ones: pages are touched, so they are resident
+    assert sum(t.numel() for t in held) * 4 == chunks * mib * MIB
+
+
+@pytest.mark.skipif(not LINUX_PEAK, reason="peak RSS needs Linux /proc/self/clear_refs (None elsewhere: next test)")
+def test_repeated_blocks_each_report_their_peak():
+    # 16 MiB chunks: after the first round glibc raises its mmap threshold, so later rounds come from the heap
+    # and, without trimming, would reuse resident pages and read ~0.
+    peaks = []
+    for _ in range(3):
+        with peak_memory("cpu") as peak:
+            _allocate()
+        peaks.append(peak.bytes)
+    assert all(p is not None and p >= 0.9 * 128 * MIB for p in peaks), [p / MIB for p in peaks]
+
+
+@pytest.mark.skipif(LINUX_PEAK, reason="platforms without /proc/self/clear_refs only")
+def test_peak_is_unknown_without_linux_counters():
+    with peak_memory("cpu") as peak:
+        _allocate(1, 1)
+    assert peak.bytes is None
+
+
+def test_release_free_memory_reports_whether_it_could():
+    assert isinstance(release_free_memory(), bool)
+
+
+@torch.no_grad()
+def test_compress_seconds_counts_compression_only_and_nested_blocks_once():
+    model = tiny_model("llama")
+    cache = kv_hf.compressed_cache(model, make(KnormScorer(), ratio=0.5))
+    assert cache.compress_seconds == 0.0
+    t0 = time.perf_counter()
+    kv_hf.prefill(model, cache, prompt(64))
+    wall = time.perf_counter() - t0
+    first = cache.compress_seconds
+    assert 0.0 < first < wall
+    model(prompt(1, seed=3), past_key_values=cache)  # a decode step compresses nothing
+    assert cache.compress_seconds == first
+    with cache.timed():
+        with cache.timed():
+            time.sleep(0.05)
+    assert 0.05 <= cache.compress_seconds - first < 0.1
