@@ -1,9 +1,15 @@
 """Query capture: scorers get the prefill's last-W post-RoPE query states, all query heads ([B, Hq, W, D])."""
 
+from dataclasses import dataclass
+
+import kv_baselines
 import kv_hf
 import pytest
 import torch
+from kvcore import ScoringContext
 from kvhf_testkit import Recording, WindowScorer, make, naive_qk, prompt, tiny_model
+
+from kv_hf.support import DEFAULT_QUERY_WINDOW
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
@@ -44,3 +50,52 @@ def test_chunked_prefill_window_spans_chunks_and_padding_is_masked():
     torch.testing.assert_close(ctx.queries[:1], q0[:, :, -6:], rtol=0, atol=1e-5)
     q1, _ = naive_qk(model, ids[1:, 5:], 0)
     torch.testing.assert_close(ctx.queries[1:], q1[:, :, -6:], rtol=0, atol=1e-5)
+
+
+@dataclass(frozen=True)
+class AskingScorer(WindowScorer):
+    """A scorer that states how many trailing queries it needs (``None``: every prompt query, like H2O)."""
+
+    query_window: int | None = 12
+
+
+@pytest.mark.parametrize("asked", [12, None])
+@torch.no_grad()
+def test_the_scorers_declared_window_is_what_it_gets(asked):
+    model = tiny_model("llama")
+    rec = Recording(AskingScorer(query_window=asked))
+    rec.query_window = asked  # Recording forwards scoring; the adapter reads the declared window from the scorer
+    cache = kv_hf.compressed_cache(model, make(rec, ratio=0.5))
+    assert cache.query_window == asked
+    ids = prompt(90, seed=62)
+    model(ids, past_key_values=cache)
+    q, _ = naive_qk(model, ids, 0)
+    want = 90 if asked is None else asked
+    torch.testing.assert_close(rec.contexts[0].queries, q[:, :, -want:], rtol=0, atol=1e-5)
+    # every prompt query was for the prefill: afterwards only a bounded recent window is held
+    assert cache.layers[0].queries.shape[2] == (DEFAULT_QUERY_WINDOW if asked is None else asked)
+
+
+@torch.no_grad()
+def test_h2o_accumulates_over_every_prompt_query_through_the_adapter():
+    model = tiny_model("llama")
+    ids = prompt(90, seed=63)  # longer than the default 64-query window
+    rec = Recording(kv_baselines.H2OScorer())
+    rec.query_window = None
+    cache = kv_hf.compressed_cache(model, make(rec, ratio=0.5))
+    model(ids, past_key_values=cache)
+    q, k = naive_qk(model, ids, 1)
+    ref = kv_baselines.H2OScorer().score(ScoringContext(k, k, queries=q)).keys
+    torch.testing.assert_close(rec.inner.score(rec.contexts[1]).keys, ref, rtol=1e-5, atol=1e-6)
+    # each of the 90 queries spreads one unit of attention per query head: the sum is 90 per KV head
+    torch.testing.assert_close(ref.sum(-1), torch.full_like(ref.sum(-1), 90.0), rtol=1e-5, atol=1e-4)
+
+
+def test_an_explicit_window_shorter_than_the_scorers_is_refused():
+    model = tiny_model("llama")
+    rec = Recording(AskingScorer(query_window=12))
+    rec.query_window = 12
+    with pytest.raises(ValueError, match="asks for its last 12 queries but query_window=5"):
+        kv_hf.compressed_cache(model, make(rec), query_window=5)
+    assert kv_hf.compressed_cache(model, make(rec), query_window=20).query_window == 20
+    assert kv_hf.compressed_cache(model, make(Recording(WindowScorer()))).query_window == DEFAULT_QUERY_WINDOW

@@ -16,7 +16,7 @@ from kv_hf.attention import KV_HF_IMPLEMENTATIONS, enable_attention
 from kv_hf.entries import gather_entries, missing_message, uniform_context
 from kv_hf.layer import COLLECT, SCRATCH, STORE, CompressedLayer
 from kv_hf.options import CacheOptions
-from kv_hf.support import check_compressor, check_model
+from kv_hf.support import check_compressor, check_model, resolve_query_window
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -41,6 +41,9 @@ class CompressedCache(Cache):
 
     Attributes
     ----------
+    query_window : int or None
+        Trailing post-RoPE queries captured per layer (``None``: every prompt query); see
+        :func:`kv_hf.support.resolve_query_window`.
     compress_seconds : float
         Wall time spent compressing so far (scoring, selection, Store writes, re-compressions and KVzip's
         reconstruction pass), separate from the model's own forward passes.
@@ -53,6 +56,7 @@ class CompressedCache(Cache):
         config = check_model(model)
         self.compressor = check_compressor(compressor, options)
         self.options = options
+        self.query_window = resolve_query_window(self.compressor, options)
         self.recompressor = options.recompressor or compressor
         enable_attention(model)
         self._config = config
@@ -207,7 +211,7 @@ class CompressedCache(Cache):
             )
             missing = self.compressor.missing_inputs(ctx)
             if missing:
-                raise ValueError(missing_message(self.compressor, missing, self.options.query_window))
+                raise ValueError(missing_message(self.compressor, missing, self.query_window))
             ctxs.append(ctx)
         lengths = {c.seq_len for c in ctxs}
         if len(lengths) != 1:

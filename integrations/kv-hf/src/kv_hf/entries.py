@@ -116,7 +116,7 @@ def gather_entries(view: KVView | None, pending: Pending | None) -> Entries:
     return Entries(k[:, :, :n], v[:, :, :n], pos[:, :, :n])
 
 
-def missing_message(compressor: Compressor, missing: list[str], query_window: int) -> str:
+def missing_message(compressor: Compressor, missing: list[str], query_window: int | None) -> str:
     name = type(compressor.scorer).__name__
     hints = []
     if "queries" in missing:
@@ -135,7 +135,7 @@ def missing_message(compressor: Compressor, missing: list[str], query_window: in
     return f"scorer {name} needs {missing}, which the kv_hf adapter did not provide ({'; '.join(hints)})"
 
 
-def _check_inputs(compressor: Compressor, ctx: ScoringContext, query_window: int) -> None:
+def _check_inputs(compressor: Compressor, ctx: ScoringContext, query_window: int | None) -> None:
     missing = compressor.missing_inputs(ctx)
     if missing:
         raise ValueError(missing_message(compressor, missing, query_window))
@@ -173,7 +173,7 @@ def plan_entries(
     *,
     queries: torch.Tensor | None,
     layer_idx: int,
-    query_window: int,
+    query_window: int | None,
     extras: Mapping[str, Any] | None = None,
     protect_before: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Plan, torch.Tensor]:

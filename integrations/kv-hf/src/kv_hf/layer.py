@@ -34,6 +34,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kv_hf.attention import STEP_ATTR
 from kv_hf.entries import Pending, gather_entries, plan_entries, with_tokens
+from kv_hf.support import DEFAULT_QUERY_WINDOW
 
 if TYPE_CHECKING:
     from kv_hf.cache import CompressedCache
@@ -240,13 +241,15 @@ class CompressedLayer(CacheLayerMixin):
         return start.to(device)[:, None] + torch.arange(q, device=device)
 
     def _remember_queries(self, query: torch.Tensor, valid: torch.Tensor) -> None:
-        W = self.owner.options.query_window
-        if W <= 0:
+        W = self.owner.query_window
+        if W == 0:
             return
-        q = query[:, :, -W:]
-        q = torch.where(valid[:, None, -W:, None], q, torch.zeros((), dtype=q.dtype, device=q.device))
-        if self.queries is not None and q.shape[2] < W:
-            q = torch.cat([self.queries.to(q.dtype), q], 2)[:, :, -W:]
+        start = 0 if W is None else max(0, query.shape[2] - W)
+        q = query[:, :, start:]
+        q = torch.where(valid[:, None, start:, None], q, torch.zeros((), dtype=q.dtype, device=q.device))
+        if self.queries is not None and (W is None or q.shape[2] < W):
+            q = torch.cat([self.queries.to(q.dtype), q], 2)
+            q = q if W is None else q[:, :, -W:]
         self.queries = q.detach().clone()
 
     # -- compression -----------------------------------------------------------------------------------
@@ -281,7 +284,7 @@ class CompressedLayer(CacheLayerMixin):
                     compressor,
                     queries=self.queries,
                     layer_idx=self.layer_idx,
-                    query_window=self.owner.options.query_window,
+                    query_window=self.owner.query_window,
                     extras=extras,
                     protect_before=protect_before,
                 )
@@ -290,6 +293,8 @@ class CompressedLayer(CacheLayerMixin):
         self.mode = STORE
         self.auto_compress = False
         self._since = 0
+        if self.owner.query_window is None and self.queries is not None:
+            self.queries = self.queries[:, :, -DEFAULT_QUERY_WINDOW:].clone()  # every prompt query was for the prefill
 
     def recompress(self, target_length: int | None = None, target_ratio: float | None = None) -> None:
         """Re-score the stored entries and prune them to ``target_length`` per head (or keep ``1 - target_ratio``
@@ -315,7 +320,7 @@ class CompressedLayer(CacheLayerMixin):
         with self.owner.timed():
             entries = gather_entries(self.store.read(), None)
             keys, values, plan, positions = plan_entries(
-                entries, compressor, queries=self.queries, layer_idx=self.layer_idx, query_window=opts.query_window
+                entries, compressor, queries=self.queries, layer_idx=self.layer_idx, query_window=self.owner.query_window
             )
             self.store.write(keys, values, plan, positions)
         self.recompressions += 1

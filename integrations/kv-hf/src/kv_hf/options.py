@@ -13,10 +13,13 @@ class CacheOptions:
 
     Parameters
     ----------
-    query_window : int
+    query_window : int, optional
         Number of most recent post-RoPE query states kept per layer (``[B, Hq, W, D]``) and handed to scorers
-        as ``ScoringContext.queries``: the last ``W`` prompt queries at prefill (SnapKV's observation window,
-        kvpress ``window_size=64``), the last ``W`` decode queries at re-compression. ``0`` disables capture.
+        as ``ScoringContext.queries``: the last ``W`` prompt queries at prefill (SnapKV's observation window),
+        the last ``W`` decode queries at re-compression; ``0`` disables capture. Unset (``None``): what the
+        scorer asks for through its ``query_window`` attribute — an int, or ``None`` for every prompt query
+        (H2O; after the prefill is compressed only the last 64 are kept) — else 64 (kvpress ``window_size``).
+        See :func:`kv_hf.support.resolve_query_window`.
     recompress_every : int, optional
         Re-score the stored entries every ``N`` committed tokens per layer and prune them to ``target_length`` /
         ``target_ratio`` (kvpress ``DecodingPress(compression_interval=N)``; HqeKV re-tiers every 32 tokens).
@@ -30,7 +33,7 @@ class CacheOptions:
         used: entries are rewritten into each layer's existing Store.
     """
 
-    query_window: int = 64
+    query_window: int | None = None
     recompress_every: int | None = None
     target_length: int | None = None
     target_ratio: float | None = None
@@ -39,7 +42,7 @@ class CacheOptions:
     def __post_init__(self) -> None:
         for name in ("query_window", "recompress_every", "target_length"):
             value = getattr(self, name)
-            if value is None and name != "query_window":
+            if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")

@@ -22,6 +22,46 @@ PROVIDED_EXTRAS = frozenset({"kvzip_scores"})
 
 _KERNELS = ("sdpa", "eager", *KV_HF_IMPLEMENTATIONS)
 
+DEFAULT_QUERY_WINDOW = 64
+"""Queries captured when neither the options nor the scorer say otherwise (kvpress ``window_size=64``)."""
+
+_UNSET = object()
+
+
+def resolve_query_window(compressor: Compressor, options: "CacheOptions") -> int | None:
+    """How many trailing post-RoPE queries a cache captures per layer; ``None`` = every prompt query.
+
+    A scorer states what it needs with an optional ``query_window`` attribute: an int (SnapKV's observation
+    window) or ``None`` (H2O: every prompt query). An explicit ``options.query_window`` wins, but may not be
+    shorter than a window the scorer asks for (it would silently score with fewer queries): ``ValueError``.
+    Otherwise the largest window asked for by the compressor or the re-compressor is captured, else
+    :data:`DEFAULT_QUERY_WINDOW`.
+    """
+    asks = []
+    for comp in (compressor, options.recompressor):
+        if comp is None or not comp.scorer.needs_queries:
+            continue
+        declared = getattr(comp.scorer, "query_window", _UNSET)
+        if declared is _UNSET:
+            continue
+        if declared is not None and (isinstance(declared, bool) or not isinstance(declared, int) or declared < 1):
+            raise ValueError(
+                f"scorer {type(comp.scorer).__name__} declares query_window={declared!r}; "
+                "it must be an int >= 1 or None (every prompt query)"
+            )
+        asks.append(declared)
+    if options.query_window is not None:
+        longer = [w for w in asks if w is not None and w > options.query_window]
+        if longer and options.query_window > 0:
+            raise ValueError(
+                f"the scorer asks for its last {max(longer)} queries but query_window={options.query_window}; "
+                f"raise query_window to >= {max(longer)} or leave it unset (the scorer's own window is used)"
+            )
+        return options.query_window
+    if any(w is None for w in asks):
+        return None
+    return max(asks, default=DEFAULT_QUERY_WINDOW)
+
 
 def text_config(model: "PreTrainedModel") -> "PretrainedConfig":
     config = model.config
@@ -90,5 +130,5 @@ def _check_needs(compressor: Compressor, options: "CacheOptions", what: str, pro
     if missing:
         hint = f"kv_hf supplies {sorted(provided)}" if provided else "no extras are available while decoding"
         raise ValueError(f"{what} scorer {name} needs extras {missing} that the kv_hf adapter cannot supply ({hint})")
-    if scorer.needs_queries and options.query_window < 1:
-        raise ValueError(f"{what} scorer {name} needs queries: set query_window >= 1 (got {options.query_window})")
+    if scorer.needs_queries and options.query_window == 0:
+        raise ValueError(f"{what} scorer {name} needs queries: set query_window >= 1 or leave it unset (got 0)")
