@@ -41,15 +41,25 @@ def _naive_window_probs(ctx):
     return out
 
 
-def test_snapkv_matches_naive_reference():
+def _naive_pool(x, kernel, how):
+    """Pool the last dim with a centred window clipped at the edges (average over the positions that exist)."""
+    out = torch.empty_like(x)
+    T, r = x.shape[-1], kernel // 2
+    for t in range(T):
+        win = x[..., max(0, t - r): min(T, t + r + 1)]
+        out[..., t] = win.amax(-1) if how == "max" else win.mean(-1)
+    return out
+
+
+@pytest.mark.parametrize("pooling", ["avg", "max"])
+def test_snapkv_matches_naive_reference(pooling):
     ctx = _ctx(T=24, W=24)
     window, kernel = 6, 5
     small = ScoringContext(ctx.keys, ctx.values, queries=ctx.queries[:, :, -window:])
-    got = kb.SnapKVScorer(window, kernel).score(small).keys
+    got = kb.SnapKVScorer(window, kernel, pooling).score(small).keys
     probs = _naive_window_probs(small)  # [B, Hq, W, T]
     mean = probs.mean(dim=2)  # over window queries
-    pooled = F.avg_pool1d(mean.flatten(0, 1)[:, None], kernel, 1, kernel // 2, count_include_pad=False)
-    pooled = pooled.view(mean.shape).view(2, 2, 2, -1).mean(2)  # GQA mean over the group
+    pooled = _naive_pool(mean, kernel, pooling).view(2, 2, 2, -1).mean(2)  # GQA mean over the group
     T = ctx.seq_len
     pooled[..., T - window:] = pooled.amax(-1, keepdim=True)
     torch.testing.assert_close(got, pooled, rtol=1e-5, atol=1e-6)
@@ -111,7 +121,7 @@ def test_scorers_refuse_missing_queries():
             scorer.score(ctx)
 
 
-@pytest.mark.parametrize("kwargs", [{"window": 0}, {"kernel_size": 4}, {"kernel_size": 0}])
+@pytest.mark.parametrize("kwargs", [{"window": 0}, {"kernel_size": 4}, {"kernel_size": 0}, {"pooling": "median"}])
 def test_snapkv_bad_config(kwargs):
     with pytest.raises(ValueError):
         kb.SnapKVScorer(**kwargs)

@@ -45,9 +45,11 @@ def streaming_llm(ratio: float, n_sink: int = 4) -> Compressor:
     return _evicting("streaming_llm", StreamingLLMScorer(n_sink), ratio, Protection(sinks=n_sink))
 
 
-def snapkv(ratio: float, window: int = 64, kernel_size: int = 5, granularity: str = "head") -> Compressor:
-    """SnapKV: observation-window attention (W = 64, pool 5, GQA mean); the window is always kept."""
-    return _evicting("snapkv", SnapKVScorer(window, kernel_size), ratio, Protection(recent=window),
+def snapkv(
+    ratio: float, window: int = 64, kernel_size: int = 5, granularity: str = "head", pooling: str = "avg"
+) -> Compressor:
+    """SnapKV: observation-window attention (W = 64, avg-pool 5, GQA mean); the window is always kept."""
+    return _evicting("snapkv", SnapKVScorer(window, kernel_size, pooling), ratio, Protection(recent=window),
                      granularity=granularity)
 
 

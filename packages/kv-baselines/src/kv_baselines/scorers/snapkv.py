@@ -14,21 +14,27 @@ from kv_baselines.scorers._attention import window_attention
 
 @dataclass(frozen=True)
 class SnapKVScorer:
-    """Mean attention of the last ``window`` queries on every key, smoothed by a 1-D average pool.
+    """Mean attention of the last ``window`` queries on every key, smoothed by a 1-D pool (average by default).
 
-    GQA groups are aggregated by the mean over the group's query heads. Window tokens themselves get the
-    maximum score (SnapKV always keeps the observation window; the ready-made compressor also protects it).
+    GQA groups are aggregated by the mean over the group's query heads, after pooling (as kvpress does). Window
+    tokens themselves get the maximum score (SnapKV always keeps the observation window; the ready-made
+    compressor also protects it).
 
     Parameters
     ----------
     window : int
         Observation window ``W`` (64 in SnapKV / kvpress).
     kernel_size : int
-        Average-pool kernel (5 in kvpress; odd).
+        Pooling kernel (5 in kvpress and the SnapKV code; odd).
+    pooling : {"avg", "max"}
+        1-D pooling of the window attention: ``"avg"`` (kvpress, SnapKV's default) or ``"max"`` (the SnapKV
+        code's other option, used by KVCache-Factory with kernel 7). Pooling keeps whole runs of tokens around
+        an attended one (SnapKV §4.2, "clustering via pooling").
     """
 
     window: int = 64
     kernel_size: int = 5
+    pooling: str = "avg"
     needs_queries: bool = True
     needs_values: bool = False
     needs_extras: frozenset[str] = frozenset()
@@ -38,6 +44,8 @@ class SnapKVScorer:
             raise ValueError(f"window must be >= 1, got {self.window}")
         if self.kernel_size < 1 or self.kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be odd and >= 1, got {self.kernel_size}")
+        if self.pooling not in ("avg", "max"):
+            raise ValueError(f"pooling must be 'avg' or 'max', got {self.pooling!r}")
 
     @property
     def query_window(self) -> int:
@@ -49,13 +57,16 @@ class SnapKVScorer:
             raise ValueError("SnapKVScorer needs ctx.queries ([B, Hq, W, D])")
         W = min(ctx.queries.shape[2], ctx.seq_len)
         T = ctx.seq_len
-        total = torch.zeros(ctx.batch_size, ctx.num_kv_heads, T, device=ctx.keys.device)
-        for probs in window_attention(dataclasses.replace(ctx, queries=ctx.queries[:, :, -W:])):
-            total += probs.sum(dim=(2, 3))
         group = ctx.queries.shape[1] // ctx.num_kv_heads
-        mean = total / (group * W)
-        pooled = F.avg_pool1d(mean.flatten(0, 1)[:, None], self.kernel_size, 1, self.kernel_size // 2,
-                              count_include_pad=False).view_as(mean)
+        total = torch.zeros(ctx.batch_size, ctx.num_kv_heads, group, T, device=ctx.keys.device)
+        for probs in window_attention(dataclasses.replace(ctx, queries=ctx.queries[:, :, -W:])):
+            total += probs.sum(dim=3)
+        flat = (total / W).flatten(0, 2)[:, None]  # per query head: pool, then the GQA mean (kvpress order)
+        if self.pooling == "max":
+            pooled = F.max_pool1d(flat, self.kernel_size, 1, self.kernel_size // 2)
+        else:
+            pooled = F.avg_pool1d(flat, self.kernel_size, 1, self.kernel_size // 2, count_include_pad=False)
+        pooled = pooled.view_as(total).mean(2)
         top = pooled.amax(-1, keepdim=True)
         window = torch.arange(T, device=pooled.device) >= T - W
         return Scores(torch.where(window, top, pooled).contiguous())
