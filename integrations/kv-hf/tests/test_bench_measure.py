@@ -11,6 +11,7 @@ import torch
 from kvhf_testkit import KnormScorer, make, prompt, tiny_model
 
 from kv_hf.bench.memory import peak_memory, release_free_memory
+from kv_hf.bench.run import decode_rate
 
 MIB = 2**20
 LINUX_PEAK = Path("/proc/self/clear_refs").exists()
@@ -60,3 +61,21 @@ def test_compress_seconds_counts_compression_only_and_nested_blocks_once():
         with cache.timed():
             time.sleep(0.05)
     assert 0.05 <= cache.compress_seconds - first < 0.1
+
+
+@torch.no_grad()
+def test_decode_rate_times_steps_and_leaves_the_cache_as_it_was():
+    model = tiny_model("llama")
+    cache = kv_hf.compressed_cache(model, make(KnormScorer(), ratio=0.5))
+    last = kv_hf.prefill(model, cache, prompt(40))
+    probe = prompt(1, seed=5)
+    expected = model(probe, past_key_values=cache, position_ids=torch.tensor([[40]])).logits
+    cache.rollback(40)  # the Stores keep their append slack (held, counted): compare after one append
+    before = (cache.get_seq_length(), cache.nbytes(), [n.clone() for n in cache.seq_lengths()])
+    assert decode_rate(model, cache, last.argmax(-1), steps=3) > 0
+    assert (cache.get_seq_length(), cache.nbytes()) == before[:2]
+    assert all(torch.equal(a, b) for a, b in zip(cache.seq_lengths(), before[2]))
+    again = model(probe, past_key_values=cache, position_ids=torch.tensor([[40]])).logits
+    torch.testing.assert_close(again, expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        decode_rate(model, cache, last.argmax(-1), steps=0)
