@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from kvcore_toys import KeyNorm, MinMax, Surprisal, ToyTieredStore, WindowAttention, surprisal_extras
 
-from kvcore import Budget, Compressor, DenseStore, Protection, TieredSelector, TopKSelector
+from kvcore import Budget, Compressor, DenseStore, Plan, Protection, TieredSelector, TopKSelector
 from kvcore.testing import CompressorTests, QuantizerTests, ScorerTests, SelectorTests, StoreTests
 
 
@@ -90,3 +91,27 @@ class TestCompressorWithExtras(CompressorTests):
     @pytest.fixture
     def compressor(self):
         return Compressor(Surprisal(), TopKSelector(), DenseStore, Budget(0.75))
+
+
+def test_dense_store_reads_equal_heads_without_copying_and_ragged_heads_padded():
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 3, 10, 4, generator=g), torch.randn(2, 3, 10, 4, generator=g)
+    pos = torch.arange(10).expand(2, 10)
+    keep = torch.rand(2, 3, 10, generator=g).argsort(-1) < 6  # 6 entries in every head
+    store = DenseStore(growth=3)
+    store.write(k, v, Plan.from_keep(keep), pos)
+    store.append(k[:, :, :2], v[:, :, :2], pos[:, :2] + 10)  # regrows every segment to the same capacity
+    view = store.read()
+    assert view.keys.untyped_storage().data_ptr() == store._k.untyped_storage().data_ptr()  # zero-copy
+    for b in range(2):
+        for h in range(3):
+            want_k = torch.cat([k[b, h][keep[b, h]], k[b, h, :2]])
+            assert torch.equal(view.keys[b, h], want_k) and torch.equal(view.values[b, h][-2:], v[b, h, :2])
+            assert view.positions[b, h].tolist() == pos[b][keep[b, h]].tolist() + [10, 11]
+    assert bool((view.logit_bias == 0).all())
+    store.crop(5)  # heads now hold different counts: padded copy with -inf bias and position -1
+    ragged = store.read()
+    lens = store.seq_lengths()
+    assert ragged.keys.untyped_storage().data_ptr() != store._k.untyped_storage().data_ptr()
+    assert torch.equal((ragged.positions >= 0).sum(-1), lens) and int(lens.min()) < int(lens.max())
+    assert bool(torch.isinf(ragged.logit_bias[ragged.positions < 0]).all())

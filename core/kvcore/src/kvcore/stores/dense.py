@@ -19,7 +19,9 @@ class DenseStore:
 
     Kept entries are gathered into a ``[N, D]`` buffer (``N`` = entries kept over all heads), so evicted
     entries hold no memory; each segment has a capacity so decode-time appends are amortised. ``read``
-    pads heads to the longest one and marks padding with ``-inf`` logit bias and position ``-1``.
+    pads heads to the longest one and marks padding with ``-inf`` logit bias and position ``-1``; when every
+    head holds the same number of entries in equal capacities (per-head top-k, then appends) its keys/values are
+    zero-copy views of the buffers, valid until the next mutating call.
 
     Parameters
     ----------
@@ -44,6 +46,7 @@ class DenseStore:
         self._len: torch.Tensor | None = None
         self._cap: torch.Tensor | None = None
         self._shape: tuple[int, int] = (0, 0)
+        self._uniform: bool | None = None  # every segment has the same length and capacity (None: not known)
 
     def _check_kv(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         check_float("keys", check_tensor("keys", keys, ndim=4))
@@ -84,6 +87,7 @@ class DenseStore:
         self._cap = self._len.clone()
         self._start = _exclusive_cumsum(self._cap)
         self._shape = (B, H)
+        self._uniform = None
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         self._check_kv(keys, values)
@@ -104,6 +108,11 @@ class DenseStore:
         B, H = self._shape
         if self._k is None:
             raise ValueError("read() on an empty store: write() or append() first")
+        if self._uniform is None:
+            n = self._len.numel()
+            self._uniform = bool(n) and bool((self._len == self._len[0]).all() & (self._cap == self._cap[0]).all())
+        if self._uniform:
+            return self._read_uniform(B, H)
         T = int(self._len.max()) if self._len.numel() else 0
         ar = torch.arange(T, device=self._k.device)
         valid = ar < self._len[:, None]
@@ -113,6 +122,14 @@ class DenseStore:
         pos = torch.where(valid, self._pos[idx].long(), -1).view(B, H, T)
         bias = torch.zeros(B, H, T, device=k.device).masked_fill(~valid.view(B, H, T), float("-inf"))
         return KVView(k, v, pos, bias)
+
+    def _read_uniform(self, B: int, H: int) -> KVView:
+        """Equal segments: segment ``i`` starts at ``i * cap``, so the buffers reshape to ``[B, H, cap, D]``."""
+        T, cap, D = int(self._len[0]), int(self._cap[0]), self._k.shape[-1]
+        k = self._k.view(B, H, cap, D)[:, :, :T]
+        v = self._v.view(B, H, cap, D)[:, :, :T]
+        pos = self._pos.view(B, H, cap)[:, :, :T].long()
+        return KVView(k, v, pos, torch.zeros(B, H, T, device=k.device))
 
     def nbytes(self, device: torch.device | str | None = None) -> int:
         return storage_bytes([self._k, self._v, self._pos, self._start, self._len, self._cap], device)
@@ -128,6 +145,7 @@ class DenseStore:
             return
         view = self.read()
         self._len = ((view.positions >= 0) & (view.positions < position)).sum(-1).flatten()
+        self._uniform = None
 
     def reorder(self, index: torch.Tensor) -> None:
         if self._k is None:
@@ -159,3 +177,4 @@ class DenseStore:
             new[dst] = old[src]
             setattr(self, name, new)
         self._start, self._len, self._cap = new_start, lens.clone(), new_cap.clone()
+        self._uniform = None
