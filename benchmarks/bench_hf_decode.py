@@ -1,0 +1,102 @@
+"""Decode-step throughput of the HF adapter vs an unmodified transformers ``DynamicCache``.
+
+One run, same model (SmolLM2-135M-Instruct, offline), same random prompt, same greedy steps:
+
+* ``DynamicCache``  the anchor: transformers' own cache, attention over the raw K/V (``torch.cat`` per step);
+* ``kv_hf full``    our adapter with ``kv_baselines.full()``: same entries, held in a kvcore ``DenseStore``;
+* ``kv_hf snapkv``  our adapter after SnapKV evicted half of every head (``snapkv(0.5)``);
+* ``kv_hf kivi-2``  our adapter over a KIVI-2 store (dequantized every step: reference path, no fused kernel).
+
+Printed: single-token decode steps per second (median over ``--rounds`` interleaved rounds, each ``--steps``
+steps after the prefill, the cache rolled back between rounds) and each contender's ratio to ``DynamicCache``.
+
+Usage::
+
+    python benchmarks/bench_hf_decode.py                    # 1,000-token prompt, CPU or the first GPU
+    python benchmarks/bench_hf_decode.py --tokens 4000 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache
+
+import kv_baselines
+import kv_hf
+from kv_hf.bench.run import decode_rate
+from kv_hf.models import load_smollm2
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def dynamic_rate(model, ids: torch.Tensor, steps: int, rounds: int) -> list[float]:
+    """Steps/s over a fresh ``DynamicCache`` per round (prefill excluded from the timing)."""
+    rates = []
+    for _ in range(rounds):
+        cache = DynamicCache()
+        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        pos = torch.tensor([[ids.shape[1]]], device=ids.device)
+        _sync(ids.device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = model(tok, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+            tok, pos = out.logits[:, -1].argmax(-1, keepdim=True), pos + 1
+        _sync(ids.device)
+        rates.append(steps / (time.perf_counter() - t0))
+    return rates
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    model, _ = load_smollm2(device=device)
+    ids = torch.randint(100, 10_000, (1, args.tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    contenders = {
+        "kv_hf full": kv_baselines.full,
+        "kv_hf snapkv(0.5)": lambda: kv_baselines.snapkv(0.5),
+        "kv_hf kivi-2": lambda: kv_baselines.kivi(2),
+    }
+    caches = {}
+    for name, make in contenders.items():
+        cache = kv_hf.compressed_cache(model, make())
+        last = kv_hf.prefill(model, cache, ids)
+        caches[name] = (cache, last.argmax(-1))
+    rates: dict[str, list[float]] = {"DynamicCache": [], **{n: [] for n in contenders}}
+    for _ in range(args.rounds):  # interleaved, so drifting machine load hits every contender alike
+        rates["DynamicCache"] += dynamic_rate(model, ids, args.steps, 1)
+        for name, (cache, first) in caches.items():
+            rates[name].append(decode_rate(model, cache, first, args.steps))
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU"
+    print(f"device: {where}, {torch.get_num_threads()} torch threads; torch {torch.__version__}; "
+          f"prompt {args.tokens} tokens; {args.steps} steps x {args.rounds} rounds (median)")
+    base = statistics.median(rates["DynamicCache"])
+    print("| cache | KV MB | steps/s | vs DynamicCache |")
+    print("|---|---|---|---|")
+    full_mb = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * (
+        model.config.hidden_size // model.config.num_attention_heads) * args.tokens * next(model.parameters()).element_size() / 2**20
+    for name, r in rates.items():
+        mb = full_mb if name == "DynamicCache" else caches[name][0].nbytes() / 2**20
+        med = statistics.median(r)
+        print(f"| {name} | {mb:.2f} | {med:.2f} | {med / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
