@@ -7,7 +7,8 @@ One run, same model (SmolLM2-135M-Instruct, offline), same random prompt, same g
 * ``kv_hf snapkv``  our adapter after SnapKV evicted half of every head (``snapkv(0.5)``);
 * ``kv_hf kivi-2``  our adapter over a KIVI-2 store (dequantized every step: reference path, no fused kernel).
 
-Printed: single-token decode steps per second (median over ``--rounds`` interleaved rounds, each ``--steps``
+Printed: KV bytes after the prefill (ours: ``cache.nbytes()``, int32 positions included; DynamicCache: K+V in
+the model dtype), single-token decode steps per second (median over ``--rounds`` interleaved rounds, each ``--steps``
 steps after the prefill, the cache rolled back between rounds) and each contender's ratio to ``DynamicCache``.
 
 Usage::
@@ -78,11 +79,11 @@ def main(argv: list[str] | None = None) -> None:
     for name, make in contenders.items():
         cache = kv_hf.compressed_cache(model, make())
         last = kv_hf.prefill(model, cache, ids)
-        caches[name] = (cache, last.argmax(-1))
+        caches[name] = (cache, last.argmax(-1), cache.nbytes())  # bytes held after prefill, before any append
     rates: dict[str, list[float]] = {"DynamicCache": [], **{n: [] for n in contenders}}
     for _ in range(args.rounds):  # interleaved, so drifting machine load hits every contender alike
         rates["DynamicCache"] += dynamic_rate(model, ids, args.steps, 1)
-        for name, (cache, first) in caches.items():
+        for name, (cache, first, _) in caches.items():
             rates[name].append(decode_rate(model, cache, first, args.steps))
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU"
     print(f"device: {where}, {torch.get_num_threads()} torch threads; torch {torch.__version__}; "
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     full_mb = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * (
         model.config.hidden_size // model.config.num_attention_heads) * args.tokens * next(model.parameters()).element_size() / 2**20
     for name, r in rates.items():
-        mb = full_mb if name == "DynamicCache" else caches[name][0].nbytes() / 2**20
+        mb = full_mb if name == "DynamicCache" else caches[name][2] / 2**20
         med = statistics.median(r)
         print(f"| {name} | {mb:.2f} | {med:.2f} | {med / base:.2f}x |")
 
