@@ -141,3 +141,13 @@ def test_triton_broadcast_masks(mshape):
     s = torch.rand(2, 3, 4, 30, generator=g).to(DEVICE)
     prot = (torch.rand(mshape, generator=g) < 0.4).to(DEVICE)
     _close(tk.refine_triton(s, 0.9, prot), refine_torch(s, 0.9, prot))
+
+
+def test_triton_rejects_negative_unprotected_and_inf_like_the_reference():
+    s = torch.tensor([[[0.2, -0.1, 0.3, 0.4]]], device=DEVICE)
+    with pytest.raises(ValueError, match=">= 0"):
+        tk.refine_triton(s, 0.5)
+    prot = torch.tensor([False, True, False, False], device=DEVICE)
+    _close(tk.refine_triton(s, 0.5, prot), refine_torch(s, 0.5, prot))  # negative but protected: allowed
+    with pytest.raises(ValueError, match="finite"):
+        tk.refine_triton(torch.tensor([[[0.1, float("inf")]]], device=DEVICE), 0.5, prot[:2])

@@ -16,6 +16,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in divide:R
 from kv_baselines.kernels.triton_compact import compact_triton  # noqa: E402
 from kv_baselines.kernels.triton_quant import quantize_pack_triton, unpack_dequantize_triton  # noqa: E402
 
+# compiled on a GPU machine; on CPU the kernels run in the interpreter (conftest.py)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 shapes = st.fixed_dictionaries(
     {
         "dtype": st.sampled_from(DTYPES),
@@ -46,13 +49,13 @@ def test_quantize_dequantize_triton_matches_reference(bits, axis, c):
         c = {**c, "T": min(c["T"], 2 * c["G"])}
     x = make_data(c["seed"], (c["M"], c["T"], c["D"]), c["kind"], c["dtype"])
     ref = kernels.quantize_pack_ref(x, bits, axis, c["G"])
-    tri = quantize_pack_triton(x, bits, axis, c["G"], block_rows=c["block_rows"])
+    tri = quantize_pack_triton(x.to(DEVICE), bits, axis, c["G"], block_rows=c["block_rows"])
     for r, t in zip(ref, tri):
         assert r.dtype == t.dtype and r.shape == t.shape
-        assert torch.equal(r, t)  # codes, scales and zeros bit-exact
-    args = (*ref, bits, axis, c["G"], tuple(x.shape), x.dtype)
-    tri_y = unpack_dequantize_triton(*args, block_rows=c["block_rows"])
-    _assert_close_1ulp(tri_y, kernels.unpack_dequantize_ref(*args))
+        assert torch.equal(r, t.cpu())  # codes, scales and zeros bit-exact
+    tail = (bits, axis, c["G"], tuple(x.shape), x.dtype)
+    tri_y = unpack_dequantize_triton(*(t.to(DEVICE) for t in ref), *tail, block_rows=c["block_rows"])
+    _assert_close_1ulp(tri_y.cpu(), kernels.unpack_dequantize_ref(*ref, *tail))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -62,10 +65,10 @@ def test_compact_triton_matches_boolean_indexing(dtype):
     keep = torch.rand(2, 3, 9, generator=g) < 0.4
     keep[1, 2] = False  # an empty head
     for xi in (x, x.transpose(2, 3).contiguous().transpose(2, 3)):  # contiguous and strided input
-        flat, lengths = compact_triton(xi, keep, block_rows=32)
-        assert torch.equal(flat, x[keep])
-        assert torch.equal(lengths, keep.sum(-1))
-    flat, lengths = compact_triton(x, torch.zeros_like(keep))
+        flat, lengths = compact_triton(xi.to(DEVICE), keep.to(DEVICE), block_rows=32)
+        assert torch.equal(flat.cpu(), x[keep])
+        assert torch.equal(lengths.cpu(), keep.sum(-1))
+    flat, lengths = compact_triton(x.to(DEVICE), torch.zeros_like(keep).to(DEVICE))
     assert flat.shape == (0, 5) and int(lengths.sum()) == 0
 
 

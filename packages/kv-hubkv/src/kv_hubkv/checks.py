@@ -11,7 +11,13 @@ from numbers import Real
 
 import torch
 
-__all__ = ["check_ratio", "check_scores", "check_protected", "check_values", "prepare"]
+NONFINITE_MSG = "scores must be finite (found NaN or ±inf)"
+NEGATIVE_MSG = (
+    "unprotected scores must be >= 0: HubKV's discount γ·s assumes non-negative importance "
+    "(paper §3.1, Prop. 3); shift the base scores first (see HubKV(nonnegative='shift'))"
+)
+
+__all__ = ["NEGATIVE_MSG", "NONFINITE_MSG", "check_ratio", "check_scores", "check_protected", "check_values", "prepare"]
 
 
 def check_ratio(ratio: object) -> float:
@@ -95,12 +101,9 @@ def check_values(scores: torch.Tensor, protected: torch.Tensor | None) -> None:
     lo, hi = torch.aminmax(scores)
     lo_f, hi_f = torch.stack([lo, hi]).float().tolist()
     if not (math.isfinite(lo_f) and math.isfinite(hi_f)):
-        raise ValueError("scores must be finite (found NaN or ±inf)")
+        raise ValueError(NONFINITE_MSG)
     if lo_f < 0 and (protected is None or bool((scores.masked_fill(protected, 0) < 0).any())):
-        raise ValueError(
-            "unprotected scores must be >= 0: HubKV's discount γ·s assumes non-negative importance "
-            "(paper §3.1, Prop. 3); shift the base scores first (see HubKV(nonnegative='shift'))"
-        )
+        raise ValueError(NEGATIVE_MSG)
 
 
 def prepare(scores: object, ratio: object, protected: object, config: object):
