@@ -84,6 +84,15 @@ def peak_mb(fn, device) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def _where(module) -> str:
+    """The package folder, relative to this checkout when it lies inside it (no machine-local path printed)."""
+    here = Path(module.__file__).resolve().parent
+    try:
+        return str(here.relative_to(Path(__file__).resolve().parents[1]))
+    except ValueError:
+        return "site-packages"
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small shapes (L=4, N in {1024, 4096})")
@@ -107,7 +116,7 @@ def main(argv=None) -> None:
     else:
         name = f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
     print(f"# HubKV score-stage benchmark: device={name}, torch {torch.__version__}, "
-          f"triton {'yes' if use_triton else 'not used'}, kv_hubkv from {Path(kv_hubkv.__file__).parent}")
+          f"triton {'yes' if use_triton else 'not used'}, kv_hubkv from {_where(kv_hubkv)}")
     print(f"# scores bf16 [L={L}, B, H={H_KV}, N], ratio={ratio}, protected = 4 sinks + floor(0.02 N) recent; "
           f"median ms (torch.utils.benchmark, min_run_time={min_run}s)")
     cols = ["N", "B", "select", "refine", "refine+select", "overhead"]
