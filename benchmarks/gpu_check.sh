@@ -3,7 +3,7 @@
 # Runs from a checkout with the members' src folders on PYTHONPATH (no install needed). Logs go to $OUT (or ./gpu_out).
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
-export PYTHONPATH=core/kvcore/src:packages/kv-baselines/src:packages/kv-hubkv/src:integrations/kv-hf/src:packages/kv-baselines/tests/quant${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=core/kvcore/src:packages/kv-baselines/src:packages/kv-hubkv/src:integrations/kv-hf/src${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
   python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"

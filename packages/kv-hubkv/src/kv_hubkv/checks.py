@@ -106,14 +106,16 @@ def check_values(scores: torch.Tensor, protected: torch.Tensor | None) -> None:
         raise ValueError(NEGATIVE_MSG)
 
 
-def prepare(scores: object, ratio: object, protected: object, config: object):
+def prepare(scores: object, ratio: object, protected: object, config: object, *, values: bool = True):
     """Run every check; return ``(scores, protected_view_or_None, ratio_float)``.
 
     ``config`` must already be a validated :class:`~kv_hubkv.config.HubKVConfig` (its
-    ``__post_init__`` checks the hyper-parameters).
+    ``__post_init__`` checks the hyper-parameters). ``values=False`` skips :func:`check_values`, for a
+    back end that checks the values itself (the Triton kernel folds them into its statistics pass).
     """
     scores = check_scores(scores)
     r = check_ratio(ratio)
     prot = check_protected(protected, scores)
-    check_values(scores, prot)
+    if values:
+        check_values(scores, prot)
     return scores, prot, r

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import NEGATIVE_MSG, NONFINITE_MSG, check_protected, check_ratio, check_scores
+from .checks import NEGATIVE_MSG, NONFINITE_MSG, prepare
 from .config import HubKVConfig
 
 try:  # triton is an optional extra: `pip install kv-hubkv[triton]`
@@ -244,9 +244,7 @@ def refine_triton_config(
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed: pip install 'kv-hubkv[triton]' (or use refine_torch)")
-    scores = check_scores(scores)
-    r = check_ratio(ratio)
-    prot = check_protected(protected, scores)
+    scores, prot, r = prepare(scores, ratio, protected, config, values=False)
     shape = scores.shape
     if scores.numel() == 0:
         return torch.empty(shape, dtype=torch.float32, device=scores.device)
