@@ -9,13 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcore import KVView, Plan, QuantizedTensor, Scores, packed_width, storage_bytes
+from kvcore import KVView, Plan, QuantizedTensor, Scores, Store, packed_width, storage_bytes
 
 
 class KeyNorm:
     """The scorer of ``test_toy_method.py``: low key norm = keep (Devoto et al. 2024)."""
 
-    needs_queries, needs_values, needs_extras = False, False, frozenset()
+    needs_queries, needs_values, needs_extras, query_window = False, False, frozenset(), None
 
     def score(self, ctx):
         return Scores(-ctx.keys.float().norm(dim=-1))
@@ -24,7 +24,7 @@ class KeyNorm:
 class WindowAttention:
     """SnapKV-like: attention of the query window, averaged over the GQA group and the window."""
 
-    needs_queries, needs_values, needs_extras = True, False, frozenset()
+    needs_queries, needs_values, needs_extras, query_window = True, False, frozenset(), None
 
     def score(self, ctx):
         if ctx.queries is None:
@@ -39,7 +39,7 @@ class WindowAttention:
 class Surprisal:
     """Scores every head's entries by a per-token extra, ``ctx.extras["surprisal"]`` ``[B, T]``."""
 
-    needs_queries, needs_values, needs_extras = False, False, frozenset({"surprisal"})
+    needs_queries, needs_values, needs_extras, query_window = False, False, frozenset({"surprisal"}), None
 
     def score(self, ctx):
         s = ctx.extras.get("surprisal")
@@ -114,13 +114,19 @@ def _rows(x, m: torch.Tensor):
     return dataclasses.replace(x, codes=x.codes[m], scales=x.scales[m], zeros=x.zeros[m], shape=shape)
 
 
-class ToyTieredStore:
+class ToyTieredStore(Store):
     """Per-head chunks at full precision or 2/4-bit token-axis min-max codes."""
 
     supported_bits = frozenset({0, 2, 4, 16})
 
     def __init__(self) -> None:
         self.reset()
+
+    def tiers(self):
+        raise NotImplementedError("re-tiering is not implemented for this store yet (kvcore contract v2)")
+
+    def retier(self, plan):
+        raise NotImplementedError("re-tiering is not implemented for this store yet (kvcore contract v2)")
 
     def reset(self) -> None:
         self.heads: list[list[tuple]] | None = None  # per (b, h): chunks (positions, keys, values)

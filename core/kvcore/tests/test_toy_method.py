@@ -1,11 +1,9 @@
 import pytest
-from kvcore import Scores
+from kvcore import Scorer, Scores
 from kvcore.testing import ScorerTests
 
 
-class KeyNorm:  # keep low-norm keys (Devoto et al. 2024, "A simple and effective L2 norm-based strategy")
-    needs_queries, needs_values, needs_extras = False, False, frozenset()
-
+class KeyNorm(Scorer):  # keep low-norm keys (Devoto et al. 2024, "A simple and effective L2 norm-based strategy")
     def score(self, ctx):
         return Scores(-ctx.keys.float().norm(dim=-1))
 

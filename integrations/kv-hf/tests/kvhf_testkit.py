@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-from kvcore import Budget, Compressor, DenseStore, Protection, Scores, ScoringContext, TopKSelector
+from kvcore import Budget, Compressor, DenseStore, Protection, Scorer, Scores, ScoringContext, TopKSelector
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -56,34 +56,26 @@ def prompt(T: int, B: int = 1, seed: int = 1) -> torch.Tensor:
 
 # -- scorers -----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class ZeroScorer:
-    needs_queries: bool = False
-    needs_values: bool = False
-    needs_extras: frozenset = frozenset()
+class ZeroScorer(Scorer):
 
     def score(self, ctx: ScoringContext) -> Scores:
         return Scores(torch.zeros(ctx.keys.shape[:3], dtype=torch.float32, device=ctx.keys.device))
 
 
 @dataclass(frozen=True)
-class KnormScorer:
+class KnormScorer(Scorer):
     """kvpress Knorm: keep low-norm keys (score = -||k||)."""
-
-    needs_queries: bool = False
-    needs_values: bool = False
-    needs_extras: frozenset = frozenset()
 
     def score(self, ctx: ScoringContext) -> Scores:
         return Scores(-ctx.keys.float().norm(dim=-1))
 
 
 @dataclass(frozen=True)
-class WindowScorer:
-    """SnapKV-like: mean softmax attention of the query window (GQA mean)."""
+class WindowScorer(Scorer):
+    """SnapKV-like: mean softmax attention of whatever query window it is given (GQA mean); it declares no window
+    of its own (``query_window = None``), so the cache's ``query_window`` option decides."""
 
-    needs_queries: bool = True
-    needs_values: bool = False
-    needs_extras: frozenset = frozenset()
+    needs_queries: ClassVar[bool] = True
 
     def score(self, ctx: ScoringContext) -> Scores:
         B, H, T, D = ctx.keys.shape
@@ -112,6 +104,10 @@ class Recording:
     @property
     def needs_extras(self) -> frozenset:
         return self.inner.needs_extras
+
+    @property
+    def query_window(self) -> int | None:
+        return self.inner.query_window
 
     def score(self, ctx: ScoringContext) -> Scores:
         self.contexts.append(ctx)

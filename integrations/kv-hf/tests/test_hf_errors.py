@@ -1,20 +1,19 @@
 """Unsupported combinations raise errors that name what is missing."""
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import kv_hf
 import pytest
 import torch
-from kvcore import Scores
+from kvcore import Scorer, Scores
 from kvhf_testkit import TINY, KnormScorer, WindowScorer, full_compressor, make, prompt, tiny_model
 from transformers import GPT2Config, GPT2LMHeadModel
 
 
 @dataclass(frozen=True)
-class SurprisalScorer:
-    needs_queries: bool = False
-    needs_values: bool = False
-    needs_extras: frozenset = frozenset({"surprisal"})
+class SurprisalScorer(Scorer):
+    needs_extras: ClassVar[frozenset] = frozenset({"surprisal"})
 
     def score(self, ctx):
         return Scores(ctx.extras["surprisal"][:, None].expand(ctx.keys.shape[:3]).float())

@@ -16,6 +16,7 @@ class ReverseScorer:
     needs_queries = False
     needs_values = False
     needs_extras = frozenset()
+    query_window = None
 
     def score(self, ctx):
         return Scores(ctx.positions.float()[:, None, :].expand(ctx.keys.shape[:3]).contiguous())

@@ -64,7 +64,6 @@ class AskingScorer(WindowScorer):
 def test_the_scorers_declared_window_is_what_it_gets(asked):
     model = tiny_model("llama")
     rec = Recording(AskingScorer(query_window=asked))
-    rec.query_window = asked  # Recording forwards scoring; the adapter reads the declared window from the scorer
     cache = kv_hf.compressed_cache(model, make(rec, ratio=0.5))
     assert cache.query_window == asked
     ids = prompt(90, seed=62)
@@ -81,7 +80,6 @@ def test_h2o_accumulates_over_every_prompt_query_through_the_adapter():
     model = tiny_model("llama")
     ids = prompt(90, seed=63)  # longer than the default 64-query window
     rec = Recording(kv_baselines.H2OScorer())
-    rec.query_window = None
     cache = kv_hf.compressed_cache(model, make(rec, ratio=0.5))
     model(ids, past_key_values=cache)
     q, k = naive_qk(model, ids, 1)
@@ -94,8 +92,7 @@ def test_h2o_accumulates_over_every_prompt_query_through_the_adapter():
 def test_an_explicit_window_shorter_than_the_scorers_is_refused():
     model = tiny_model("llama")
     rec = Recording(AskingScorer(query_window=12))
-    rec.query_window = 12
     with pytest.raises(ValueError, match="asks for its last 12 queries but query_window=5"):
         kv_hf.compressed_cache(model, make(rec), query_window=5)
     assert kv_hf.compressed_cache(model, make(rec), query_window=20).query_window == 20
-    assert kv_hf.compressed_cache(model, make(Recording(WindowScorer()))).query_window == DEFAULT_QUERY_WINDOW
+    assert kv_hf.compressed_cache(model, make(Recording(WindowScorer()))).query_window is None  # every prompt query

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import kv_baselines as kb
-from kvcore import Budget, Protection, ScoringContext, TopKSelector
+from kvcore import Budget, Protection, ScoringContext, ShortInputWarning, TopKSelector
 
 
 def _ctx(B=2, H=2, G=2, T=40, D=8, W=None, seed=0, valid=None):
@@ -109,9 +110,13 @@ def test_streaming_llm_keeps_sinks_and_most_recent(ratio):
             assert plan.keep_keys[b, h].nonzero().flatten().tolist() == expect
 
 
-def test_streaming_llm_budget_below_sinks_is_refused():
+def test_streaming_llm_budget_below_sinks_keeps_the_sinks_or_refuses_when_strict():
+    comp = kb.streaming_llm(0.95)
+    with pytest.warns(ShortInputWarning):
+        store = comp.compress(_ctx(T=40))
+    assert store.seq_lengths().unique().tolist() == [comp.protect.sinks + comp.protect.recent]
     with pytest.raises(ValueError, match="protected"):
-        kb.streaming_llm(0.95).compress(_ctx(T=40))
+        dataclasses.replace(comp, strict=True).compress(_ctx(T=40))
 
 
 def test_scorers_refuse_missing_queries():

@@ -22,7 +22,7 @@ from kv_hubkv import registry
 class WindowAttention:
     """Toy SnapKV-like base: softmax attention of the query window, mean over GQA group and window."""
 
-    needs_queries, needs_values, needs_extras = True, False, frozenset()
+    needs_queries, needs_values, needs_extras, query_window = True, False, frozenset(), None
     query_window = 8  # an adapter hint HubKV forwards
 
     def score(self, ctx):
@@ -38,7 +38,7 @@ class WindowAttention:
 class KeyNorm:
     """Negative scores (-‖k‖): needs ``nonnegative='shift'``."""
 
-    needs_queries, needs_values, needs_extras = False, True, frozenset({"unused"})
+    needs_queries, needs_values, needs_extras, query_window = False, True, frozenset({"unused"}), None
 
     def score(self, ctx):
         if "unused" not in ctx.extras:
@@ -50,7 +50,7 @@ class KeyNorm:
 class Fixed:
     """Returns given scores (for exact expectations)."""
 
-    needs_queries, needs_values, needs_extras = False, False, frozenset()
+    needs_queries, needs_values, needs_extras, query_window = False, False, frozenset(), None
 
     def __init__(self, s):
         self.s = s
@@ -124,10 +124,10 @@ def test_hubkv_token_budget_gives_per_row_ratio():
 
 def test_hubkv_needs_a_ratio_and_forwards_needs():
     s = HubKV(WindowAttention())
-    assert s.needs_queries and not s.needs_values and s.needs_extras == frozenset()
+    assert s.needs_queries and not s.needs_values and s.needs_extras == frozenset(), None
     assert s.query_window == 8
     k = HubKV(KeyNorm(), nonnegative="shift")
-    assert not k.needs_queries and k.needs_values and k.needs_extras == frozenset({"unused"})
+    assert not k.needs_queries and k.needs_values and k.needs_extras == frozenset({"unused"}), None
     with pytest.raises(ValueError, match="ratio"):
         s.score(_ctx())
     with pytest.raises(AttributeError):

@@ -1,27 +1,57 @@
 """kvcore: the contract of kvcompress.
 
-Protocols (``Scorer``, ``Selector``, ``Quantizer``, ``Store``), the value types between them, the
-``Compressor`` that composes them and minimal reference implementations. Conformance suites live in
-``kvcore.testing`` (needs pytest and hypothesis: ``pip install kvcore[testing]``).
+Protocols (``Scorer``, ``Selector``, ``Quantizer``, ``Store``) with their declared capabilities, the value types
+between them, the ``Compressor`` that composes them, reference attention and its log-sum-exp merge, the method
+registry (:mod:`kvcore.registry`), argument checks (:mod:`kvcore.checks`) and minimal reference implementations.
+Conformance suites live in ``kvcore.testing`` (needs pytest and hypothesis: ``pip install kvcore[testing]``).
 """
 
+from kvcore import checks, registry
+from kvcore.attention import merge_attention, reference_attention
 from kvcore.budget import Budget
-from kvcore.compressor import Compressor
+from kvcore.compressor import Compressor, ShortInputWarning
 from kvcore.context import ScoringContext
-from kvcore.memory import storage_bytes
+from kvcore.memory import reachable_bytes, reachable_tensors, storage_bytes
 from kvcore.plan import EVICT, FULL, Plan
 from kvcore.protection import Protection
 from kvcore.protocols import Quantizer, Scorer, Selector, Store
 from kvcore.quantized import QuantizedTensor, packed_width
+from kvcore.registry import Method
 from kvcore.scores import Scores
 from kvcore.selectors import TieredSelector, TopKSelector, solve_shares, tier_counts
 from kvcore.stores import DenseStore
 from kvcore.view import KVView
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "Budget", "Compressor", "DenseStore", "EVICT", "FULL", "KVView", "Plan", "Protection", "QuantizedTensor",
-    "Quantizer", "Scorer", "Scores", "ScoringContext", "Selector", "Store", "TieredSelector", "TopKSelector",
-    "packed_width", "solve_shares", "storage_bytes", "tier_counts",
+    "EVICT",
+    "FULL",
+    "Budget",
+    "Compressor",
+    "DenseStore",
+    "KVView",
+    "Method",
+    "Plan",
+    "Protection",
+    "QuantizedTensor",
+    "Quantizer",
+    "Scorer",
+    "Scores",
+    "ScoringContext",
+    "Selector",
+    "ShortInputWarning",
+    "Store",
+    "TieredSelector",
+    "TopKSelector",
+    "checks",
+    "merge_attention",
+    "packed_width",
+    "reachable_bytes",
+    "reachable_tensors",
+    "reference_attention",
+    "registry",
+    "solve_shares",
+    "storage_bytes",
+    "tier_counts",
 ]

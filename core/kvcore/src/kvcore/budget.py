@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from kvcore._checks import check_ratio
+from kvcore.checks import check_ratio
 
 Granularity = Literal["head", "layer", "global"]
 GRANULARITIES: tuple[str, ...] = ("head", "layer", "global")

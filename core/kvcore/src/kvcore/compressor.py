@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -36,6 +37,11 @@ class Compressor:
         Sinks / recent window always kept, counted inside the budget.
     name : str
         Display name (``"snapkv"``).
+    strict : bool
+        What to do with an input too short for the budget, where the budget would keep fewer entries than are
+        protected (a 100-token prompt under a 64-token observation window at ratio 0.5). ``False`` (default):
+        keep the protected entries — the least that honours the protection — and warn once (``ShortInputWarning``);
+        ``True``: raise ``ValueError`` as the selector does.
     """
 
     scorer: Scorer
@@ -44,6 +50,7 @@ class Compressor:
     budget: Budget = field(default_factory=Budget)
     protect: Protection = field(default_factory=Protection)
     name: str = ""
+    strict: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.scorer, Scorer):
@@ -56,6 +63,8 @@ class Compressor:
             raise TypeError(f"budget must be a kvcore.Budget, got {type(self.budget).__name__}")
         if not isinstance(self.protect, Protection):
             raise TypeError(f"protect must be a kvcore.Protection, got {type(self.protect).__name__}")
+        if not isinstance(self.strict, bool):
+            raise TypeError(f"strict must be a bool, got {type(self.strict).__name__}")
 
     def with_budget(self, **changes) -> "Compressor":
         """A copy with budget fields replaced, e.g. ``c.with_budget(ratio=0.75)``."""
@@ -92,7 +101,45 @@ class Compressor:
     def plan(self, ctx: ScoringContext) -> Plan:
         """Score and select one layer."""
         scores, protected = self.score(ctx)
-        return self.selector.select(scores, self.budget, protected, ctx.valid)
+        return self.select(scores, protected, ctx.valid)
+
+    def short_rows(self, protected: torch.Tensor, valid: torch.Tensor) -> list[int]:
+        """Batch rows whose budget keeps fewer entries per head than they protect (inputs too short for it)."""
+        if self.budget.avg_bits is not None:
+            return []
+        n_valid = valid.sum(-1).tolist()
+        n_prot = (protected & valid).sum(-1).tolist()
+        return [b for b, (n, p) in enumerate(zip(n_valid, n_prot)) if self.budget.kept(int(n)) < p]
+
+    def select(self, scores: Scores, protected: torch.Tensor, valid: torch.Tensor) -> Plan:
+        """The selector's plan under the budget, with the short-input policy (see ``strict``).
+
+        Rows too short for the budget keep exactly their protected entries (a token budget of that count, selected
+        row by row; the other rows keep their budget) and a ``ShortInputWarning`` is issued; ``strict=True``
+        lets the selector raise instead.
+        """
+        short = [] if self.strict else self.short_rows(protected, valid)
+        if not short:
+            return self.selector.select(scores, self.budget, protected, valid)
+        warnings.warn(
+            f"{self.name or 'compressor'}: batch rows {short} are too short for the budget {self.budget} (fewer "
+            "entries kept than protected); keeping their protected entries (Compressor(strict=True) raises instead)",
+            ShortInputWarning,
+            stacklevel=3,
+        )
+        dim = scores.keys.ndim - 3  # batch dim of [B, H, T] or [L, B, H, T]
+        n_prot = (protected & valid).sum(-1).tolist()
+        plans = []
+        for b in range(valid.shape[0]):
+            row = slice(b, b + 1)
+            budget = dataclasses.replace(self.budget, ratio=None, tokens=max(1, n_prot[b])) if b in short else self.budget
+            part = Scores(*(None if t is None else t.narrow(dim, b, 1) for t in (scores.keys, scores.values)))
+            plans.append(self.selector.select(part, budget, protected[row], valid[row]))
+        return Plan(
+            torch.cat([p.key_bits for p in plans], dim),
+            None if all(p.value_bits is None for p in plans) else torch.cat([p.bits_for_values for p in plans], dim),
+            None if all(p.full_precision is None for p in plans) else torch.cat([_fp(p) for p in plans], dim),
+        )
 
     def compress(self, ctx: ScoringContext, store: Store | None = None) -> Store:
         """Score, select and write one layer into ``store`` (a new one if ``None``); returns the store."""
@@ -100,18 +147,39 @@ class Compressor:
         store.write(ctx.keys, ctx.values, self.plan(ctx), ctx.positions)
         return store
 
-    def compress_layers(self, ctxs: Sequence[ScoringContext]) -> list[Store]:
-        """Compress all layers; under ``"global"`` granularity the selection spans every layer at once."""
+    def plan_layers(self, ctxs: Sequence[ScoringContext]) -> list[Plan]:
+        """Plans of all layers; under ``"global"`` granularity the selection spans every layer at once."""
         if self.budget.granularity != "global":
-            return [self.compress(c) for c in ctxs]
+            return [self.plan(c) for c in ctxs]
+        if not ctxs:
+            return []
+        if len({(c.batch_size, c.num_kv_heads, c.seq_len) for c in ctxs}) != 1:
+            raise ValueError("a 'global' budget needs every layer's context to have the same [B, Hkv, T]")
         scored = [self.score(c) for c in ctxs]
         keys = torch.stack([s.keys for s, _ in scored])
         values = None if all(s.values is None for s, _ in scored) else torch.stack([s.for_values for s, _ in scored])
-        plan = self.selector.select(Scores(keys, values), self.budget, scored[0][1], ctxs[0].valid)
-        stores = []
-        for i, c in enumerate(ctxs):
-            vb = None if plan.value_bits is None else plan.value_bits[i]
-            store = self.new_store()
-            store.write(c.keys, c.values, Plan(plan.key_bits[i], vb), c.positions)
-            stores.append(store)
-        return stores
+        plan = self.select(Scores(keys, values), scored[0][1], ctxs[0].valid)
+        return [
+            Plan(plan.key_bits[i], None if plan.value_bits is None else plan.value_bits[i]) for i in range(len(ctxs))
+        ]
+
+    def compress_layers(self, ctxs: Sequence[ScoringContext], stores: Sequence[Store] | None = None) -> list[Store]:
+        """Score, select and write all layers (into ``stores``, or new ones); under ``"global"`` granularity the
+        selection spans every layer at once. Returns the stores."""
+        if stores is not None and len(stores) != len(ctxs):
+            raise ValueError(f"got {len(stores)} stores for {len(ctxs)} layer contexts")
+        plans = self.plan_layers(ctxs)
+        out = list(stores) if stores is not None else [self.new_store() for _ in ctxs]
+        for store, c, plan in zip(out, ctxs, plans):
+            store.write(c.keys, c.values, plan, c.positions)
+        return out
+
+
+class ShortInputWarning(UserWarning):
+    """An input was too short for a compressor's budget; the protected entries were kept (``strict=False``)."""
+
+
+def _fp(plan: Plan) -> torch.Tensor:
+    if plan.full_precision is not None:
+        return plan.full_precision
+    raise ValueError("the selector returned element-level full-precision masks for some batch rows only")

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from kvcore._checks import check_bool_mask, check_float, check_tensor
+from kvcore.checks import check_bool_mask, check_float, check_tensor
 
 if TYPE_CHECKING:
     from kvcore.budget import Budget

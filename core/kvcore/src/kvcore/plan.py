@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcore._checks import check_tensor
+from kvcore.checks import check_tensor
 
 EVICT = 0
 """Tier value of an evicted entry (holds no memory)."""

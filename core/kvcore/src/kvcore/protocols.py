@@ -1,8 +1,14 @@
-"""The four protocols of kvcore (DESIGN.md §3). All are runtime-checkable structural types."""
+"""The four protocols of kvcore. All are runtime-checkable structural types.
+
+Capabilities are declared once, as class attributes listed in the protocol (never probed with ``getattr``):
+adapters read them to supply inputs (``Scorer.needs_queries`` ...) and to pick a path (``Store.can_attend`` ...).
+Subclass a protocol to inherit the defaults (``class MyScorer(kvcore.Scorer): needs_queries = True``), or declare
+every attribute yourself.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -22,15 +28,20 @@ class Scorer(Protocol):
     ----------
     needs_queries : bool
         ``score`` reads ``ctx.queries``; adapters must supply a query window or refuse.
+    query_window : int or None
+        With ``needs_queries``: how many trailing post-RoPE queries it reads (SnapKV's observation window);
+        ``None`` = every prompt query (H2O's accumulated attention).
     needs_values : bool
         ``score`` reads ``ctx.values``.
     needs_extras : frozenset of str
-        Keys of ``ctx.extras`` it reads (``"surprisal"``, ``"hidden_states"``, ``"kvzip_queries"`` ...).
+        Keys of ``ctx.extras`` it reads (``"surprisal"``, ``"hidden_states"``, ``"kvzip_scores"`` ...); adapters
+        supply them through named providers or refuse.
     """
 
-    needs_queries: bool
-    needs_values: bool
-    needs_extras: frozenset[str]
+    needs_queries: ClassVar[bool] = False
+    query_window: ClassVar[int | None] = None
+    needs_values: ClassVar[bool] = False
+    needs_extras: ClassVar[frozenset[str]] = frozenset()
 
     def score(self, ctx: ScoringContext) -> Scores:
         """Return float32 finite scores ``[B, Hkv, T]``, higher = keep."""
@@ -68,9 +79,29 @@ class Quantizer(Protocol):
 
 @runtime_checkable
 class Store(Protocol):
-    """Holds one layer's cache. Nothing is lost that the plan did not drop; ``nbytes`` is what is held."""
+    """Holds one layer's cache. Nothing is lost that the plan did not drop; ``nbytes`` is what is held.
 
-    supported_bits: frozenset[int]
+    Every mutation (``write``, ``append``, ``retier``, ``crop``, ``reorder``) is all-or-nothing: a call that raises
+    leaves ``read()`` and ``nbytes()`` as they were.
+
+    Attributes
+    ----------
+    supported_bits : frozenset of int
+        Tiers a plan may use (``0`` evict, ``16`` full precision, quantized widths).
+    query_dependent : bool
+        ``read(query)`` depends on the query (SEKV zoom-in); adapters must pass the current query.
+    can_attend : bool
+        The store has a fused ``attend(query, scale) -> (out, lse)`` equal to
+        :func:`kvcore.attention.reference_attention` over ``read(query)``; adapters decode through it.
+    can_demote : bool
+        ``retier`` can move held entries down to a lower quantized width (from the held representation), besides
+        evicting them.
+    """
+
+    supported_bits: ClassVar[frozenset[int]]
+    query_dependent: ClassVar[bool] = False
+    can_attend: ClassVar[bool] = False
+    can_demote: ClassVar[bool] = False
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, plan: Plan, positions: torch.Tensor) -> None:
         """Replace the content with ``keys``/``values`` ``[B, Hkv, T, D]`` laid out per ``plan``;
@@ -83,6 +114,20 @@ class Store(Protocol):
 
     def read(self, query: torch.Tensor | None = None) -> KVView:
         """Attention-ready view; ``query`` ``[B, Hq, Q, D]`` is for query-dependent stores."""
+        ...
+
+    def tiers(self) -> Plan:
+        """The tier of every held entry, laid out like ``read()`` (``[B, Hkv, T]``; padding is ``EVICT``)."""
+        ...
+
+    def retier(self, plan: Plan) -> None:
+        """Apply a new plan to the held entries, laid out like ``read()`` / ``tiers()``.
+
+        Each entry's new tier is ``EVICT``, its held tier (the entry is not touched: bytes identical), or — with
+        ``can_demote`` — a lower supported width, transcoded from the held representation (never a
+        dequantize-everything-and-requantize pass). Moving up, or a width the store does not hold, is a
+        ``ValueError``; padding must be ``EVICT``. Evicted entries free their memory.
+        """
         ...
 
     def nbytes(self, device: torch.device | str | None = None) -> int:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcore._checks import check_tensor
+from kvcore.checks import check_tensor
 
 
 @dataclass(frozen=True)

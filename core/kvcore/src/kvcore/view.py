@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -37,14 +36,9 @@ class KVView:
 
     def attend(self, query: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """Reference attention of ``query`` (``[B, Hq, Q, D]``) over this view, GQA-aware, in float32.
-
-        Queries attend to every entry (no causal mask among cached entries); returns ``[B, Hq, Q, D]``.
+        Queries attend to every entry (no causal mask among cached entries); returns ``[B, Hq, Q, D]``
+        (:func:`kvcore.attention.reference_attention` also returns the log-sum-exp).
         """
-        B, Hq, _, D = query.shape
-        group = Hq // self.keys.shape[1]
-        scale = 1.0 / math.sqrt(D) if scale is None else scale
-        k = self.keys.float().repeat_interleave(group, dim=1)
-        v = self.values.float().repeat_interleave(group, dim=1)
-        bias = self.logit_bias.repeat_interleave(group, dim=1)[:, :, None, :]
-        logits = query.float() @ k.transpose(-1, -2) * scale + bias
-        return torch.softmax(logits, dim=-1) @ v
+        from kvcore.attention import reference_attention
+
+        return reference_attention(self, query, scale)[0]

@@ -12,18 +12,16 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from kvcore import Budget, Compressor, DenseStore, Scores, ScoringContext, TopKSelector
+from kvcore import Budget, Compressor, DenseStore, Scorer, Scores, ScoringContext, TopKSelector
 
 KVZIP_EXTRA = "kvzip_scores"
 
 
 @dataclass(frozen=True)
-class KVzipScorer:
+class KVzipScorer(Scorer):
     """Scores = ``ctx.extras["kvzip_scores"]``: per context key, the max over the GQA group and over the
     reconstruction queries of the softmax attention it receives (``[B, Hkv, T]``; higher = keep)."""
 
-    needs_queries: ClassVar[bool] = False
-    needs_values: ClassVar[bool] = False
     needs_extras: ClassVar[frozenset[str]] = frozenset({KVZIP_EXTRA})
 
     def score(self, ctx: ScoringContext) -> Scores:

@@ -119,7 +119,7 @@ class CompressedLayer(CacheLayerMixin):
         self._batch = B
         step = Step(self, key_states, value_states)
         self._step = step
-        if self.held() and getattr(self.store, "query_dependent", False):
+        if self.held() and self.store.query_dependent:
             step.deferred = True
             setattr(key_states, STEP_ATTR, step)
             return key_states, value_states

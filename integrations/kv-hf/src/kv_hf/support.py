@@ -25,14 +25,11 @@ _KERNELS = ("sdpa", "eager", *KV_HF_IMPLEMENTATIONS)
 DEFAULT_QUERY_WINDOW = 64
 """Queries captured when neither the options nor the scorer say otherwise (kvpress ``window_size=64``)."""
 
-_UNSET = object()
-
-
 def resolve_query_window(compressor: Compressor, options: "CacheOptions") -> int | None:
     """How many trailing post-RoPE queries a cache captures per layer; ``None`` = every prompt query.
 
-    A scorer states what it needs with an optional ``query_window`` attribute: an int (SnapKV's observation
-    window) or ``None`` (H2O: every prompt query). An explicit ``options.query_window`` wins, but may not be
+    A scorer declares what it needs with its ``query_window`` attribute (``kvcore.Scorer``): an int (SnapKV's
+    observation window) or ``None`` (H2O: every prompt query). An explicit ``options.query_window`` wins, but may not be
     shorter than a window the scorer asks for (it would silently score with fewer queries): ``ValueError``.
     Otherwise the largest window asked for by the compressor or the re-compressor is captured, else
     :data:`DEFAULT_QUERY_WINDOW`.
@@ -41,9 +38,7 @@ def resolve_query_window(compressor: Compressor, options: "CacheOptions") -> int
     for comp in (compressor, options.recompressor):
         if comp is None or not comp.scorer.needs_queries:
             continue
-        declared = getattr(comp.scorer, "query_window", _UNSET)
-        if declared is _UNSET:
-            continue
+        declared = comp.scorer.query_window
         if declared is not None and (isinstance(declared, bool) or not isinstance(declared, int) or declared < 1):
             raise ValueError(
                 f"scorer {type(comp.scorer).__name__} declares query_window={declared!r}; "

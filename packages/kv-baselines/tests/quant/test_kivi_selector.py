@@ -1,23 +1,16 @@
 """KIVITierSelector: KIVI's prefill layout after any eviction, and the KIVI compressor end to end."""
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvcore import EVICT, FULL, Budget, Compressor, Plan, Protection, Scores, ScoringContext, Selector, TopKSelector
+from kvcore import EVICT, FULL, Budget, Compressor, Plan, Protection, Scorer, Scores, ScoringContext, Selector, TopKSelector
 
 from kv_baselines.quant import KIVIStore, KIVITierSelector, UniformQuantizer
 
 
-@dataclass(frozen=True)
-class _NormScorer:
+class _NormScorer(Scorer):
     """Key norm as importance (a stand-in scorer local to these tests)."""
-
-    needs_queries: bool = False
-    needs_values: bool = False
-    needs_extras: frozenset = field(default_factory=frozenset)
 
     def score(self, ctx: ScoringContext) -> Scores:
         return Scores(ctx.keys.float().norm(dim=-1))

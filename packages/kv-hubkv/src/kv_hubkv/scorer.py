@@ -30,8 +30,8 @@ class HubKV:
     Parameters
     ----------
     base : kvcore.Scorer
-        The importance scorer to refine (SnapKV, H2O, KVzip ...). Its ``needs_queries``,
-        ``needs_values`` and ``needs_extras`` are forwarded.
+        The importance scorer to refine (SnapKV, H2O, KVzip ...). Its declared ``needs_queries``,
+        ``query_window``, ``needs_values`` and ``needs_extras`` are forwarded.
     config : HubKVConfig, optional
         Hyper-parameters; the paper's defaults (§4.1) if omitted.
     default_ratio : float, optional
@@ -82,11 +82,9 @@ class HubKV:
     def needs_extras(self) -> frozenset[str]:
         return frozenset(self.base.needs_extras)
 
-    def __getattr__(self, name: str):
-        # forward optional adapter hints such as ``query_window`` (SnapKV) to the base
-        if name.startswith("_") or name in {"base", "config", "default_ratio", "nonnegative"}:
-            raise AttributeError(name)
-        return getattr(self.base, name)
+    @property
+    def query_window(self) -> int | None:
+        return self.base.query_window
 
     # -- scoring ----------------------------------------------------------------------------------
     def _ratios(self, ctx: ScoringContext) -> list[float]:

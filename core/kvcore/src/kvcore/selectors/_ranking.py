@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore._checks import check_bool_mask, check_finite
+from kvcore.checks import check_bool_mask, check_finite
 from kvcore.scores import Scores
 
 

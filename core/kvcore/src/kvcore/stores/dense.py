@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from kvcore._checks import check_float, check_tensor
+from kvcore.checks import check_float, check_tensor
 from kvcore.memory import storage_bytes
 from kvcore.plan import EVICT, FULL, Plan
+from kvcore.protocols import Store
 from kvcore.view import KVView
 
 
@@ -14,7 +15,7 @@ def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, 0) - x
 
 
-class DenseStore:
+class DenseStore(Store):
     """One layer's cache as one flat buffer of ragged per-(batch, head) segments.
 
     Kept entries are gathered into a ``[N, D]`` buffer (``N`` = entries kept over all heads), so evicted
@@ -30,6 +31,7 @@ class DenseStore:
     """
 
     supported_bits = frozenset({EVICT, FULL})
+    can_attend = False  # decode attends over read(): the view is zero-copy when heads hold equal segments
 
     def __init__(self, growth: int = 64) -> None:
         if growth < 0:
@@ -130,6 +132,40 @@ class DenseStore:
         v = self._v.view(B, H, cap, D)[:, :, :T]
         pos = self._pos.view(B, H, cap)[:, :, :T].long()
         return KVView(k, v, pos, torch.zeros(B, H, T, device=k.device))
+
+    def tiers(self) -> Plan:
+        """``FULL`` for every held entry, ``EVICT`` for padding, laid out like :meth:`read`."""
+        view = self.read()
+        return Plan(torch.where(view.valid, FULL, EVICT).to(torch.uint8))
+
+    def retier(self, plan: Plan) -> None:
+        """Evict the entries ``plan`` marks ``EVICT`` (laid out like :meth:`read`); the others stay untouched.
+
+        A full-precision store has one held tier, so re-tiering can only evict; the buffers are rebuilt with the
+        kept entries only (their memory is freed) and the kept entries' bytes are copied unchanged.
+        """
+        view = self.read()
+        valid = view.valid
+        if not isinstance(plan, Plan) or tuple(plan.key_bits.shape) != tuple(valid.shape):
+            raise ValueError(f"plan must be a kvcore.Plan laid out like read(): shape {tuple(valid.shape)}")
+        if plan.tiers() - self.supported_bits:
+            raise ValueError(
+                f"DenseStore re-tiers to {sorted(self.supported_bits)} (evict or keep); plan uses {sorted(plan.tiers())}"
+            )
+        keep = plan.keep_keys.to(valid.device)
+        if not torch.equal(keep, plan.keep_values.to(valid.device)):
+            raise ValueError("DenseStore needs the same kept set for keys and values")
+        if bool((keep & ~valid).any()):
+            raise ValueError("plan keeps padding entries (positions -1 in read()); padding must be EVICT")
+        B, H = self._shape
+        T = valid.shape[-1]
+        ar = torch.arange(T, device=self._k.device)
+        idx = (self._start[:, None] + ar).view(B, H, T)[keep]
+        self._k, self._v, self._pos = self._k[idx], self._v[idx], self._pos[idx]
+        self._len = keep.sum(-1).flatten()
+        self._cap = self._len.clone()
+        self._start = _exclusive_cumsum(self._cap)
+        self._uniform = None
 
     def nbytes(self, device: torch.device | str | None = None) -> int:
         return storage_bytes([self._k, self._v, self._pos, self._start, self._len, self._cap], device)

@@ -1,10 +1,9 @@
 """The standard-tests base: flags, flag-named skips, hypothesis settings, the no-override guard (langchain-tests
-``BaseStandardTests``, anchors §8) and a walker that finds every tensor an object holds."""
+``BaseStandardTests``, anchors §8) and the storage walker re-exported from :mod:`kvcore.memory`."""
 
 from __future__ import annotations
 
 import dataclasses
-import types
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -13,11 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcore.context import ScoringContext
-from kvcore.memory import storage_bytes
+from kvcore.memory import reachable_bytes, reachable_tensors  # noqa: F401  (re-exported)
 from kvcore.testing.strategies import KVSample
 
 MAX_EXAMPLES = 15
-_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, str, bytes)
 
 
 def forall(strategy: st.SearchStrategy, check: Callable[[Any], None], max_examples: int = MAX_EXAMPLES) -> None:
@@ -30,34 +28,6 @@ def forall(strategy: st.SearchStrategy, check: Callable[[Any], None], max_exampl
         check(example)
 
     run()
-
-
-def reachable_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Tensors reachable from ``obj`` through ``__dict__``, ``__slots__``, dataclass fields, lists, tuples, sets
-    and dicts (keys and values); every object is visited once, so cycles are fine."""
-    seen, stack = set(), [obj]
-    while stack:
-        x = stack.pop()
-        if x is None or id(x) in seen or isinstance(x, _OPAQUE):
-            continue
-        seen.add(id(x))
-        if isinstance(x, torch.Tensor):
-            yield x
-        elif isinstance(x, dict):
-            stack += [*x.keys(), *x.values()]
-        elif isinstance(x, (list, tuple, set, frozenset)):
-            stack += list(x)
-        else:
-            stack += [getattr(x, f.name, None) for f in dataclasses.fields(x)] if dataclasses.is_dataclass(x) else []
-            stack += list(getattr(x, "__dict__", {}).values())
-            for cls in type(x).__mro__:
-                slots = cls.__dict__.get("__slots__", ())
-                stack += [getattr(x, s, None) for s in ((slots,) if isinstance(slots, str) else slots)]
-
-
-def reachable_bytes(obj: Any, device: torch.device | str | None = None) -> int:
-    """Bytes of the distinct storages of every tensor reachable from ``obj`` (on ``device`` if given)."""
-    return storage_bytes(reachable_tensors(obj), device)
 
 
 def overridden_standard_tests(cls: type) -> list[str]:

@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from kvcore._checks import check_tensor
+from kvcore.checks import check_tensor
 
 from kv_baselines.kernels.reference import compact_ref, quantize_pack_ref, unpack_dequantize_ref
 

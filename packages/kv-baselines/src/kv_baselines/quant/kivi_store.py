@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from kvcore import EVICT, FULL, KVView, Plan, Quantizer, storage_bytes
-from kvcore._checks import check_float, check_tensor
+from kvcore import EVICT, FULL, KVView, Plan, Quantizer, Store, storage_bytes
+from kvcore.checks import check_float, check_tensor
 
 from kv_baselines.quant.kivi_parts import Entries, FullRows, QuantUnits, Residual, compact_entries
 from kv_baselines.quant.segments import rank_in_segment
@@ -41,7 +41,7 @@ def _held_tensors(obj: object, seen: set[int]) -> list[torch.Tensor]:
     return out
 
 
-class KIVIStore:
+class KIVIStore(Store):
     """One layer's KV cache quantized the KIVI way (Liu et al. 2024, "KIVI", §3.3-3.4; anchors.md §4 KIVI).
 
     Keys are quantized per channel (groups of ``G`` consecutive tokens of one head), values per token, and
@@ -105,6 +105,12 @@ class KIVIStore:
         self.reset()
 
     # -- state -----------------------------------------------------------------------------------------
+    def tiers(self):
+        raise NotImplementedError("re-tiering is not implemented for this store yet (kvcore contract v2)")
+
+    def retier(self, plan):
+        raise NotImplementedError("re-tiering is not implemented for this store yet (kvcore contract v2)")
+
     def reset(self) -> None:
         """Drop everything and free the memory."""
         self._shape: tuple[int, int, int] | None = None  # (B, H, D)

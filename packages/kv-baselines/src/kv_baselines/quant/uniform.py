@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 from kvcore import QuantizedTensor
-from kvcore._checks import check_finite, check_float, check_tensor
+from kvcore.checks import check_finite, check_float, check_tensor
 from kvcore.quantized import AXES, Axis
 
 import kv_baselines.kernels.dispatch as _kernels

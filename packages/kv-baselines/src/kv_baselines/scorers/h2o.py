@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from kvcore import Scores, ScoringContext
+from kvcore import Scorer, Scores, ScoringContext
 from kv_baselines.scorers._attention import window_attention
 
 
 @dataclass(frozen=True)
-class H2OScorer:
+class H2OScorer(Scorer):
     """Attention each key received, summed over the supplied queries (all prompt queries by default).
 
     GQA groups are aggregated by the mean. With a shorter query window the sum runs over that window.
@@ -28,9 +29,7 @@ class H2OScorer:
 
     query_window: int | None = None
     normalize: bool = False
-    needs_queries: bool = True
-    needs_values: bool = False
-    needs_extras: frozenset[str] = frozenset()
+    needs_queries: ClassVar[bool] = True
 
     def score(self, ctx: ScoringContext) -> Scores:
         if ctx.queries is None:

@@ -6,30 +6,24 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcore import Scores, ScoringContext
+from kvcore import Scorer, Scores, ScoringContext
 
 
 @dataclass(frozen=True)
-class ConstantScorer:
+class ConstantScorer(Scorer):
     """Every entry scores 0: with ties broken by lower index, a budget keeps the earliest tokens. Used by
     ``full()`` and quantization-only methods, where the budget keeps everything."""
 
-    needs_queries: bool = False
-    needs_values: bool = False
-    needs_extras: frozenset[str] = frozenset()
 
     def score(self, ctx: ScoringContext) -> Scores:
         return Scores(torch.zeros(ctx.batch_size, ctx.num_kv_heads, ctx.seq_len, device=ctx.keys.device))
 
 
 @dataclass(frozen=True)
-class RandomScorer:
+class RandomScorer(Scorer):
     """Uniform random scores, deterministic per ``(seed, layer_idx)`` (kvpress RandomPress)."""
 
     seed: int = 0
-    needs_queries: bool = False
-    needs_values: bool = False
-    needs_extras: frozenset[str] = frozenset()
 
     def score(self, ctx: ScoringContext) -> Scores:
         gen = torch.Generator().manual_seed(self.seed * 100_003 + ctx.layer_idx)
@@ -38,20 +32,17 @@ class RandomScorer:
 
 
 @dataclass(frozen=True)
-class KnormScorer:
+class KnormScorer(Scorer):
     """``-‖k‖₂``: keys with small norms draw the most attention (Devoto et al. 2024, "A Simple and Effective
     L2 Norm-Based Strategy for KV Cache Compression", §3; kvpress KnormPress)."""
 
-    needs_queries: bool = False
-    needs_values: bool = False
-    needs_extras: frozenset[str] = frozenset()
 
     def score(self, ctx: ScoringContext) -> Scores:
         return Scores(-ctx.keys.float().norm(dim=-1))
 
 
 @dataclass(frozen=True)
-class StreamingLLMScorer:
+class StreamingLLMScorer(Scorer):
     """Attention sinks plus the most recent tokens (Xiao et al. 2024, "StreamingLLM", §3.2).
 
     The first ``n_sink`` real tokens score 2; every other real token scores ``rank / n`` (later = higher), so
@@ -64,9 +55,6 @@ class StreamingLLMScorer:
     """
 
     n_sink: int = 4
-    needs_queries: bool = False
-    needs_values: bool = False
-    needs_extras: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.n_sink < 0:

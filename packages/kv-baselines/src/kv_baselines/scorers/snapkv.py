@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from kvcore import Scores, ScoringContext
+from kvcore import Scorer, Scores, ScoringContext
 from kv_baselines.scorers._attention import window_attention
 
 
 @dataclass(frozen=True)
-class SnapKVScorer:
+class SnapKVScorer(Scorer):
     """Mean attention of the last ``window`` queries on every key, smoothed by a 1-D pool (average by default).
 
     GQA groups are aggregated by the mean over the group's query heads, after pooling (as kvpress does). Window
@@ -35,9 +36,7 @@ class SnapKVScorer:
     window: int = 64
     kernel_size: int = 5
     pooling: str = "avg"
-    needs_queries: bool = True
-    needs_values: bool = False
-    needs_extras: frozenset[str] = frozenset()
+    needs_queries: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.window < 1:

@@ -1,4 +1,4 @@
-"""Argument checks shared by kvcore value types and references.
+"""Argument checks shared by kvcore value types, references and method packages (public API).
 
 Every check raises ``ValueError`` or ``TypeError`` naming the argument and what is allowed, so bad input
 never turns into NaN or a silently wrong shape further down the pipeline.

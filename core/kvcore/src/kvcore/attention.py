@@ -1,0 +1,74 @@
+"""Reference attention over a :class:`~kvcore.view.KVView`, returning the log-sum-exp, and the merge of partial
+attentions (the online-softmax identity used by fused kernels: FlashAttention, Dao et al. 2022, §3.1).
+
+A Store's fused ``attend(query, scale)`` must equal :func:`reference_attention` over its ``read()`` view; an adapter
+attends to a store and to the step's own new tokens separately and combines them with :func:`merge_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from kvcore.checks import check_float, check_tensor
+from kvcore.view import KVView
+
+
+def check_query(query: object, view_heads: int, head_dim: int, batch: int) -> torch.Tensor:
+    """``query`` ``[B, Hq, Q, D]`` float with ``Hq`` a multiple of the KV heads; raises ValueError/TypeError."""
+    q = check_float("query", check_tensor("query", query, ndim=4))
+    B, Hq, _, D = q.shape
+    if B != batch or D != head_dim or Hq % view_heads or Hq == 0:
+        raise ValueError(
+            f"query must be [B={batch}, Hq (a multiple of Hkv={view_heads}), Q, D={head_dim}], got {tuple(q.shape)}"
+        )
+    return q
+
+
+def check_scale(scale: object, head_dim: int) -> float:
+    """``None`` -> ``1/sqrt(D)``; otherwise a finite positive number."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite number > 0 (or None for 1/sqrt(D)), got {scale!r}")
+    return float(scale)
+
+
+def reference_attention(
+    view: KVView, query: torch.Tensor, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``softmax(q·kᵀ·scale + bias)·v`` of ``query`` ``[B, Hq, Q, D]`` over ``view``, GQA-aware, in float32.
+
+    Queries attend to every entry (no causal mask among cached entries). Returns ``(out, lse)``: ``out``
+    ``[B, Hq, Q, D]`` float32 and ``lse`` ``[B, Hq, Q]`` float32, the natural log of the softmax denominator
+    (``-inf`` with ``out = 0`` for a row that sees no entry).
+    """
+    B, H, _, D = view.keys.shape
+    q = check_query(query, H, D, B)
+    scale = check_scale(scale, D)
+    group = q.shape[1] // H
+    k = view.keys.float().repeat_interleave(group, dim=1)
+    v = view.values.float().repeat_interleave(group, dim=1)
+    bias = view.logit_bias.float().repeat_interleave(group, dim=1)[:, :, None, :]
+    logits = q.float() @ k.transpose(-1, -2) * scale + bias
+    lse = torch.logsumexp(logits, dim=-1)
+    safe = torch.where(torch.isfinite(lse), lse, 0.0)
+    weights = torch.exp(logits - safe[..., None])
+    return weights @ v, lse
+
+
+def merge_attention(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine attentions over disjoint key sets: ``[(out_i, lse_i)]`` -> ``(out, lse)`` of the union.
+
+    ``out = Σ exp(lse_i - lse) out_i`` with ``lse = logsumexp_i lse_i``; parts with ``lse = -inf`` contribute
+    nothing. Shapes ``[..., Q, D]`` / ``[..., Q]``; computed in float32.
+    """
+    if not parts:
+        raise ValueError("merge_attention needs at least one (out, lse) part")
+    lses = torch.stack([lse.float() for _, lse in parts])
+    lse = torch.logsumexp(lses, dim=0)
+    safe = torch.where(torch.isfinite(lse), lse, 0.0)
+    out = sum(torch.exp(l - safe)[..., None] * o.float() for (o, _), l in zip(parts, lses))
+    return out, lse
