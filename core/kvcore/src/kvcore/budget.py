@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from kvcore.checks import check_ratio
+from kvcore.checks import check_number, check_ratio
 
 Granularity = Literal["head", "layer", "global"]
 GRANULARITIES: tuple[str, ...] = ("head", "layer", "global")
@@ -48,8 +48,8 @@ class Budget:
                 raise ValueError(f"tokens must be >= 1, got {self.tokens}")
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
-        if self.avg_bits is not None and not 0.0 <= float(self.avg_bits) <= 16.0:
-            raise ValueError(f"avg_bits must be in [0, 16], got {self.avg_bits}")
+        if self.avg_bits is not None:
+            object.__setattr__(self, "avg_bits", check_number("avg_bits", self.avg_bits, low=0.0, high=16.0))
 
     def kept(self, n: int) -> int:
         """Entries kept per head out of ``n``: ``floor(n * (1 - ratio))`` or ``min(tokens, n)``."""

@@ -55,3 +55,36 @@ def check_ratio(name: str, ratio: object) -> float:
     if not 0.0 <= ratio < 1.0:
         raise ValueError(f"{name} must be in [0, 1) (fraction removed), got {ratio}")
     return ratio
+
+
+def check_int(name: str, value: object, *, low: int | None = None, high: int | None = None) -> int:
+    """An ``int`` (not a bool) in ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        lo = "-inf" if low is None else low
+        hi = "inf" if high is None else high
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def check_number(name: str, value: object, *, low: float | None = None, high: float | None = None) -> float:
+    """A finite real number (int or float, not a bool) in ``[low, high]``; returned as float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        lo = "-inf" if low is None else low
+        hi = "inf" if high is None else high
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def check_integer_tensor(name: str, x: object, *, ndim: int | tuple[int, ...] | None = None) -> torch.Tensor:
+    """An integer tensor (int8..int64, uint8) of the given rank."""
+    x = check_tensor(name, x, ndim=ndim)
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
+    return x

@@ -12,6 +12,8 @@ EVICT = 0
 """Tier value of an evicted entry (holds no memory)."""
 FULL = 16
 """Tier value of an entry kept in full precision (the input dtype, read back bit-exact)."""
+TIERS = frozenset({EVICT, *range(1, 9), FULL})
+"""Tier values a plan may hold: evict, a quantized width of 1 to 8 bits, or full precision."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,11 @@ class Plan:
             self.value_bits.shape != self.key_bits.shape or self.value_bits.dtype != torch.uint8
         ):
             raise ValueError(f"value_bits must be uint8 of shape {tuple(self.key_bits.shape)}")
+        for name, bits in (("key_bits", self.key_bits), ("value_bits", self.value_bits)):
+            if bits is not None and bits.numel():
+                bad = set(torch.unique(bits).tolist()) - TIERS
+                if bad:
+                    raise ValueError(f"{name} holds {sorted(bad)}; tiers are 0 (evict), 1-8 (bits) or 16 (full)")
         if self.full_precision is not None:
             check_tensor("full_precision", self.full_precision, ndim=self.key_bits.ndim + 1)
             if self.full_precision.dtype != torch.bool or self.full_precision.shape[:-1] != self.key_bits.shape:

@@ -7,6 +7,8 @@ from typing import Literal
 
 import torch
 
+from kvcore.checks import check_int, check_tensor
+
 Axis = Literal["token", "channel"]
 AXES: tuple[str, ...] = ("token", "channel")
 
@@ -56,10 +58,22 @@ class QuantizedTensor:
             raise TypeError(f"codes must be uint8, got {self.codes.dtype}")
         if self.axis not in AXES:
             raise ValueError(f"axis must be one of {AXES}, got {self.axis!r}")
+        check_int("bits", self.bits, low=1, high=8)
+        check_int("group_size", self.group_size, low=1)
+        if len(self.shape) < 2 or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.shape):
+            raise ValueError(f"shape must be a tuple of >= 2 non-negative ints [..., T, D], got {self.shape}")
         *lead, T, D = self.shape
         expected = (*lead, T, packed_width(D, self.bits))
         if tuple(self.codes.shape) != expected:
             raise ValueError(f"codes must have shape {expected} for shape={self.shape}, bits={self.bits}")
+        G = self.group_size
+        groups = (*lead, T, -(-D // G)) if self.axis == "token" else (*lead, -(-T // G), D)
+        for name, t in (("scales", self.scales), ("zeros", self.zeros)):
+            if t is None and name == "zeros":
+                continue
+            check_tensor(name, t)
+            if tuple(t.shape) != groups:
+                raise ValueError(f"{name} must have shape {groups} for {self.axis}-axis groups of {G}, got {tuple(t.shape)}")
 
     @property
     def nbytes(self) -> int:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcore.checks import check_tensor
+from kvcore.checks import check_finite, check_tensor
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class Scores:
         check_tensor("scores.keys", self.keys, ndim=(3, 4))
         if self.keys.dtype != torch.float32:
             raise TypeError(f"scores.keys must be float32, got {self.keys.dtype}")
+        check_finite("scores.keys", self.keys)
         if self.values is not None:
             check_tensor("scores.values", self.values)
             if self.values.shape != self.keys.shape or self.values.dtype != torch.float32:
@@ -35,6 +36,7 @@ class Scores:
                     f"scores.values must be float32 of shape {tuple(self.keys.shape)}, "
                     f"got {self.values.dtype} {tuple(self.values.shape)}"
                 )
+            check_finite("scores.values", self.values)
 
     @property
     def for_values(self) -> torch.Tensor:
