@@ -42,6 +42,9 @@ class Compressor:
         protected (a 100-token prompt under a 64-token observation window at ratio 0.5). ``False`` (default):
         keep the protected entries — the least that honours the protection — and warn once (``ShortInputWarning``);
         ``True``: raise ``ValueError`` as the selector does.
+    validate : bool
+        Reject NaN / ±inf keys, values and queries with a ``ValueError`` naming the tensor and the layer (one
+        reduction per tensor and a host sync). ``False`` skips the check, for trusted hot paths.
     """
 
     scorer: Scorer
@@ -51,6 +54,7 @@ class Compressor:
     protect: Protection = field(default_factory=Protection)
     name: str = ""
     strict: bool = False
+    validate: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.scorer, Scorer):
@@ -63,8 +67,9 @@ class Compressor:
             raise TypeError(f"budget must be a kvcore.Budget, got {type(self.budget).__name__}")
         if not isinstance(self.protect, Protection):
             raise TypeError(f"protect must be a kvcore.Protection, got {type(self.protect).__name__}")
-        if not isinstance(self.strict, bool):
-            raise TypeError(f"strict must be a bool, got {type(self.strict).__name__}")
+        for flag in ("strict", "validate"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
 
     def with_budget(self, **changes) -> "Compressor":
         """A copy with budget fields replaced, e.g. ``c.with_budget(ratio=0.75)``."""
@@ -85,6 +90,16 @@ class Compressor:
 
     def score(self, ctx: ScoringContext) -> tuple[Scores, torch.Tensor]:
         """Scores of ``ctx`` and the protected mask ``[B, T]`` used for them."""
+        if not isinstance(ctx, ScoringContext):
+            raise TypeError(f"ctx must be a kvcore.ScoringContext, got {type(ctx).__name__}")
+        if self.validate:
+            for name in ("keys", "values", "queries"):
+                t = getattr(ctx, name)
+                if t is not None and t.numel() and not bool(torch.isfinite(t).all()):
+                    raise ValueError(
+                        f"{name} of layer {ctx.layer_idx} hold NaN or inf; kvcompress refuses to score or store them "
+                        "(Compressor(validate=False) skips this check)"
+                    )
         missing = self.missing_inputs(ctx)
         if missing:
             raise ValueError(f"scorer {type(self.scorer).__name__} needs {missing}, which the context does not provide")
@@ -143,8 +158,9 @@ class Compressor:
 
     def compress(self, ctx: ScoringContext, store: Store | None = None) -> Store:
         """Score, select and write one layer into ``store`` (a new one if ``None``); returns the store."""
+        plan = self.plan(ctx)
         store = self.new_store() if store is None else store
-        store.write(ctx.keys, ctx.values, self.plan(ctx), ctx.positions)
+        store.write(ctx.keys, ctx.values, plan, ctx.positions)
         return store
 
     def plan_layers(self, ctxs: Sequence[ScoringContext]) -> list[Plan]:

@@ -9,7 +9,8 @@ from typing import Mapping
 import torch
 
 from kvcore.budget import Budget
-from kvcore.plan import EVICT, Plan
+from kvcore.checks import check_number
+from kvcore.plan import EVICT, TIERS, Plan
 from kvcore.scores import Scores
 from kvcore.selectors._ranking import as_scores, check_protected_fit, prepare, stable_rank, unflatten
 
@@ -81,17 +82,25 @@ class TieredSelector:
     shares: Mapping[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.tiers or any(not 0 <= b <= 16 for b in self.tiers):
-            raise ValueError(f"tiers must be bit widths in [0, 16], got {self.tiers}")
+        if not isinstance(self.tiers, (tuple, list)) or not self.tiers:
+            raise TypeError(f"tiers must be a non-empty tuple of bit widths, got {self.tiers!r}")
+        for b in self.tiers:
+            if isinstance(b, bool) or not isinstance(b, int) or b not in TIERS:
+                raise ValueError(f"tiers must be widths in {{0 (evict), 1-8, 16 (full)}}, got {tuple(self.tiers)}")
+        for b, s in dict(self.shares).items():
+            check_number(f"shares[{b}]", s, low=0.0, high=1.0)
         if set(self.shares) - set(self.tiers):
             raise ValueError(f"shares name widths {sorted(set(self.shares) - set(self.tiers))} not in tiers")
-        if any(not 0 <= s <= 1 for s in self.shares.values()):
-            raise ValueError(f"shares must be in [0, 1], got {dict(self.shares)}")
 
     def resolve_shares(self, budget: Budget) -> dict[int, float]:
         """The complete shares this selector uses under ``budget``."""
         if budget.avg_bits is not None:
             return solve_shares(self.tiers, float(budget.avg_bits), self.shares)
+        if budget.tokens is not None or (budget.ratio or 0.0) > 0.0:
+            raise ValueError(
+                f"TieredSelector is budgeted by its shares or by budget.avg_bits, not by {budget}: put the evicted "
+                "fraction in shares[0] (or wrap an evicting selector)"
+            )
         shares = {b: float(self.shares.get(b, 0.0)) for b in self.tiers}
         if abs(sum(shares.values()) - 1.0) > 1e-6:
             raise ValueError(f"shares must sum to 1 without budget.avg_bits, got {sum(shares.values())}")

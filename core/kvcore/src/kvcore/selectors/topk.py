@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcore.budget import Budget
+from kvcore.checks import check_number
 from kvcore.plan import Plan
 from kvcore.scores import Scores
 from kvcore.selectors._ranking import (
@@ -40,8 +41,7 @@ class TopKSelector:
     head_floor: float = 0.2
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.head_floor <= 1.0:
-            raise ValueError(f"head_floor must be in [0, 1], got {self.head_floor}")
+        object.__setattr__(self, "head_floor", check_number("head_floor", self.head_floor, low=0.0, high=1.0))
 
     def select(
         self,

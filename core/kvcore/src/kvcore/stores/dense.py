@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.checks import check_float, check_tensor
+from kvcore.checks import check_float, check_int, check_integer_tensor, check_tensor
 from kvcore.memory import storage_bytes
 from kvcore.plan import EVICT, FULL, Plan
 from kvcore.protocols import Store
 from kvcore.view import KVView
+
+
+_MAX_POSITION = torch.iinfo(torch.int32).max
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -34,9 +37,7 @@ class DenseStore(Store):
     can_attend = False  # decode attends over read(): the view is zero-copy when heads hold equal segments
 
     def __init__(self, growth: int = 64) -> None:
-        if growth < 0:
-            raise ValueError(f"growth must be >= 0, got {growth}")
-        self.growth = growth
+        self.growth = check_int("growth", growth, low=0)
         self.reset()
 
     # -- state -----------------------------------------------------------------------------------------
@@ -70,6 +71,22 @@ class DenseStore(Store):
             raise ValueError(f"positions must be an integer tensor [B={B}, T={T}], got {positions.dtype} {tuple(positions.shape)}")
         return positions
 
+    @staticmethod
+    def _check_order(positions: torch.Tensor, keep: torch.Tensor, after: torch.Tensor | None = None) -> None:
+        """Kept positions (``keep`` ``[B, H, T]`` over ``positions`` ``[B, T]``) must be in ``[0, 2**31)`` and strictly
+        increasing per head, and beyond ``after`` (``[B]``, the last position held per row) when given."""
+        B, H, T = keep.shape
+        p = positions[:, None, :].expand(B, H, T).long()
+        if bool(((p < 0) | (p > _MAX_POSITION))[keep].any()):
+            raise ValueError(f"positions of kept entries must be in [0, {_MAX_POSITION}] (int32 storage)")
+        start = torch.full((B, H, 1), -1, dtype=torch.long, device=p.device)
+        if after is not None:
+            start = after.to(p.device).long()[:, None, None].expand(B, H, 1)
+        prev = torch.cummax(torch.cat([start, torch.where(keep, p, -1)], -1), -1).values[..., :-1]
+        if bool((keep & (p <= prev)).any()):
+            what = "and beyond every position held in their row " if after is not None else ""
+            raise ValueError(f"positions of kept entries must be strictly increasing per head {what}(true positions)")
+
     # -- protocol --------------------------------------------------------------------------------------
     def write(self, keys: torch.Tensor, values: torch.Tensor, plan: Plan, positions: torch.Tensor) -> None:
         self.reset()
@@ -83,6 +100,7 @@ class DenseStore(Store):
         keep = plan.keep_keys
         if not torch.equal(keep, plan.keep_values):
             raise ValueError("DenseStore needs the same kept set for keys and values")
+        self._check_order(positions, keep)
         self._k, self._v = keys[keep], values[keep]
         self._pos = positions[:, None, :].expand(B, H, T)[keep].to(torch.int32)
         self._len = keep.sum(-1).flatten()
@@ -98,6 +116,7 @@ class DenseStore(Store):
         if self._k is None:
             self.write(keys, values, Plan.from_keep(torch.ones(B, H, n, dtype=torch.bool, device=keys.device)), positions)
             return
+        self._check_order(positions, torch.ones(B, H, n, dtype=torch.bool, device=keys.device), self._last_positions())
         if bool((self._len + n > self._cap).any()):
             self._relayout(torch.arange(B * H, device=keys.device), self._len + n + self.growth)
         idx = ((self._start + self._len)[:, None] + torch.arange(n, device=keys.device)).flatten()
@@ -176,7 +195,14 @@ class DenseStore(Store):
             return torch.zeros(B, H, dtype=torch.long)
         return self._len.view(B, H).clone()
 
+    def _last_positions(self) -> torch.Tensor:
+        """``[B]`` the largest position held in each row (``-1`` for a row holding nothing)."""
+        B, H = self._shape
+        last = self._pos[(self._start + self._len - 1).clamp_min(0)].long() if self._pos.numel() else self._len * 0
+        return torch.where(self._len > 0, last, -1).view(B, H).amax(-1)
+
     def crop(self, position: int) -> None:
+        check_int("position", position, low=0)
         if self._k is None:
             return
         view = self.read()
@@ -187,7 +213,7 @@ class DenseStore(Store):
         if self._k is None:
             return
         B, H = self._shape
-        check_tensor("index", index, ndim=1)
+        check_integer_tensor("index", index, ndim=1)
         if index.numel() and (int(index.min()) < 0 or int(index.max()) >= B):
             raise ValueError(f"index must hold batch rows in [0, {B}), got {index.tolist()}")
         index = index.to(self._len.device)

@@ -1,0 +1,229 @@
+"""Bad input reaches a clear ValueError/TypeError at the value type or call that receives it (never NaN or a wrong
+shape further down), and the AdaKV head floor of ``TopKSelector`` is honoured."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcore import (
+    Budget,
+    Compressor,
+    DenseStore,
+    Plan,
+    Protection,
+    QuantizedTensor,
+    Scores,
+    ScoringContext,
+    TieredSelector,
+    TopKSelector,
+)
+from kvcore_toys import KeyNorm
+
+
+def test_scores_reject_non_finite():
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        s = torch.zeros(1, 1, 4)
+        s[0, 0, 2] = bad
+        with pytest.raises(ValueError, match="scores.keys must be finite"):
+            Scores(s)
+        with pytest.raises(ValueError, match="scores.values must be finite"):
+            Scores(torch.zeros(1, 1, 4), s)
+
+
+@pytest.mark.parametrize("width", [9, 15, 17, 200])
+def test_plan_rejects_widths_outside_the_tiers(width):
+    with pytest.raises(ValueError, match="key_bits holds"):
+        Plan(torch.full((1, 1, 3), width, dtype=torch.uint8))
+    ok = torch.full((1, 1, 3), 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="value_bits holds"):
+        Plan(ok, torch.full((1, 1, 3), width, dtype=torch.uint8))
+
+
+def _qt(**kw):
+    fields = dict(
+        codes=torch.zeros(2, 4, 2, dtype=torch.uint8), scales=torch.ones(2, 4, 1), zeros=torch.zeros(2, 4, 1),
+        bits=4, axis="token", group_size=4, shape=(2, 4, 4), dtype=torch.float32,
+    )
+    return QuantizedTensor(**{**fields, **kw})
+
+
+@pytest.mark.parametrize(
+    "kw, err",
+    [
+        ({"bits": 0}, ValueError), ({"bits": 9}, ValueError), ({"bits": 2.0}, TypeError),
+        ({"group_size": 0}, ValueError), ({"group_size": "4"}, TypeError),
+        ({"scales": torch.ones(2, 4, 2)}, ValueError), ({"zeros": torch.zeros(2, 1, 4)}, ValueError),
+        ({"scales": [1.0]}, TypeError), ({"shape": (4,)}, ValueError),
+    ],
+)
+def test_quantized_tensor_rejects_bad_metadata(kw, err):
+    _qt()  # the valid one builds
+    with pytest.raises(err):
+        _qt(**kw)
+
+
+@pytest.mark.parametrize("avg_bits, err", [("2", TypeError), (True, TypeError), (float("nan"), ValueError), (17, ValueError)])
+def test_budget_avg_bits_is_a_number_in_range(avg_bits, err):
+    with pytest.raises(err, match="avg_bits"):
+        Budget(avg_bits=avg_bits)
+    assert Budget(avg_bits=2).avg_bits == 2.0
+
+
+def test_tiered_selector_rejects_bad_tiers_and_foreign_budgets():
+    with pytest.raises(ValueError, match="tiers"):
+        TieredSelector(tiers=(2.5, 0))
+    with pytest.raises(ValueError, match="tiers"):
+        TieredSelector(tiers=(4, 12))
+    with pytest.raises(ValueError, match="shares"):
+        TieredSelector(tiers=(4, 0), shares={4: 1.5})
+    sel = TieredSelector(tiers=(4, 0), shares={4: 0.5, 0: 0.5})
+    s = Scores(torch.rand(1, 2, 8))
+    assert sel.select(s, Budget()).keep_keys.sum() == 8  # ratio 0 (the default budget) is compatible
+    for budget in (Budget(ratio=0.5), Budget(tokens=3)):
+        with pytest.raises(ValueError, match="budgeted by its shares"):
+            sel.select(s, budget)
+
+
+@pytest.mark.parametrize("head_floor, err", [("0.2", TypeError), (None, TypeError), (1.5, ValueError)])
+def test_topk_head_floor_validated(head_floor, err):
+    with pytest.raises(err, match="head_floor"):
+        TopKSelector(head_floor=head_floor)
+
+
+class _IgnoresFloor(TopKSelector):
+    """A mutant that drops the AdaKV floor: what the floor property below must catch."""
+
+    def select(self, scores, budget, protected=None, valid=None):
+        return super(_IgnoresFloor, dataclasses.replace(self, head_floor=0.0)).select(scores, budget, protected, valid)
+
+
+def _floor_holds(selector: TopKSelector, scores: torch.Tensor, budget: Budget) -> bool:
+    """Every head keeps its own best ``floor(head_floor * kept)`` entries (AdaKV's safeguard)."""
+    keep = selector.select(Scores(scores), budget).keep_keys
+    k = budget.kept(scores.shape[-1])
+    floor = math.floor(selector.head_floor * k)
+    best = torch.argsort(-scores, dim=-1, stable=True)[..., :floor]
+    return bool(keep.gather(-1, best).all())
+
+
+@settings(max_examples=30, deadline=None, database=None)
+@given(
+    H=st.integers(2, 4), T=st.integers(4, 40), ratio=st.sampled_from([0.5, 0.75, 0.9]),
+    floor=st.sampled_from([0.2, 0.5, 1.0]), seed=st.integers(0, 2**16),
+)
+def test_topk_layer_budget_honours_the_head_floor(H, T, ratio, floor, seed):
+    """Under a layer budget each head keeps at least its own top ``floor(head_floor * kept)`` entries, even when
+    another head's scores dominate the whole layer."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(1, H, T, generator=g)
+    scores[:, 0] += 10.0  # head 0 would take the whole layer budget without the floor
+    budget = Budget(ratio=ratio, granularity="layer")
+    assert _floor_holds(TopKSelector(head_floor=floor), scores, budget)
+
+
+def test_the_head_floor_property_catches_a_selector_that_ignores_it():
+    scores = torch.rand(1, 3, 20, generator=torch.Generator().manual_seed(0))
+    scores[:, 0] += 10.0  # head 0 holds 20 entries, more than the layer's 3 * 5 kept: it takes them all unfloored
+    budget = Budget(ratio=0.75, granularity="layer")
+    assert _floor_holds(TopKSelector(head_floor=0.5), scores, budget)
+    assert not _floor_holds(_IgnoresFloor(head_floor=0.5), scores, budget)
+
+
+def _ctx(**kw):
+    x = torch.randn(1, 2, 8, 4)
+    return ScoringContext(**{"keys": x, "values": x.clone(), **kw})
+
+
+@pytest.mark.parametrize("name", ["keys", "values"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_compressor_rejects_non_finite_inputs_naming_tensor_and_layer(name, bad):
+    comp = Compressor(KeyNorm(), TopKSelector(), DenseStore, Budget(ratio=0.5))
+    t = torch.randn(1, 2, 8, 4)
+    t[0, 1, 3, 2] = bad
+    ctx = _ctx(**{name: t, "layer_idx": 5})
+    with pytest.raises(ValueError, match=f"{name} of layer 5 hold NaN or inf"):
+        comp.compress(ctx)
+    assert dataclasses.replace(comp, validate=False).plan(_ctx(layer_idx=5)).key_bits.shape == (1, 2, 8)
+
+
+def test_compressor_rejects_a_context_that_is_not_one():
+    comp = Compressor(KeyNorm(), TopKSelector(), DenseStore, Budget(ratio=0.5))
+    x = torch.randn(1, 2, 8, 4)
+    with pytest.raises(TypeError, match="ScoringContext"):
+        comp.compress((x, x))
+    with pytest.raises(TypeError, match="strict"):
+        Compressor(KeyNorm(), TopKSelector(), DenseStore, strict="no")
+
+
+def _written(positions, keep=None):
+    x = torch.randn(1, 1, positions.shape[-1], 4)
+    keep = torch.ones(1, 1, positions.shape[-1], dtype=torch.bool) if keep is None else keep
+    store = DenseStore()
+    store.write(x, x, Plan.from_keep(keep), positions)
+    return store
+
+
+@pytest.mark.parametrize(
+    "positions",
+    [torch.tensor([[0, -1, 2]]), torch.tensor([[0, 2, 2]]), torch.tensor([[3, 1, 2]]), torch.tensor([[0, 1, 2**31]])],
+    ids=["negative", "duplicate", "descending", "beyond int32"],
+)
+def test_dense_store_rejects_bad_positions_on_write(positions):
+    with pytest.raises(ValueError, match="positions"):
+        _written(positions)
+
+
+def test_dense_store_positions_of_evicted_entries_are_not_checked():
+    store = _written(torch.tensor([[0, 0, 1]]), keep=torch.tensor([[[False, True, True]]]))  # left padding at 0
+    assert store.read().positions.tolist() == [[[0, 1]]]
+
+
+def test_dense_store_append_must_follow_what_is_held():
+    store = _written(torch.arange(4)[None])
+    x = torch.randn(1, 1, 2, 4)
+    before = store.read()
+    for bad in (torch.tensor([[3, 4]]), torch.tensor([[6, 5]]), torch.tensor([[-2, 7]])):
+        with pytest.raises(ValueError, match="positions"):
+            store.append(x, x, bad)
+        after = store.read()
+        assert torch.equal(after.positions, before.positions) and torch.equal(after.keys, before.keys)
+    store.append(x, x, torch.tensor([[7, 9]]))
+    assert store.read().positions.tolist() == [[[0, 1, 2, 3, 7, 9]]]
+
+
+@pytest.mark.parametrize("position, err", [(2.5, TypeError), ("3", TypeError), (True, TypeError), (-1, ValueError)])
+def test_dense_store_crop_takes_a_non_negative_int(position, err):
+    with pytest.raises(err, match="position"):
+        _written(torch.arange(4)[None]).crop(position)
+
+
+def test_dense_store_reorder_takes_an_integer_index_and_growth_an_int():
+    store = _written(torch.arange(4)[None])
+    with pytest.raises(TypeError, match="index"):
+        store.reorder(torch.tensor([0.0]))
+    with pytest.raises(TypeError, match="growth"):
+        DenseStore(growth=2.5)
+    with pytest.raises(ValueError, match="growth"):
+        DenseStore(growth=-1)
+
+
+def test_reference_attention_names_mismatched_queries():
+    store = _written(torch.arange(4)[None])
+    view = store.read()
+    for q in (torch.randn(1, 1, 1, 3), torch.randn(2, 1, 1, 4), torch.randn(1, 1, 4)):
+        with pytest.raises(ValueError, match="query"):
+            view.attend(q)
+    with pytest.raises(TypeError, match="query"):
+        view.attend(torch.ones(1, 1, 1, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="scale"):
+        view.attend(torch.randn(1, 1, 1, 4), scale=float("nan"))
+
+
+def test_protection_is_unchanged_by_the_checks():
+    assert Protection(sinks=2, recent=3).mask(torch.ones(1, 8, dtype=torch.bool)).sum() == 5
