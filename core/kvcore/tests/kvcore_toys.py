@@ -8,8 +8,17 @@ import math
 from dataclasses import dataclass
 
 import torch
-
-from kvcore import FULL, KVView, Plan, QuantizedTensor, Scores, Store, merge_attention, packed_width, storage_bytes
+from kvcore import (
+    FULL,
+    KVView,
+    Plan,
+    QuantizedTensor,
+    Scores,
+    Store,
+    merge_attention,
+    packed_width,
+    storage_bytes,
+)
 from kvcore.attention import check_query, check_scale
 
 
@@ -185,7 +194,7 @@ class ToyTieredStore(Store):
                 raise ValueError(f"plan moves {name} entries up; retier only evicts or demotes")
         if not torch.equal(plan.keep_keys, plan.keep_values):
             raise ValueError("keys and values must keep the same entries")
-        B, H, _ = self.shape
+        H = self.shape[1]
         heads = []
         for i, chunks in enumerate(self.heads):
             b, h = divmod(i, H)

@@ -13,13 +13,34 @@ import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
-
-from kvcore import DenseStore, Plan, Scores, TopKSelector, packed_width, reference_attention, storage_bytes
-from kvcore.testing import (QuantizerTests, ScorerTests, SelectorTests, StoreTests, overridden_standard_tests,
-                            pack_codes, unpack_codes)
+from kvcore import (
+    DenseStore,
+    Plan,
+    Scores,
+    TopKSelector,
+    packed_width,
+    reference_attention,
+    storage_bytes,
+)
+from kvcore.testing import (
+    QuantizerTests,
+    ScorerTests,
+    SelectorTests,
+    StoreTests,
+    overridden_standard_tests,
+    pack_codes,
+    reachable_bytes,
+    reachable_tensors,
+    unpack_codes,
+)
+from kvcore.testing.strategies import (
+    KINDS,
+    budgets_below_protected,
+    fill,
+    kv_samples,
+    left_padded_masks,
+)
 from kvcore_toys import KeyNorm, MinMax, ToyTieredStore
-from kvcore.testing.strategies import KINDS, budgets_below_protected, fill, kv_samples, left_padded_masks
-from kvcore.testing import reachable_bytes, reachable_tensors
 
 FAST = settings(max_examples=20, deadline=None)
 
@@ -294,7 +315,8 @@ class AttendIgnoresBias(DenseStore):
 
     def attend(self, query, scale=None):
         view = self.read(query)
-        return reference_attention(dataclasses.replace(view, logit_bias=torch.zeros_like(view.logit_bias)), query, scale)
+        unbiased = dataclasses.replace(view, logit_bias=torch.zeros_like(view.logit_bias))
+        return reference_attention(unbiased, query, scale)
 
 
 @pytest.mark.parametrize("run", [

@@ -1,15 +1,21 @@
-"""``StoreTests`` (DESIGN.md §3): nothing is lost that the plan did not drop (the 16 tier bit-exact, quantized
-tiers within a min-max bound), true positions in ascending order, ``-inf`` bias exactly on padding, attention
-over the view = attention over the kept entries, ``nbytes`` = storage reachable from the store and nothing held
-for evicted entries, append after compression, crop, reorder, reset, clear errors.
+"""``StoreTests``: nothing is lost that the plan did not drop (the 16 tier bit-exact, quantized tiers within a
+min-max bound), true positions in ascending order, ``-inf`` bias exactly on padding, attention over the view =
+attention over the kept entries, ``nbytes`` = storage reachable from the store and nothing held for evicted
+entries, append after compression, crop, reorder, reset, clear errors. Re-tiering (``tiers()`` / ``retier(plan)``):
+``tiers()`` laid out like ``read()``; entries a new plan keeps at their tier are untouched (bit-identical), evicted
+ones free their memory, demoted ones (``can_demote``) are within the bound of their new width; a bad plan raises
+and changes nothing (all-or-nothing). With ``can_attend``, the fused ``attend(query, scale) -> (out, lse)`` equals
+:func:`kvcore.reference_attention` over ``read(query)``.
 
 Fixture ``store_factory`` (a callable making an empty store, e.g. ``return lambda: MyStore(page=16)``). Flags:
 ``quantized_bits`` (widths held besides 0 and 16; default ``supported_bits - {0, 16}``), ``quantized_key_bits`` /
 ``quantized_value_bits`` (default ``quantized_bits``; plans draw key and value tiers independently over the same
 kept set), ``same_kv_tiers`` (values take the key tiers; default False), ``supports_crop``, ``supports_reorder``,
 ``lossless_full_tier`` (the 16 tier reads back bit-exact), ``lossless_append`` (appended entries read back
-bit-exact, earlier ones unchanged); True by default. Hook ``max_quantization_error(x, bits)`` bounds the error of
-one head's ``bits``-wide entries (default: uniform min-max grouped along tokens or channels).
+bit-exact, earlier ones unchanged); True by default. ``can_demote`` (plans drawn for ``retier`` move entries to
+lower widths; default ``store.can_demote``), ``can_attend`` (test the fused ``attend``; default
+``store.can_attend``, skipped when False). Hook ``max_quantization_error(x, bits)`` bounds the error of one head's
+``bits``-wide entries (default: uniform min-max grouped along tokens or channels).
 """
 
 from __future__ import annotations
@@ -148,12 +154,25 @@ class StoreTests(StandardTests):
         return entries(pos[:, None, :].expand(B, H, n), k, v)
 
     def test_write_read_roundtrip(self, store_factory) -> None:
+        """``write`` then ``read``: exactly the kept entries with their true positions in ascending order, ``FULL``
+        entries bit-exact, quantized entries within the min-max bound of their width, ``-inf`` bias exactly on padding,
+        ``seq_lengths`` and ``nbytes`` consistent.
+
+        Troubleshooting: positions must come from the ``positions`` argument (not the cache length); read each head's
+        entries in position order; pad ragged heads with position -1, bias ``-inf`` and finite zeros. Declare the
+        widths the store holds in ``supported_bits`` (or the ``quantized_*_bits`` flags) and override
+        ``max_quantization_error`` for a non-min-max quantizer."""
         def check(case):
             self.check_view(self.written_store(store_factory, case), written(*case))
 
         forall(cases(self.widths(store_factory)), check)
 
     def test_attend_matches_reference(self, store_factory) -> None:
+        """Attention over ``read()`` (``KVView.attend``) equals a naive per-head loop over the kept entries,
+        for GQA groups 1/2/4.
+
+        Troubleshooting: the view's padding is not masked (bias must be ``-inf`` there) or positions/entries are
+        misaligned between keys and values."""
         def check(args):
             case, group, seed = args
             view = self.written_store(store_factory, case).read()
@@ -170,6 +189,11 @@ class StoreTests(StandardTests):
         forall(st.tuples(cs, st.sampled_from((1, 2, 4)), SEEDS), check)
 
     def test_evicted_entries_hold_no_memory(self, store_factory) -> None:
+        """A layer written with ``k`` kept entries per head holds exactly as many bytes as one written with those
+        ``k`` entries only, and rewriting frees the old content.
+
+        Troubleshooting: gather the kept entries into new buffers (``keys[keep]``) instead of keeping the full tensor
+        with a mask; drop references to the previous content in ``write``."""
         def check(args):
             (B, H, D, k, seed), T = args, 48
             x, pos, ones = fill((B, H, T, D), seed=seed), torch.arange(T).expand(B, T), torch.ones(B, H, T).bool()
@@ -185,6 +209,11 @@ class StoreTests(StandardTests):
         forall(st.tuples(st.integers(1, 2), st.integers(1, 3), SIZES, st.integers(1, 24), SEEDS), check, 10)
 
     def test_append_after_compression(self, store_factory) -> None:
+        """Appending ``n`` entries after a compressed write adds ``n`` per head, after the kept ones, and (with
+        ``lossless_append``) reads back everything bit-exact.
+
+        Troubleshooting: append per head at each head's own length (heads are ragged after eviction); positions are
+        the appended ones, not ``len(cache)``. A store that quantizes on append sets ``lossless_append = False``."""
         def check(args):
             case, n, seed = args
             store = self.written_store(store_factory, case)
@@ -198,6 +227,10 @@ class StoreTests(StandardTests):
         forall(st.tuples(cases(self.widths(store_factory)), st.integers(1, 4), SEEDS), check)
 
     def test_crop(self, store_factory) -> None:
+        """``crop(p)`` drops every entry with position ``>= p`` (appended tokens rolled back) and appends work after.
+
+        Troubleshooting: crop by true position, not by index (heads are ragged); set ``supports_crop = False`` if the
+        store cannot roll back."""
         self.require(self.supports_crop, "supports_crop=False")
 
         def check(args):
@@ -216,6 +249,10 @@ class StoreTests(StandardTests):
         forall(st.tuples(cases(self.widths(store_factory)), st.integers(1, 3), SEEDS, st.floats(0, 1)), check)
 
     def test_reorder(self, store_factory) -> None:
+        """``reorder(index)`` makes row ``i`` the old row ``index[i]`` (beam search), duplicates included.
+
+        Troubleshooting: reorder every per-row structure (buffers, lengths, residuals, last positions) with the same
+        index, and copy rows that appear twice; set ``supports_reorder = False`` if unsupported."""
         self.require(self.supports_reorder, "supports_reorder=False")
 
         def check(args):
@@ -231,6 +268,11 @@ class StoreTests(StandardTests):
         forall(st.tuples(cases(self.widths(store_factory)), SEEDS), check)
 
     def test_reset_frees_memory(self, store_factory) -> None:
+        """``reset()`` frees every tensor (``nbytes() == 0`` and nothing reachable), ``read()`` then raises, and the
+        store can be written again.
+
+        Troubleshooting: set every buffer attribute to ``None`` (or re-run ``__init__`` state), including caches and
+        scratch tensors."""
         def check(case):
             store = self.written_store(store_factory, case)
             store.reset()
@@ -243,10 +285,18 @@ class StoreTests(StandardTests):
         forall(cases(self.widths(store_factory)), check, 8)
 
     def test_read_empty_store_raises(self, store_factory) -> None:
+        """``read()`` on a store never written raises ``ValueError``.
+
+        Troubleshooting: check for the empty state first; returning an empty view hides a missing ``write``."""
         with pytest.raises(ValueError):
             store_factory().read()
 
     def test_rejects_bad_input(self, store_factory) -> None:
+        """Mismatched shapes/dtypes, float positions, integer keys, unsupported tiers and mismatched appends raise
+        ``ValueError``/``TypeError``.
+
+        Troubleshooting: validate keys/values/positions/plan with :mod:`kvcore.checks` against the stored
+        ``[B, H, *, D]`` and dtype before writing; reject plan tiers outside ``supported_bits``."""
         x, pos, one = torch.randn(2, 2, 6, 8), torch.arange(6).expand(2, 6), torch.randn(2, 2, 1, 8)
         p1 = torch.full((2, 1), 6)
         plan, plan7 = Plan.from_keep(torch.ones(2, 2, 6).bool()), Plan.from_keep(torch.ones(2, 2, 7).bool())
@@ -344,7 +394,7 @@ class StoreTests(StandardTests):
             nk, nv = plan.key_bits[b, h].cpu()[m], plan.bits_for_values[b, h].cpu()[m]
             keep = nk != EVICT
             ap, ak, av, akt, avt = after[b, h]
-            assert torch.equal(ap, p[keep]), f"head {(b, h)}: positions {ap.tolist()} after retier, want {p[keep].tolist()}"
+            assert torch.equal(ap, p[keep]), f"head {(b, h)}: positions {ap.tolist()}, want {p[keep].tolist()}"
             assert torch.equal(akt, nk[keep]) and torch.equal(avt, nv[keep]), f"head {(b, h)}: tiers() != the plan"
             for got, held, old, new, what in ((ak, k[keep], kt[keep], nk[keep], "keys"),
                                               (av, v[keep], vt[keep], nv[keep], "values")):
@@ -509,6 +559,45 @@ class StoreTests(StandardTests):
         plan = Plan(kb) if self.same_kv_tiers else Plan(kb, vb)
         return (x, x.flip(-1).contiguous(), plan, pos)
 
+    def bad_retier_plans(self, store_factory, t: Plan) -> dict[str, object]:
+        """``{what: plan}`` of plans ``retier`` must refuse, built from the held tiers ``t`` of
+        :meth:`bad_retier_setup`'s layer. Each plan also evicts a valid entry (head ``(1, 1)``'s first)."""
+        can_demote = self.flag("can_demote", store_factory().can_demote)
+        odd = [b for b in range(1, 16) if b not in store_factory().supported_bits]
+        low = [w for w in self.demotion_widths(store_factory)[0] if w != FULL]
+        kb, vb = t.key_bits.cpu(), t.bits_for_values.cpu()
+        held = kb != EVICT
+        spared = torch.tensor([1, 1, 0])
+
+        def first_held(cond: torch.Tensor) -> tuple[int, ...] | None:
+            hit = (held & cond).nonzero()
+            hit = hit[(hit != spared).any(-1)]
+            return None if len(hit) == 0 else tuple(hit[0].tolist())
+
+        def plan_with(at: tuple[int, ...] | None, key_tier: int, value_tier: int | None = None) -> Plan | None:
+            if at is None:
+                return None
+            k, v = kb.clone(), vb.clone()
+            k[tuple(spared.tolist())] = EVICT  # a valid eviction: nothing may happen to it
+            v[tuple(spared.tolist())] = EVICT
+            k[at] = key_tier
+            if value_tier is not None:
+                v[at] = value_tier
+            return Plan(k) if self.same_kv_tiers else Plan(k, v)
+
+        pad = (~held).nonzero()
+        bad = {
+            "moves an entry up": plan_with(first_held(kb < FULL), FULL),
+            "an unsupported width": plan_with(first_held(held), odd[0]) if odd else None,
+            "demotes without can_demote": None if can_demote or not low else plan_with(first_held(kb > min(low)),
+                                                                                        min(low)),
+            "keeps padding": plan_with(tuple(pad[0].tolist()) if len(pad) else None, FULL, FULL),
+            "a plan one entry longer": Plan(torch.cat([kb, torch.full_like(kb[..., :1], FULL)], -1)),
+            "a plan of another batch": Plan(torch.cat([kb, kb[:1]])),
+            "a tensor instead of a Plan": kb.clone(),
+        }
+        return {what: plan for what, plan in bad.items() if plan is not None}
+
     def test_retier_rejects_bad_plans_atomically(self, store_factory) -> None:
         """A plan that moves an entry up, uses a width the store does not hold, demotes without ``can_demote``,
         keeps padding, or has the wrong shape/type raises ``ValueError``/``TypeError`` — and leaves ``read()``,
@@ -517,46 +606,9 @@ class StoreTests(StandardTests):
         Troubleshooting: validate the whole plan before touching anything (compute the new buffers first, assign
         them last); compare every entry's new tier with ``tiers()``: only ``EVICT``, the held tier, or (with
         ``can_demote``) a lower supported quantized width are allowed."""
-        can_demote = self.flag("can_demote", store_factory().can_demote)
-        supported = set(store_factory().supported_bits)
-        kw, _ = self.demotion_widths(store_factory)
-        odd = [b for b in range(1, 16) if b not in supported]
         for dtype in (torch.float32, torch.bfloat16):
             case = self.bad_retier_setup(store_factory, dtype)
-            t = self.written_store(store_factory, case).tiers()
-            kb, vb = t.key_bits.cpu(), t.bits_for_values.cpu()
-            held = kb != EVICT
-
-            def plan_with(change, shape=None):
-                k, v = kb.clone(), vb.clone()
-                k[1, 1, 0], v[1, 1, 0] = EVICT, EVICT  # a valid eviction: nothing may happen to it
-                change(k, v)
-                return Plan(k) if self.same_kv_tiers else Plan(k, v)
-
-            def first_held(cond):
-                hit = (held & cond).nonzero()
-                hit = hit[(hit != torch.tensor([1, 1, 0])).any(-1)]
-                return None if len(hit) == 0 else tuple(hit[0].tolist())
-
-            bad = {}
-            up = first_held(kb < FULL)
-            if up is not None:
-                bad["moves an entry up"] = plan_with(lambda k, v: k.__setitem__(up, FULL))
-            if odd:
-                at = first_held(torch.ones_like(held))
-                bad["an unsupported width"] = plan_with(lambda k, v: k.__setitem__(at, odd[0]))
-            low = [w for w in kw if w != FULL]
-            down = first_held(kb > min(low)) if low else None
-            if not can_demote and down is not None:
-                bad["demotes without can_demote"] = plan_with(lambda k, v: k.__setitem__(down, min(low)))
-            pad = (~held).nonzero()
-            if len(pad):
-                at_pad = tuple(pad[0].tolist())
-                bad["keeps padding"] = plan_with(lambda k, v: (k.__setitem__(at_pad, FULL), v.__setitem__(at_pad, FULL)))
-            wider = torch.cat([kb, torch.full_like(kb[..., :1], FULL)], -1)
-            bad["a plan one entry longer"] = Plan(wider)
-            bad["a plan of another batch"] = Plan(torch.cat([kb, kb[:1]]))
-            bad["a tensor instead of a Plan"] = kb.clone()
+            bad = self.bad_retier_plans(store_factory, self.written_store(store_factory, case).tiers())
             for what, plan in bad.items():
                 store = self.written_store(store_factory, case)
                 v0, t0, size = store.read(), store.tiers(), store.nbytes()
