@@ -10,12 +10,17 @@ from dataclasses import dataclass
 import torch
 from kvcore import (
     FULL,
+    Budget,
+    Compressor,
+    DenseStore,
     KVView,
     Plan,
     QuantizedTensor,
     Scores,
     Store,
+    TopKSelector,
     merge_attention,
+    registry,
     packed_width,
     storage_bytes,
 )
@@ -314,3 +319,14 @@ class ToyTieredStore(Store):
         B, H, D = self.shape
         self.heads = [list(self.heads[int(i) * H + h]) for i in index for h in range(H)]
         self.shape = (len(index), H, D)
+
+
+def _keynorm(budget):
+    return Compressor(KeyNorm(), TopKSelector(), DenseStore, budget, name="keynorm")
+
+
+TOY_METHODS = (
+    registry.Method("keynorm", _keynorm, "keep low-norm keys (Devoto et al. 2024)"),
+    registry.Method("keynorm-layer", _keynorm, "the same, per layer", default=Budget(0.5, granularity="layer")),
+)
+"""A method table as a package registers it under the ``kvcompress.methods`` entry-point group."""

@@ -1,5 +1,6 @@
 """The standard-tests base: flags, flag-named skips, hypothesis settings, the no-override guard (langchain-tests
-``BaseStandardTests``, langchain-ai/langchain ``libs/standard-tests``) and the storage walker re-exported from :mod:`kvcore.memory`."""
+``BaseStandardTests``, langchain-ai/langchain ``libs/standard-tests``) and the storage walker re-exported from
+:mod:`kvcore.memory`."""
 
 from __future__ import annotations
 
