@@ -8,8 +8,23 @@ import math
 from dataclasses import dataclass
 
 import torch
-
-from kvcore import KVView, Plan, QuantizedTensor, Scores, Store, packed_width, storage_bytes
+from kvcore import (
+    FULL,
+    Budget,
+    Compressor,
+    DenseStore,
+    KVView,
+    Plan,
+    QuantizedTensor,
+    Scores,
+    Store,
+    TopKSelector,
+    merge_attention,
+    registry,
+    packed_width,
+    storage_bytes,
+)
+from kvcore.attention import check_query, check_scale
 
 
 class KeyNorm:
@@ -114,19 +129,110 @@ def _rows(x, m: torch.Tensor):
     return dataclasses.replace(x, codes=x.codes[m], scales=x.scales[m], zeros=x.zeros[m], shape=shape)
 
 
+def _width(x) -> int:
+    """Tier of a held chunk part: ``FULL`` for a tensor, the code width for a QuantizedTensor."""
+    return FULL if isinstance(x, torch.Tensor) else x.bits
+
+
+def _transcode(x, bits: int):
+    """``x`` (a ``[n, D]`` tensor or token-axis min-max codes) at ``bits`` <= its width, from what is held.
+
+    Equal width: ``x`` itself. Full precision to a width: min-max quantization. Codes of width ``w`` to a lower
+    width ``b``: codes rescaled by ``(2**b - 1) / (2**w - 1)`` (rounded half up, in integers) and scales by the
+    inverse, zeros unchanged, so the new codes span the same group range; the error against the held values is at
+    most half a new step."""
+    if bits == _width(x):
+        return x
+    if isinstance(x, torch.Tensor):
+        return MinMax(bits, "token", 4).quantize(x)
+    hi_old, hi_new = 2**x.bits - 1, 2**bits - 1
+    codes = _unpack(x.codes, x.bits, x.shape[-1])
+    new = (2 * codes * hi_new + hi_old) // (2 * hi_old)
+    return dataclasses.replace(x, codes=_pack(new, bits), scales=x.scales * (hi_old / hi_new), bits=bits)
+
+
 class ToyTieredStore(Store):
-    """Per-head chunks at full precision or 2/4-bit token-axis min-max codes."""
+    """Per-head chunks at full precision or 2/4-bit token-axis min-max codes; re-tiers with demotion (codes
+    transcoded 4 -> 2 bits) and attends chunk by chunk, merging the partial attentions by their log-sum-exp."""
 
     supported_bits = frozenset({0, 2, 4, 16})
+    can_demote = True
+    can_attend = True
 
     def __init__(self) -> None:
         self.reset()
 
+    def _head_tiers(self, chunks):
+        """``(positions, key tiers, value tiers)`` of one head in position order (the order of ``read``)."""
+        if not chunks:
+            return torch.zeros(0, dtype=torch.long), *[torch.zeros(0, dtype=torch.uint8)] * 2
+        pos = torch.cat([c[0] for c in chunks])
+        kt = torch.cat([torch.full((len(c[0]),), _width(c[1]), dtype=torch.uint8) for c in chunks])
+        vt = torch.cat([torch.full((len(c[0]),), _width(c[2]), dtype=torch.uint8) for c in chunks])
+        order = pos.argsort()
+        return pos[order], kt[order], vt[order]
+
     def tiers(self):
-        raise NotImplementedError("re-tiering is not implemented for this store yet (kvcore contract v2)")
+        if self.heads is None:
+            raise ValueError("tiers() on an empty store")
+        B, H, _ = self.shape
+        heads = [self._head_tiers(c) for c in self.heads]
+        T = max(len(p) for p, _, _ in heads)
+        kb, vb = torch.zeros(B * H, T, dtype=torch.uint8), torch.zeros(B * H, T, dtype=torch.uint8)
+        for i, (p, kt, vt) in enumerate(heads):
+            kb[i, : len(p)], vb[i, : len(p)] = kt, vt
+        return Plan(kb.view(B, H, T), vb.view(B, H, T))
 
     def retier(self, plan):
-        raise NotImplementedError("re-tiering is not implemented for this store yet (kvcore contract v2)")
+        held = self.tiers()  # raises on an empty store
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a kvcore.Plan, got {type(plan).__name__}")
+        if plan.key_bits.shape != held.key_bits.shape:
+            raise ValueError(f"plan must be laid out like read(): {tuple(held.key_bits.shape)}")
+        for name, new, old in (("key", plan.key_bits, held.key_bits), ("value", plan.bits_for_values,
+                                                                       held.bits_for_values)):
+            if set(new.unique().tolist()) - self.supported_bits:
+                raise ValueError(f"{name} tiers must be in {sorted(self.supported_bits)}")
+            if bool(((new != 0) & (old == 0)).any()):
+                raise ValueError(f"plan keeps {name} padding (read() position -1): padding must be EVICT")
+            if bool((new > old).any()):
+                raise ValueError(f"plan moves {name} entries up; retier only evicts or demotes")
+        if not torch.equal(plan.keep_keys, plan.keep_values):
+            raise ValueError("keys and values must keep the same entries")
+        H = self.shape[1]
+        heads = []
+        for i, chunks in enumerate(self.heads):
+            b, h = divmod(i, H)
+            order = self._head_tiers(chunks)[0]
+            new_chunks = []
+            for p, k, v in chunks:
+                at = torch.searchsorted(order, p)
+                nk, nv = plan.key_bits[b, h][at], plan.bits_for_values[b, h][at]
+                for wk, wv in sorted(set(zip(nk.tolist(), nv.tolist())) - {(0, 0)}):
+                    m = (nk == wk) & (nv == wv)
+                    new_chunks.append((p[m], _transcode(_rows(k, m), wk), _transcode(_rows(v, m), wv)))
+            heads.append(new_chunks)
+        self.heads = heads
+
+    def attend(self, query, scale=None):
+        if self.heads is None:
+            raise ValueError("attend() on an empty store")
+        B, H, D = self.shape
+        q = check_query(query, H, D, B).float()
+        scale = check_scale(scale, D)
+        g = q.shape[1] // H
+        out = torch.zeros(q.shape)
+        lse = torch.full(q.shape[:3], float("-inf"))
+        for i, chunks in enumerate(self.heads):
+            b, h = divmod(i, H)
+            parts = []
+            for _, k, v in (c for c in chunks if len(c[0])):
+                k, v = (x if isinstance(x, torch.Tensor) else MinMax(x.bits, "token", 4).dequantize(x) for x in (k, v))
+                logits = q[b, h * g : (h + 1) * g] @ k.float().T * scale
+                parts.append((logits.softmax(-1) @ v.float(), logits.logsumexp(-1)))
+            if parts:
+                out[b, h * g : (h + 1) * g], lse[b, h * g : (h + 1) * g] = merge_attention(parts)
+        return out, lse
 
     def reset(self) -> None:
         self.heads: list[list[tuple]] | None = None  # per (b, h): chunks (positions, keys, values)
@@ -213,3 +319,14 @@ class ToyTieredStore(Store):
         B, H, D = self.shape
         self.heads = [list(self.heads[int(i) * H + h]) for i in index for h in range(H)]
         self.shape = (len(index), H, D)
+
+
+def _keynorm(budget):
+    return Compressor(KeyNorm(), TopKSelector(), DenseStore, budget, name="keynorm")
+
+
+TOY_METHODS = (
+    registry.Method("keynorm", _keynorm, "keep low-norm keys (Devoto et al. 2024)"),
+    registry.Method("keynorm-layer", _keynorm, "the same, per layer", default=Budget(0.5, granularity="layer")),
+)
+"""A method table as a package registers it under the ``kvcompress.methods`` entry-point group."""

@@ -3,6 +3,7 @@ strategies and the skips by capability flag."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import subprocess
 import sys
@@ -12,13 +13,34 @@ import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
-
-from kvcore import DenseStore, Plan, Scores, TopKSelector, packed_width
-from kvcore.testing import (QuantizerTests, ScorerTests, SelectorTests, StoreTests, overridden_standard_tests,
-                            pack_codes, unpack_codes)
-from kvcore_toys import KeyNorm, MinMax
-from kvcore.testing.strategies import KINDS, budgets_below_protected, fill, kv_samples, left_padded_masks
-from kvcore.testing import reachable_bytes, reachable_tensors
+from kvcore import (
+    DenseStore,
+    Plan,
+    Scores,
+    TopKSelector,
+    packed_width,
+    reference_attention,
+    storage_bytes,
+)
+from kvcore.testing import (
+    QuantizerTests,
+    ScorerTests,
+    SelectorTests,
+    StoreTests,
+    overridden_standard_tests,
+    pack_codes,
+    reachable_bytes,
+    reachable_tensors,
+    unpack_codes,
+)
+from kvcore.testing.strategies import (
+    KINDS,
+    budgets_below_protected,
+    fill,
+    kv_samples,
+    left_padded_masks,
+)
+from kvcore_toys import KeyNorm, MinMax, ToyTieredStore
 
 FAST = settings(max_examples=20, deadline=None)
 
@@ -76,6 +98,25 @@ def test_skips_name_the_flag():
         type("NoCrop", (StoreTests,), {"supports_crop": False})().test_crop(DenseStore)
     with pytest.raises(pytest.skip.Exception, match="supports_granularities"):
         SelectorTests().test_kept_count_exact(TopKSelector(), "global")
+    with pytest.raises(pytest.skip.Exception, match="can_attend"):
+        StoreTests().test_attend_fused_matches_reference(DenseStore)
+    with pytest.raises(pytest.skip.Exception, match="can_attend"):
+        type("NoAttend", (StoreTests,), {"can_attend": False})().test_attend_rejects_bad_queries(ToyTieredStore)
+
+
+def test_retier_suite_exercises_demotion_and_eviction():
+    """The re-tiering property draws plans that demote (on a store with ``can_demote``) and evict."""
+    seen = []
+
+    class Recording(ToyTieredStore):
+        def retier(self, plan):
+            t = self.tiers()
+            seen.append((bool((plan.keep_keys & (plan.key_bits < t.key_bits)).any()),
+                         bool((t.keep_keys & ~plan.keep_keys).any())))
+            super().retier(plan)
+
+    StoreTests().test_retier_keeps_untouched_entries(Recording)
+    assert any(d for d, _ in seen) and any(e for _, e in seen), seen
 
 
 # -- the walker ------------------------------------------------------------------------------------------
@@ -220,6 +261,64 @@ class BigEndian(MinMax):
         return super().dequantize(dataclasses.replace(q, codes=_REVERSE[q.codes.long()]))
 
 
+class PerturbingRetier(DenseStore):
+    """Rewrites a kept entry while re-tiering (what a dequantize-and-requantize pass does to some entries)."""
+
+    def retier(self, plan):
+        super().retier(plan)
+        if len(self._k):
+            self._k[0] = torch.where(self._k[0] == 0, 1, self._k[0] * 2)
+
+
+class KeepsEvictedMemory(DenseStore):
+    """Keeps the buffers from before a retier alive (and counts them, so nbytes() matches what is reachable)."""
+
+    def reset(self):
+        super().reset()
+        self._old = None
+
+    def retier(self, plan):
+        old = (self._k, self._v)
+        super().retier(plan)
+        self._old = old
+
+    def nbytes(self, device=None):
+        return storage_bytes([self._k, self._v, self._pos, self._start, self._len, self._cap, *(self._old or ())],
+                             device)
+
+
+class MutatesBeforeRaising(DenseStore):
+    """Applies the evictions of a plan before it notices the plan is bad."""
+
+    def retier(self, plan):
+        try:
+            DenseStore.retier(copy.deepcopy(self), plan)
+        except (ValueError, TypeError):
+            held = self.tiers().keep_keys
+            if isinstance(plan, Plan) and plan.key_bits.shape == held.shape:
+                DenseStore.retier(self, Plan.from_keep(held & plan.keep_keys))
+            raise
+        DenseStore.retier(self, plan)
+
+
+class TiersMarkPadding(DenseStore):
+    """``tiers()`` reports padding as held (FULL)."""
+
+    def tiers(self):
+        return Plan(torch.full(self.read().positions.shape, 16, dtype=torch.uint8))
+
+
+class AttendIgnoresBias(DenseStore):
+    """A fused attend that forgets the logit bias (so it attends to the zero padding of ragged heads)."""
+
+    can_attend = True
+
+    def attend(self, query, scale=None):
+        view = self.read(query)
+        unbiased = dataclasses.replace(view, logit_bias=torch.zeros_like(view.logit_bias))
+        return reference_attention(unbiased, query, scale)
+
+
 @pytest.mark.parametrize("run", [
     lambda: ScorerTests().test_pure(Mutating()),
     lambda: ScorerTests().test_deterministic(Noisy()),
@@ -227,7 +326,17 @@ class BigEndian(MinMax):
     lambda: StoreTests().test_evicted_entries_hold_no_memory(Hoarder),
     lambda: StoreTests().test_write_read_roundtrip(Unaccounted),
     lambda: QuantizerTests().test_packing_bijection(BigEndian(bits=3)),
-], ids=["mutating-scorer", "noisy-scorer", "ties-to-higher-index", "hoarding-store", "unaccounted-store", "big-endian"])
+    lambda: StoreTests().test_retier_keeps_untouched_entries(PerturbingRetier),
+    lambda: StoreTests().test_retier_identity_is_noop(PerturbingRetier),
+    lambda: StoreTests().test_retier_keeps_untouched_entries(KeepsEvictedMemory),
+    lambda: StoreTests().test_retier_evicted_entries_hold_no_memory(KeepsEvictedMemory),
+    lambda: StoreTests().test_retier_rejects_bad_plans_atomically(MutatesBeforeRaising),
+    lambda: StoreTests().test_tiers_follow_write_and_append(TiersMarkPadding),
+    lambda: StoreTests().test_attend_fused_matches_reference(AttendIgnoresBias),
+], ids=["mutating-scorer", "noisy-scorer", "ties-to-higher-index", "hoarding-store", "unaccounted-store", "big-endian",
+        "retier-perturbs-kept", "retier-identity-perturbs", "retier-keeps-evicted-memory",
+        "retier-keeps-evicted-memory-bytes", "retier-mutates-before-raising", "tiers-mark-padding",
+        "attend-ignores-bias"])
 def test_suites_catch_broken_implementations(run):
     settings.register_profile("no-shrink", phases=[Phase.generate])
     settings.load_profile("no-shrink")

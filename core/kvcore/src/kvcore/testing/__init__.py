@@ -1,4 +1,4 @@
-"""Conformance suites for the kvcore protocols (DESIGN.md §3), in the langchain-tests "standard tests" pattern.
+"""Conformance suites for the kvcore protocols, in the langchain-tests "standard tests" pattern.
 
 A method adopts a suite by subclassing it in a test module and supplying one fixture::
 
@@ -16,12 +16,15 @@ suite                fixture            capability flags (class attributes) and 
 ``QuantizerTests``   ``quantizer``      ``uniform``, ``divisible_only``
 ``StoreTests``       ``store_factory``  ``quantized_bits``, ``quantized_key_bits``, ``quantized_value_bits``,
                                         ``same_kv_tiers``, ``supports_crop``, ``supports_reorder``,
-                                        ``lossless_full_tier``, ``lossless_append``; ``max_quantization_error``
+                                        ``lossless_full_tier``, ``lossless_append``, ``can_demote``,
+                                        ``can_attend``; ``max_quantization_error``
 ``CompressorTests``  ``compressor``     ``lossless_at_zero_ratio``, ``evicts``; ``make_extras(shapes)``
 ===================  =================  ======================================================================
 
-Each suite's module documents its flags; a flag left ``None`` is read from the object under test. A test of a
-feature a flag turns off is skipped with the flag in the reason. Every suite runs
+Each suite's module documents its flags; a flag left ``None`` is read from the object under test (``can_demote``
+and ``can_attend`` from the store's declared capabilities). A test of a feature a flag turns off is skipped with
+the flag in the reason. Every standard test's docstring ends with a "Troubleshooting" paragraph: what a failure
+usually means and how to fix it. Every suite runs
 ``test_no_overrides_DO_NOT_OVERRIDE``: overriding or deleting a standard test fails unless the override carries
 ``@pytest.mark.xfail(reason=...)`` (see :func:`overridden_standard_tests`). Properties are checked with hypothesis
 (:mod:`kvcore.testing.strategies`), few examples and no deadline, so a suite runs in seconds on CPU. Needs

@@ -42,6 +42,13 @@ class CompressorTests(ContextTests):
             return c.compress(self.make_context(c.scorer, x), store)
 
     def test_compress_follows_plan_and_budget(self, compressor) -> None:
+        """``compress`` returns a Store holding exactly what ``plan`` keeps, and (for eviction budgets at ``head`` /
+        ``layer`` granularity) as many entries per head / per layer as the budget says (rows too short for the budget
+        keep their protected entries).
+
+        Troubleshooting: a count off by one usually means ``ratio`` was read as the fraction kept (it is the fraction
+        removed) or rounded instead of floored (``Budget.kept``); lengths that differ from the plan mean the store
+        drops or duplicates entries in ``write``. Set ``evicts = False`` for a method whose budget does not evict."""
         def check(x):
             store, b = self.compress(compressor, x), compressor.budget
             assert isinstance(store, Store), f"compress() must return a kvcore.Store, got {type(store).__name__}"
@@ -62,6 +69,11 @@ class CompressorTests(ContextTests):
         forall(self.samples(compressor), check)
 
     def test_zero_ratio_lossless(self, compressor) -> None:
+        """At ratio 0 every real entry reads back bit-exact with its true position.
+
+        Troubleshooting: the store quantizes or casts the full-precision tier, the selector drops entries at ratio 0,
+        or positions are derived from the cache length instead of ``ctx.positions``. A quantizing method sets
+        ``lossless_at_zero_ratio = False``."""
         self.require(self.lossless_at_zero_ratio, "lossless_at_zero_ratio=False")
         c = compressor.with_budget(ratio=0.0, tokens=None, avg_bits=None)
 
@@ -76,6 +88,11 @@ class CompressorTests(ContextTests):
         forall(self.samples(c), check, 8)
 
     def test_missing_inputs_named(self, compressor) -> None:
+        """A context without the queries / extras the scorer declares is refused by ``compress`` with a
+        ``ValueError`` naming each missing input, and ``missing_inputs`` lists them.
+
+        Troubleshooting: declare what the scorer reads (``needs_queries = True``, ``needs_extras = frozenset({...})``)
+        as class attributes; the Compressor names missing inputs from those declarations."""
         s = compressor.scorer
         self.require(s.needs_queries or s.needs_extras, "scorer.needs_queries=False and scorer.needs_extras is empty")
 
@@ -90,6 +107,10 @@ class CompressorTests(ContextTests):
         forall(self.samples(compressor), check, 5)
 
     def test_new_store_independent(self, compressor) -> None:
+        """``new_store()`` returns a fresh empty Store each call; writing one does not touch another.
+
+        Troubleshooting: pass the Compressor a store factory (a class or ``lambda: MyStore(...)``) or an empty
+        prototype; a prototype holding shared tensors (class-level buffers) leaks content between layers."""
         def check(x):
             a, b = compressor.new_store(), compressor.new_store()
             assert a is not b and isinstance(a, Store) and b.nbytes() == 0
@@ -101,6 +122,11 @@ class CompressorTests(ContextTests):
         forall(self.samples(compressor), check, 5)
 
     def test_bytes_fall_as_ratio_grows(self, compressor) -> None:
+        """``nbytes()`` of the compressed layer strictly falls as the ratio grows (0, 0.5, 0.75).
+
+        Troubleshooting: the store keeps the evicted entries' memory (a mask over the full buffer instead of
+        gathering the kept entries), or the budget is not passed to the selector. Set ``evicts = False`` for methods
+        whose budget does not evict."""
         self.require(self.evicts, "evicts=False")
 
         def check(x):

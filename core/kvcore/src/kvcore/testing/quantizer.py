@@ -1,4 +1,4 @@
-"""``QuantizerTests`` (DESIGN.md §3): min-max error ≤ scale/2, ``quantize(dequantize(q))`` keeps the codes, exact
+"""``QuantizerTests``: min-max error ≤ scale/2, ``quantize(dequantize(q))`` keeps the codes, exact
 ``nbytes``, dense bit packing (checked by an unpacker written here from the ``QuantizedTensor`` layout), shape and
 dtype round trip, clear errors. Parametrize the fixture over the widths and axes you support, e.g.
 ``@pytest.fixture(params=[2, 4])`` returning ``MyQuantizer(bits=request.param, axis="channel", group_size=8)``.
@@ -73,6 +73,13 @@ class QuantizerTests(StandardTests):
         return draw()
 
     def test_roundtrip_shapes_and_metadata(self, quantizer) -> None:
+        """``quantize`` returns a ``QuantizedTensor`` with the input's shape and dtype, the quantizer's ``bits`` /
+        ``axis`` / ``group_size``, group metadata of the documented shape, and ``dequantize`` restores a finite tensor
+        of the same shape and dtype.
+
+        Troubleshooting: scales/zeros must be ``[..., T, ceil(D/G)]`` for ``axis="token"`` and
+        ``[..., ceil(T/G), D]`` for ``axis="channel"`` (a last partial group is allowed); store the input dtype and
+        cast back in ``dequantize``."""
         def check(x):
             q, (*lead, T, D), G = quantizer.quantize(x), x.shape, quantizer.group_size
             assert isinstance(q, QuantizedTensor), f"quantize() must return a QuantizedTensor, got {type(q).__name__}"
@@ -86,6 +93,10 @@ class QuantizerTests(StandardTests):
         forall(self.inputs(quantizer), check)
 
     def test_error_within_half_scale(self, quantizer) -> None:
+        """Uniform min-max quantization: every element is within half a step (``scale / 2``) of its input.
+
+        Troubleshooting: round to nearest (not floor), compute scales as ``(max - min) / (2**bits - 1)`` per group in
+        float32, and clamp codes to ``[0, 2**bits - 1]``; a codebook quantizer sets ``uniform = False``."""
         self.require(self.uniform, "uniform=False (codebooks have no min-max bound)")
 
         def check(x):
@@ -98,6 +109,10 @@ class QuantizerTests(StandardTests):
         forall(self.inputs(quantizer), check)
 
     def test_requantize_gives_identical_codes(self, quantizer) -> None:
+        """``quantize(dequantize(q))`` gives the same codes (quantization is idempotent).
+
+        Troubleshooting: the group min/max must be reproduced exactly by dequantization (code 0 maps to ``zero``,
+        the top code to ``max``); rounding scales to the input dtype before computing codes usually breaks this."""
         def check(x):
             q = quantizer.quantize(x)
             assert torch.equal(quantizer.quantize(quantizer.dequantize(q)).codes, q.codes), "requantizing changed codes"
@@ -105,6 +120,11 @@ class QuantizerTests(StandardTests):
         forall(self.inputs(quantizer), check)
 
     def test_nbytes_exact(self, quantizer) -> None:
+        """``QuantizedTensor.nbytes`` counts codes + scales + zeros (+ codebook) exactly, and none of them is a
+        view into a larger buffer.
+
+        Troubleshooting: ``.clone()`` / ``.contiguous()`` slices of padded or shared buffers before returning them, so
+        the storage held equals the bytes counted."""
         def check(x):
             q = quantizer.quantize(x)
             parts = (q.codes, q.scales, q.zeros, q.codebook)
@@ -114,6 +134,11 @@ class QuantizerTests(StandardTests):
         forall(self.inputs(quantizer), check)
 
     def test_packing_bijection(self, quantizer) -> None:
+        """Codes are densely packed little-endian (code ``j`` at stream bits ``j*bits ..``, stream bit ``i`` = bit
+        ``i % 8`` of byte ``i // 8``) and ``dequantize`` reads any code pattern per that layout.
+
+        Troubleshooting: use :func:`kvcore.testing.pack_codes` / ``unpack_codes`` as the reference layout; a
+        big-endian bit order or one code per byte fails here even if the round trip through your own pair works."""
         def check(args):
             (x, seed), fi = args, torch.finfo(args[0].dtype)
             q = quantizer.quantize(x)
@@ -128,6 +153,10 @@ class QuantizerTests(StandardTests):
         forall(st.tuples(self.inputs(quantizer, ("normal", "plateau")), SEEDS), check)
 
     def test_rejects_bad_input(self, quantizer) -> None:
+        """Rank-1, integer, NaN, inf and non-tensor inputs raise ``ValueError``/``TypeError``.
+
+        Troubleshooting: validate with :mod:`kvcore.checks` (``check_tensor``, ``check_float``, ``check_finite``) at the
+        top of ``quantize``; NaN/inf would otherwise turn every scale of the group into NaN."""
         x = torch.randn(2, 16, 16)
         nan, inf = x.masked_fill(x > 1, float("nan")), x.masked_fill(x < -1, float("-inf"))
         for what, bad in {"rank 1": x[0, 0], "int32": x.int(), "NaN": nan, "inf": inf, "a list": x.tolist()}.items():

@@ -1,4 +1,4 @@
-"""``SelectorTests`` (DESIGN.md §3): exact kept counts per granularity, protected entries kept inside the budget,
+"""``SelectorTests``: exact kept counts per granularity, protected entries kept inside the budget,
 ties to the lower index, top-k by score within each head, padding never kept, separate key/value scores, the
 average-bits budget of tiered selectors (HqeKV Eq. 3), and clear errors (NaN/inf, protected over budget, types).
 
@@ -91,6 +91,12 @@ class SelectorTests(StandardTests):
 
     @pytest.mark.parametrize("granularity", ("head", "layer", "global"))
     def test_kept_count_exact(self, selector, granularity) -> None:
+        """Each head (``head``), each layer row (``layer``) or all layers (``global``) keep exactly
+        ``budget.kept(n_valid)`` entries per head on average, with the same set for keys and values.
+
+        Troubleshooting: ``ratio`` is the fraction removed and ``kept = floor(n * (1 - ratio))``; count only valid
+        (non-padding) tokens; protected entries count inside the budget. List only the granularities you support in
+        ``supports_granularities``."""
         self.require(granularity in self.supports_granularities, f"supports_granularities lacks {granularity!r}")
         self.require(not self.tiered, "tiered=True (budgeted by avg_bits, not by counts)")
 
@@ -105,6 +111,10 @@ class SelectorTests(StandardTests):
         self.each(selector, check, granularities=(granularity,))
 
     def test_ratio_zero_keeps_all_valid(self, selector) -> None:
+        """Ratio 0 keeps every valid entry and no padding.
+
+        Troubleshooting: a top-k over padded scores picks padding at ratio 0; mask padding to the lowest score before
+        ranking."""
         self.require(not self.tiered, "tiered=True (ratio does not budget it)")
         for g in self.supports_granularities:
             def check(case, g=g):
@@ -113,6 +123,10 @@ class SelectorTests(StandardTests):
             forall(cases(g), check, 8)
 
     def test_protected_always_kept(self, selector) -> None:
+        """Protected entries are kept, at the top tier.
+
+        Troubleshooting: force protected entries to the top of the ranking (``+inf`` score after masking), then fill the
+        rest of the budget; a tiered selector gives them its highest width."""
         def check(g, budget, prot, plan, case):
             bits, p = heads(plan.key_bits), prot[:, None, :].expand_as(heads(plan.key_bits))
             assert bool((bits[p] > 0).all()), "a protected entry was evicted"
@@ -122,6 +136,10 @@ class SelectorTests(StandardTests):
         self.each(selector, check)
 
     def test_padding_never_kept(self, selector) -> None:
+        """No padding entry is kept, for keys or values, at any budget.
+
+        Troubleshooting: mask invalid entries out (``-inf``) before ranking and cap the kept count at the number of
+        valid tokens of each row."""
         def check(g, budget, prot, plan, case):
             pad = ~case[1][:, None, :].expand_as(heads(plan.keep_keys))
             assert not bool(heads(plan.keep_keys)[pad].any() | heads(plan.keep_values)[pad].any()), "padding kept"
@@ -129,6 +147,10 @@ class SelectorTests(StandardTests):
         self.each(selector, check)
 
     def test_ties_break_by_lower_index(self, selector) -> None:
+        """Equal scores favour lower indices, deterministically.
+
+        Troubleshooting: use a stable sort (``torch.sort(..., stable=True, descending=True)``) rather than
+        ``torch.topk``, whose tie order is unspecified; mark a deliberate deviation with ``xfail(reason=...)``."""
         def check(g, budget, prot, plan, case):
             free = (case[1] & ~prot)[:, None, :].expand_as(heads(plan.key_bits))
             for b, row in zip(*torch.nonzero(free.any(-1), as_tuple=True)):
@@ -140,6 +162,10 @@ class SelectorTests(StandardTests):
         self.each(selector, check, kinds=("constant",))
 
     def test_keeps_highest_scores(self, selector) -> None:
+        """Among unprotected valid entries, a higher score never gets a lower tier.
+
+        Troubleshooting: rank by score within each head (or layer / all layers for coarser granularities), not
+        per batch row; separate key and value scores rank keys and values separately."""
         def check(g, budget, prot, plan, case):
             s, bits = heads(case[0]), heads(plan.key_bits).long()
             free = (case[1] & ~prot)[:, None, :].expand_as(s)
@@ -149,6 +175,10 @@ class SelectorTests(StandardTests):
         self.each(selector, check)
 
     def test_separate_value_scores(self, selector) -> None:
+        """``Scores(keys, values)`` plans keys from the key scores and values from the value scores.
+
+        Troubleshooting: read ``scores.for_values`` for the value plan and return ``Plan(key_bits, value_bits)``; a
+        selector ignoring value scores returns the key plan for both."""
         def check(g, budget, prot, plan, case):
             ks, valid, _ = case
             vs = fill(tuple(ks.shape), torch.float32, "normal", int(ks.abs().sum()) % 1000)
@@ -159,6 +189,11 @@ class SelectorTests(StandardTests):
         self.each(selector, check)
 
     def test_average_bits_budget(self, selector) -> None:
+        """Tiered selectors meet ``avg_bits`` (within one top-tier entry per row) and the per-width shares of
+        ``expected_shares`` (HqeKV Eq. 3).
+
+        Troubleshooting: solve shares with :func:`kvcore.solve_shares` and turn them into counts with
+        :func:`kvcore.tier_counts` (floor rule); assign widths by score rank."""
         self.require(self.tiered, "tiered=False")
         top = max(self.flag("tiers", getattr(selector, "tiers", (16,))))
 
@@ -178,6 +213,10 @@ class SelectorTests(StandardTests):
         self.each(selector, check)
 
     def test_budget_below_protected_raises(self, selector) -> None:
+        """A budget that keeps fewer entries than are protected raises a ``ValueError`` mentioning "protected".
+
+        Troubleshooting: compare ``budget.kept(n)`` with the protected count per row before selecting, and raise naming
+        both numbers (the Compressor's ``strict=False`` policy handles short inputs above the selector)."""
         for g in self.supports_granularities:
             def check(args, g=g):
                 (T, protect, budget), seed = args
@@ -197,6 +236,10 @@ class SelectorTests(StandardTests):
 
     @pytest.mark.parametrize("bad", (float("nan"), float("inf"), float("-inf")))
     def test_rejects_nonfinite_scores(self, selector, bad) -> None:
+        """NaN or infinite scores raise ``ValueError``.
+
+        Troubleshooting: check scores with :func:`kvcore.checks.check_finite` before masking padding; a NaN would
+        otherwise rank arbitrarily."""
         scores, budget = self._valid_call(selector)
         scores.view(-1)[7] = bad
         with pytest.raises(ValueError):
@@ -204,10 +247,18 @@ class SelectorTests(StandardTests):
 
     @pytest.mark.parametrize("ratio", (-0.1, 1.0, 1.5, float("nan")))
     def test_rejects_ratio_outside_unit_interval(self, ratio) -> None:
+        """``Budget`` refuses ratios outside ``[0, 1)`` and NaN.
+
+        Troubleshooting: this checks kvcore's ``Budget``; a failure here is a kvcore bug, not the selector's."""
         with pytest.raises(ValueError):
             Budget(ratio=ratio)
 
     def test_rejects_wrong_types(self, selector) -> None:
+        """Raw tensors instead of ``Scores``, a float instead of a ``Budget``, and non-bool masks raise
+        ``TypeError``.
+
+        Troubleshooting: check argument types at the top of ``select`` (``isinstance(scores, Scores)``, ``Budget``,
+        :func:`kvcore.checks.check_bool_mask`)."""
         s, b = self._valid_call(selector)
         int_mask, float_mask = torch.ones(2, 10, dtype=torch.int64), torch.ones(2, 10)
         for args in ((s, b), (Scores(s), 0.5), (Scores(s), b, int_mask), (Scores(s), b, None, float_mask)):

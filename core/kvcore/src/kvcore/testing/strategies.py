@@ -1,4 +1,4 @@
-"""Hypothesis strategies for kvcore inputs (DESIGN.md §3): KV data (``B`` 1..3, ``Hkv`` 1..4, GQA group 1/2/4,
+"""Hypothesis strategies for kvcore inputs: KV data (``B`` 1..3, ``Hkv`` 1..4, GQA group 1/2/4,
 ``T`` 1..48, ``D`` 4/8/16) in fp32/fp16/bf16, left-padded batches, ratios in [0, 1), token budgets, budgets
 below the protected count and degenerate values (constant, plateaus with ties, huge and tiny magnitudes).
 Tensor values come from a drawn seed, so examples are cheap; shrinking acts on shapes and kinds."""
