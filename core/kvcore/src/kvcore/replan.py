@@ -20,7 +20,8 @@ The plan never moves an entry up: each entry's tier is ``min(held, new)`` agains
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
