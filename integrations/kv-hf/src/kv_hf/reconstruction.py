@@ -1,7 +1,8 @@
-"""KVzip's context-reconstruction pass on a transformers model (the extras for :class:`~kv_hf.KVzipScorer`).
+"""KVzip's context-reconstruction pass on a transformers model: the provider of the extra ``"kvzip_scores"``
+(read by ``kv_baselines.KVzipScorer``; registered in :data:`kv_hf.providers.PROVIDERS`).
 
 Based on KVzip (arXiv:2505.23416), snu-mllab/KVzip ``model/wrapper.py`` (``self_task``, ``scoring``) and
-``attention/score.py`` (``_get_score``); kvpress ``kvzip_press.py`` (anchors.md §4). After the context is
+``attention/score.py`` (``_get_score``); kvpress ``kvzip_press.py``. After the context is
 prefilled (kept raw), the model is asked to repeat it: chunk ``i`` of ``chunk_size`` context tokens is fed as
 ``prompt_i + suffix + chunk_i`` where ``prompt_0 = "\\n\\nRepeat the previous context exactly."`` and later prompts
 are ``"\\n\\nRepeat the part of the previous context exactly, starting with"`` followed by the last
@@ -21,12 +22,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from kv_hf.layer import CompressedLayer
-
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from kv_hf.cache import CompressedCache
+    from kv_hf.layer import CompressedLayer
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class _Collector:
                 )
             self.scores[layer.layer_idx] = torch.zeros(p.keys.shape[:3], dtype=torch.float32, device=p.keys.device)
 
-    def __call__(self, layer: CompressedLayer, query: torch.Tensor, new_keys: torch.Tensor, scaling: float) -> None:
+    def __call__(self, layer: "CompressedLayer", query: torch.Tensor, new_keys: torch.Tensor, scaling: float) -> None:
         p = layer.pending
         pos, valid = p.positions[0], p.valid[0]
         sink = valid & (pos < self.sink_end)
@@ -174,3 +174,37 @@ def kvzip_scores(
         prefix = p.valid & (p.positions < context_start)
         out[layer.layer_idx] = {"kvzip_scores": s.masked_fill(prefix[:, None, :], 1.0)}
     return out
+
+
+def check_input(cache: "CompressedCache", input_ids: torch.Tensor, attention_mask: torch.Tensor | None, tokenizer: Any) -> None:
+    """Refuse inputs the reconstruction pass cannot score (before the prefill runs)."""
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"KVzip's reconstruction pass supports batch size 1, got {input_ids.shape[0]}")
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError("KVzip's reconstruction pass does not support padding")
+    if cache.get_seq_length() != 0:
+        raise ValueError("KVzip scoring needs a fresh cache (the context is reconstructed from position 0)")
+    if tokenizer is None or not hasattr(tokenizer, "encode"):
+        raise ValueError(
+            "the KVzip scorer needs tokenizer= (an object with encode(text, add_special_tokens=False)) "
+            "for the reconstruction prompts"
+        )
+
+
+def provide(
+    model: "PreTrainedModel",
+    cache: "CompressedCache",
+    input_ids: torch.Tensor,
+    *,
+    tokenizer: Any,
+    context_start: int,
+    config: KVzipConfig | None,
+) -> dict[int, dict[str, Any]]:
+    """The provider entry point: :func:`kvzip_scores` over ``input_ids[:, context_start:]``."""
+    if config is not None and not isinstance(config, KVzipConfig):
+        raise TypeError(f"kvzip must be a kv_hf.KVzipConfig, got {type(config).__name__}")
+
+    def encode(text: str) -> Sequence[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    return kvzip_scores(model, cache, input_ids[:, context_start:], encode, context_start=context_start, config=config)
