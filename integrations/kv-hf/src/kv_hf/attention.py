@@ -27,7 +27,8 @@ lse-returning reference (causal among the new tokens, padding masked), and combi
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from kvcore import merge_attention
@@ -95,7 +96,7 @@ def _as_float(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def step_mask(
-    step: "Step", attention_mask: torch.Tensor | None, query: torch.Tensor, eager: bool
+    step: Step, attention_mask: torch.Tensor | None, query: torch.Tensor, eager: bool
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The mask for one kv_hf step and the boolean new-token mask (``None`` = plain causal, no padding).
 
@@ -155,7 +156,7 @@ def masked_attention(
     return torch.exp(logits - safe[..., None]) @ v, lse
 
 
-def fused_step(step: "Step", query: torch.Tensor, new: torch.Tensor | None, scaling: float) -> torch.Tensor:
+def fused_step(step: Step, query: torch.Tensor, new: torch.Tensor | None, scaling: float) -> torch.Tensor:
     """Attention of ``query`` over ``[Store | pending | new]`` through the Store's fused ``attend``.
 
     Returns the attention output laid out as transformers' kernels return it, ``[B, q, Hq, D]`` in the query dtype.
@@ -235,7 +236,7 @@ def register_attention() -> None:
     AttentionMaskInterface.register(KV_HF_EAGER, eager_mask)
 
 
-def enable_attention(model: "PreTrainedModel") -> str:
+def enable_attention(model: PreTrainedModel) -> str:
     """Switch ``model`` to the kv_hf attention matching its current kernel; returns the new implementation name.
 
     ``sdpa`` becomes ``"kv_hf"`` and ``eager`` becomes ``"kv_hf_eager"``; already-switched models are left as they
@@ -255,7 +256,7 @@ def enable_attention(model: "PreTrainedModel") -> str:
     return _WRAPS[impl]
 
 
-def disable_attention(model: "PreTrainedModel") -> str:
+def disable_attention(model: PreTrainedModel) -> str:
     """Undo :func:`enable_attention`: back to ``sdpa`` / ``eager``; returns the implementation name."""
     impl = model.config._attn_implementation
     if impl in _UNWRAPS:

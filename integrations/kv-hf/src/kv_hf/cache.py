@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
-
 import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from kvcore import Compressor
@@ -48,7 +48,7 @@ class CompressedCache(Cache):
         reconstruction pass), separate from the model's own forward passes.
     """
 
-    def __init__(self, model: "PreTrainedModel", compressor: Compressor, options: CacheOptions | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, compressor: Compressor, options: CacheOptions | None = None) -> None:
         options = CacheOptions() if options is None else options
         if not isinstance(options, CacheOptions):
             raise TypeError(f"options must be a kv_hf.CacheOptions, got {type(options).__name__}")
@@ -63,8 +63,7 @@ class CompressedCache(Cache):
         self._timing = 0
         super().__init__(
             layers=[
-                CompressedLayer(i, self.compressor, options, self.query_window)
-                for i in range(config.num_hidden_layers)
+                CompressedLayer(i, self.compressor, options, self.query_window) for i in range(config.num_hidden_layers)
             ]
         )
 
@@ -188,7 +187,7 @@ class CompressedCache(Cache):
     @contextlib.contextmanager
     def scratch(
         self, observer: Callable[[CompressedLayer, torch.Tensor, torch.Tensor, float], None] | None = None
-    ) -> Iterator["CompressedCache"]:
+    ) -> Iterator[CompressedCache]:
         """Forward passes inside this context attend to the cache but leave nothing in it; ``observer(layer, query,
         new_keys, scaling)`` sees every layer's step (KVzip's context reconstruction)."""
         saved = [(layer.mode, layer.observer) for layer in self.layers]
@@ -237,7 +236,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def compressed_cache(model: "PreTrainedModel", compressor: Compressor, **options: Any) -> CompressedCache:
+def compressed_cache(model: PreTrainedModel, compressor: Compressor, **options: Any) -> CompressedCache:
     """A transformers ``Cache`` that compresses ``model``'s KV cache with ``compressor``.
 
     ``model.generate(ids, past_key_values=compressed_cache(model, compressor))`` prefills the prompt exactly, then

@@ -7,8 +7,9 @@ entries a Store already holds is engine-independent and lives in :mod:`kvcore.re
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from kvcore import ScoringContext
@@ -29,7 +30,7 @@ class Pending:
 
     def extend(
         self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
-    ) -> "Pending":
+    ) -> Pending:
         return Pending(
             torch.cat([self.keys, keys], 2),
             torch.cat([self.values, values], 2),
@@ -37,12 +38,12 @@ class Pending:
             torch.cat([self.valid, valid], 1),
         )
 
-    def select_rows(self, index: torch.Tensor) -> "Pending":
+    def select_rows(self, index: torch.Tensor) -> Pending:
         return Pending(
             *(t.index_select(0, index.to(t.device)) for t in (self.keys, self.values, self.positions, self.valid))
         )
 
-    def head(self, n: int) -> "Pending":
+    def head(self, n: int) -> Pending:
         """The first ``n`` slots."""
         return Pending(self.keys[:, :, :n], self.values[:, :, :n], self.positions[:, :n], self.valid[:, :n])
 

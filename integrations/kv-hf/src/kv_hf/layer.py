@@ -28,8 +28,9 @@ columns of transformers' mask line up with the 2-D padding mask of the new token
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 from kvcore import Compressor, ScoringContext, Store, retier_store, storage_bytes
@@ -50,14 +51,14 @@ SCRATCH = "scratch"
 class Step:
     """What one ``update`` handed to attention: the new raw K/V and the bias of the columns before them."""
 
-    layer: "CompressedLayer"
+    layer: CompressedLayer
     keys: torch.Tensor
     values: torch.Tensor
     n_prefix: int = 0
     bias: torch.Tensor | None = None  # [B, Hkv, n_prefix] float32 additive bias; None = all zero
     deferred: bool = False
     fused: bool = False  # attend to the Store with its fused ``attend`` and to [pending | new] separately
-    on_commit: Callable[["CompressedLayer"], None] | None = None  # set by the cache: what to do after the commit
+    on_commit: Callable[[CompressedLayer], None] | None = None  # set by the cache: what to do after the commit
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -99,7 +100,7 @@ class CompressedLayer(CacheLayerMixin):
         self.recompressor = self.options.recompressor or compressor
         self.query_window = query_window
         self.store = compressor.new_store() if store is None else store
-        self.observer: Callable[["CompressedLayer", torch.Tensor, torch.Tensor, float], None] | None = None
+        self.observer: Callable[[CompressedLayer, torch.Tensor, torch.Tensor, float], None] | None = None
         self.recompressions = 0
         self._clear()
 

@@ -30,7 +30,7 @@ def _check_ids(input_ids: object, attention_mask: object) -> None:
 
 @torch.no_grad()
 def prefill(
-    model: "PreTrainedModel",
+    model: PreTrainedModel,
     cache: CompressedCache,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
@@ -123,7 +123,12 @@ def prefill(
     if needed:
         with cache.timed():
             extras = providers.run_providers(
-                needed, model, cache, input_ids, tokenizer=tokenizer, context_start=context_start,
+                needed,
+                model,
+                cache,
+                input_ids,
+                tokenizer=tokenizer,
+                context_start=context_start,
                 configs=provider_options,
             )
     cache.compress(extras=extras, protect_before=context_start or None)

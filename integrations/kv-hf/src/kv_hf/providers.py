@@ -12,8 +12,9 @@ Provided: ``"kvzip_scores"`` — KVzip's context-reconstruction pass (Kim et al.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -108,7 +109,7 @@ def run_providers(
     return out
 
 
-def missing_message(compressor: "Compressor", missing: list[str], query_window: int | None) -> str:
+def missing_message(compressor: Compressor, missing: list[str], query_window: int | None) -> str:
     """Why a scorer's declared inputs are missing, and how kv-hf supplies each of them."""
     hints = []
     if "queries" in missing:
@@ -118,8 +119,9 @@ def missing_message(compressor: "Compressor", missing: list[str], query_window: 
         )
     for name in missing:
         if name in PROVIDERS:
-            hints.append(f"{name}: compress with kv_hf.prefill(model, cache, ids, ...), which runs "
-                         f"{PROVIDERS[name].description}")
+            hints.append(
+                f"{name}: compress with kv_hf.prefill(model, cache, ids, ...), which runs {PROVIDERS[name].description}"
+            )
     other = [m for m in missing if m != "queries" and m not in PROVIDERS]
     if other:
         hints.append(f"{other}: kv_hf cannot supply these")

@@ -17,8 +17,9 @@ queries are processed in blocks of ``query_block`` to bound memory. Batch size 1
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -88,7 +89,7 @@ class KVzipConfig:
 class _Collector:
     """Observer of the scratch passes: max-over-group-and-queries softmax attention on the current chunk."""
 
-    def __init__(self, cache: "CompressedCache", sink_end: int, block: int) -> None:
+    def __init__(self, cache: CompressedCache, sink_end: int, block: int) -> None:
         self.sink_end = sink_end
         self.block = block
         self.start = self.end = 0
@@ -102,7 +103,7 @@ class _Collector:
                 )
             self.scores[layer.layer_idx] = torch.zeros(p.keys.shape[:3], dtype=torch.float32, device=p.keys.device)
 
-    def __call__(self, layer: "CompressedLayer", query: torch.Tensor, new_keys: torch.Tensor, scaling: float) -> None:
+    def __call__(self, layer: CompressedLayer, query: torch.Tensor, new_keys: torch.Tensor, scaling: float) -> None:
         p = layer.pending
         pos, valid = p.positions[0], p.valid[0]
         sink = valid & (pos < self.sink_end)
@@ -131,8 +132,8 @@ class _Collector:
 
 @torch.no_grad()
 def kvzip_scores(
-    model: "PreTrainedModel",
-    cache: "CompressedCache",
+    model: PreTrainedModel,
+    cache: CompressedCache,
     context_ids: torch.Tensor,
     encode: Callable[[str], Sequence[int]],
     *,
@@ -176,7 +177,9 @@ def kvzip_scores(
     return out
 
 
-def check_input(cache: "CompressedCache", input_ids: torch.Tensor, attention_mask: torch.Tensor | None, tokenizer: Any) -> None:
+def check_input(
+    cache: CompressedCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, tokenizer: Any
+) -> None:
     """Refuse inputs the reconstruction pass cannot score (before the prefill runs)."""
     if input_ids.shape[0] != 1:
         raise ValueError(f"KVzip's reconstruction pass supports batch size 1, got {input_ids.shape[0]}")
@@ -192,8 +195,8 @@ def check_input(cache: "CompressedCache", input_ids: torch.Tensor, attention_mas
 
 
 def provide(
-    model: "PreTrainedModel",
-    cache: "CompressedCache",
+    model: PreTrainedModel,
+    cache: CompressedCache,
     input_ids: torch.Tensor,
     *,
     tokenizer: Any,

@@ -6,7 +6,7 @@ provides the ``"kvzip_scores"`` extra through :mod:`kv_hf.providers`), and kv-hf
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from kvcore import Compressor
 

@@ -23,7 +23,8 @@ _KERNELS = ("sdpa", "eager", *KV_HF_IMPLEMENTATIONS)
 DEFAULT_QUERY_WINDOW = 64
 """Queries captured when neither the options nor the scorer say otherwise (kvpress ``window_size=64``)."""
 
-def resolve_query_window(compressor: Compressor, options: "CacheOptions") -> int | None:
+
+def resolve_query_window(compressor: Compressor, options: CacheOptions) -> int | None:
     """How many trailing post-RoPE queries a cache captures per layer; ``None`` = every prompt query.
 
     A scorer declares what it needs with its ``query_window`` attribute (``kvcore.Scorer``): an int (SnapKV's
@@ -56,12 +57,12 @@ def resolve_query_window(compressor: Compressor, options: "CacheOptions") -> int
     return max(asks, default=DEFAULT_QUERY_WINDOW)
 
 
-def text_config(model: "PreTrainedModel") -> "PretrainedConfig":
+def text_config(model: PreTrainedModel) -> PretrainedConfig:
     config = model.config
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def check_model(model: object) -> "PretrainedConfig":
+def check_model(model: object) -> PretrainedConfig:
     """Raise unless ``model`` is a supported causal LM with only full-attention layers and an SDPA/eager kernel.
 
     Returns the (text) config.
@@ -100,7 +101,7 @@ def check_model(model: object) -> "PretrainedConfig":
     return config
 
 
-def check_compressor(compressor: object, options: "CacheOptions") -> Compressor:
+def check_compressor(compressor: object, options: CacheOptions) -> Compressor:
     """Raise unless the adapter can supply everything ``compressor`` (and the re-compressor) declares it needs."""
     if not isinstance(compressor, Compressor):
         raise TypeError(f"compressor must be a kvcore.Compressor, got {type(compressor).__name__}")
@@ -116,7 +117,7 @@ def check_compressor(compressor: object, options: "CacheOptions") -> Compressor:
     return compressor
 
 
-def _check_needs(compressor: Compressor, options: "CacheOptions", what: str, provided: frozenset[str]) -> None:
+def _check_needs(compressor: Compressor, options: CacheOptions, what: str, provided: frozenset[str]) -> None:
     scorer = compressor.scorer
     name = type(scorer).__name__
     missing = sorted(set(scorer.needs_extras) - provided)
