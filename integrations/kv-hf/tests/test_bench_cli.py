@@ -51,10 +51,14 @@ def test_refused_configuration_is_reported_not_fatal(tmp_path):
     assert (tmp_path / "r.png").exists()
 
 
+@pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="KVzip moved to kv_baselines; its 'kvzip' registry entry moves to kv_baselines' registry at the merge",
+)
 def test_kvzip_and_hubkv_over_kvzip_are_registered():
+    from kv_baselines import KVzipScorer
     from kv_hubkv import HubKV
-
-    from kv_hf import KVzipScorer
 
     registry = discover()
     base = build("kvzip", 0.75, registry)

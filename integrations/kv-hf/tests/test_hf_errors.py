@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 from typing import ClassVar
 
+import kv_baselines
 import kv_hf
 import pytest
 import torch
@@ -56,7 +57,7 @@ def test_scorer_needs_the_adapter_cannot_supply():
             make(KnormScorer()),
             recompress_every=4,
             target_length=4,
-            recompressor=kv_hf.kvzip(granularity="head"),
+            recompressor=kv_baselines.kvzip(granularity="head"),
         )
     with pytest.raises(TypeError, match="kvcore.Compressor"):
         kv_hf.compressed_cache(model, KnormScorer())

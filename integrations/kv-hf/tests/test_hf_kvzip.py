@@ -2,6 +2,7 @@
 
 import math
 
+import kv_baselines
 import kv_hf
 import pytest
 import torch
@@ -43,8 +44,8 @@ def test_kvzip_scores_match_naive_max_over_group_and_queries(family):
     model = tiny_model(family)
     tok = CharTokenizer()
     ids = prompt(PREFIX + CTX, seed=50)
-    rec = Recording(kv_hf.KVzipScorer())
-    comp = kv_hf.kvzip(ratio=0.5)
+    rec = Recording(kv_baselines.KVzipScorer())
+    comp = kv_baselines.kvzip(ratio=0.5)
     comp = type(comp)(rec, comp.selector, comp.store, comp.budget)
     cache = kv_hf.compressed_cache(model, comp)
     kv_hf.prefill(model, cache, ids, tokenizer=tok, context_start=PREFIX, kvzip=CONFIG)
@@ -69,10 +70,10 @@ def test_kvzip_scores_match_naive_max_over_group_and_queries(family):
 def test_kvzip_needs_the_adapter_pass_and_refuses_batches():
     model = tiny_model("llama")
     tok = CharTokenizer()
-    cache = kv_hf.compressed_cache(model, kv_hf.kvzip(ratio=0.5, granularity="head"))
+    cache = kv_hf.compressed_cache(model, kv_baselines.kvzip(ratio=0.5, granularity="head"))
     with pytest.raises(ValueError, match="kvzip_scores"):
         model(prompt(12), past_key_values=cache)  # plain forward: nothing supplies the scores
-    cache = kv_hf.compressed_cache(model, kv_hf.kvzip(ratio=0.5))
+    cache = kv_hf.compressed_cache(model, kv_baselines.kvzip(ratio=0.5))
     with pytest.raises(ValueError, match="tokenizer"):
         kv_hf.prefill(model, cache, prompt(12))
     with pytest.raises(ValueError, match="batch size 1"):
@@ -80,7 +81,7 @@ def test_kvzip_needs_the_adapter_pass_and_refuses_batches():
     with pytest.raises(ValueError, match=r"shape \(1, 2, 5\)"):
         from kvcore import ScoringContext
 
-        kv_hf.KVzipScorer().score(
+        kv_baselines.KVzipScorer().score(
             ScoringContext(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4), extras={"kvzip_scores": torch.zeros(1, 5)})
         )
 
@@ -89,7 +90,7 @@ def test_kvzip_needs_the_adapter_pass_and_refuses_batches():
 def test_kvzip_head_granularity_answers_from_compressed_context():
     model = tiny_model("qwen2")
     tok = CharTokenizer()
-    cache = kv_hf.compressed_cache(model, kv_hf.kvzip(ratio=0.6, granularity="head"))
+    cache = kv_hf.compressed_cache(model, kv_baselines.kvzip(ratio=0.6, granularity="head"))
     kv_hf.prefill(model, cache, prompt(30, seed=51), tokenizer=tok, kvzip=kv_hf.KVzipConfig(chunk_size=12))
     assert all(bool((n == Budget(ratio=0.6).kept(30)).all()) for n in cache.seq_lengths())
     out = kv_hf.generate_answer(model, cache, prompt(4, seed=52), max_new_tokens=3)

@@ -40,12 +40,12 @@ def test_chunked_prefill_window_spans_chunks_and_padding_is_masked():
     kv_hf.prefill(model, cache, ids, mask, chunk_size=4)  # last chunk has 2 tokens: the window spans 2 chunks
     ctx = rec.contexts[0]
     assert tuple(ctx.queries.shape) == (2, 4, 6, 16)
-    # entries are laid out by true position, padding last (masked, zeroed: never NaN)
-    assert ctx.attention_mask[1].tolist() == [True] * 9 + [False] * 5
-    assert ctx.positions[0].tolist() == list(range(14)) and ctx.positions[1, :9].tolist() == list(range(9))
-    assert bool((ctx.keys[1, :, 9:] == 0).all()) and bool(torch.isfinite(ctx.keys).all())
+    # entries are laid out in slot order (extras stay aligned), left padding first (masked, zeroed: never NaN)
+    assert ctx.attention_mask[1].tolist() == [False] * 5 + [True] * 9
+    assert ctx.positions[0].tolist() == list(range(14)) and ctx.positions[1, 5:].tolist() == list(range(9))
+    assert bool((ctx.keys[1, :, :5] == 0).all()) and bool(torch.isfinite(ctx.keys).all())
     _, k1 = naive_qk(model, ids[1:, 5:], 0)
-    torch.testing.assert_close(ctx.keys[1:, :, :9], k1, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ctx.keys[1:, :, 5:], k1, rtol=0, atol=1e-5)
     q0, _ = naive_qk(model, ids[:1], 0)
     torch.testing.assert_close(ctx.queries[:1], q0[:, :, -6:], rtol=0, atol=1e-5)
     q1, _ = naive_qk(model, ids[1:, 5:], 0)

@@ -17,6 +17,7 @@ from kvcore.protection import Protection
 from kvcore.protocols import Quantizer, Scorer, Selector, Store
 from kvcore.quantized import QuantizedTensor, packed_width
 from kvcore.registry import Method
+from kvcore.replan import replan, retier_store
 from kvcore.scores import Scores
 from kvcore.selectors import TieredSelector, TopKSelector, solve_shares, tier_counts
 from kvcore.stores import DenseStore
@@ -51,6 +52,8 @@ __all__ = [
     "reachable_tensors",
     "reference_attention",
     "registry",
+    "replan",
+    "retier_store",
     "solve_shares",
     "storage_bytes",
     "tier_counts",

@@ -15,10 +15,10 @@ from kv_hf.attention import (
     register_attention,
 )
 from kv_hf.cache import CompressedCache, compressed_cache
-from kv_hf.kvzip_scorer import KVzipScorer, kvzip
 from kv_hf.layer import CompressedLayer
 from kv_hf.options import CacheOptions
 from kv_hf.prefill import prefill
+from kv_hf.providers import PROVIDERS, Provider
 from kv_hf.reconstruction import KVzipConfig, kvzip_scores
 from kv_hf.reuse import answer_questions, generate_answer
 from kv_hf.support import SUPPORTED_MODEL_TYPES, check_model
@@ -35,14 +35,14 @@ __all__ = [
     "CompressedCache",
     "CompressedLayer",
     "KVzipConfig",
-    "KVzipScorer",
+    "PROVIDERS",
+    "Provider",
     "answer_questions",
     "check_model",
     "compressed_cache",
     "disable_attention",
     "enable_attention",
     "generate_answer",
-    "kvzip",
     "kvzip_scores",
     "prefill",
     "register_attention",

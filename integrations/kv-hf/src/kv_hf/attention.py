@@ -1,4 +1,4 @@
-"""The attention function kv_hf registers with transformers (DESIGN.md §5, anchors.md §3).
+"""The attention function kv_hf registers with transformers.
 
 Why a registered attention function and not a forward hook: attention over a compressed layer must add the
 per-entry ``KVView.logit_bias`` (``-inf`` for the padding of ragged per-head layouts, ``log|S|`` for span
@@ -15,15 +15,23 @@ refused (:func:`enable_attention`).
 How a step flows: ``CompressedLayer.update`` returns ``[stored view | pending raw | new]`` key/value tensors and
 tags the key tensor with a :class:`~kv_hf.layer.Step`; the function below builds the mask (stored and pending
 columns from the layer's bias, the new columns from the last ``q`` columns of the mask transformers built), runs
-the kernel and calls ``Step.layer.commit``.
+the kernel and calls ``Step.layer.commit`` (then the cache's ``Step.on_commit`` hook, which compresses a finished
+prefill or re-compresses).
+
+Stores that declare ``can_attend`` are not read back at all: the layer returns only the step's new K/V, and the
+function attends to the Store with its fused ``attend(query, scale) -> (out, lse)``, to ``[pending | new]`` with an
+lse-returning reference (causal among the new tokens, padding masked), and combines the two with
+``kvcore.merge_attention`` (the online-softmax identity of FlashAttention, Dao et al. 2022, §3.1).
 """
 
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
+from kvcore import merge_attention
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
@@ -88,7 +96,7 @@ def _as_float(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def step_mask(
-    step: "Step", attention_mask: torch.Tensor | None, query: torch.Tensor, eager: bool
+    step: Step, attention_mask: torch.Tensor | None, query: torch.Tensor, eager: bool
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The mask for one kv_hf step and the boolean new-token mask (``None`` = plain causal, no padding).
 
@@ -130,6 +138,47 @@ def step_mask(
     return torch.cat([prefix, new_part], dim=-1), new
 
 
+def masked_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``softmax(q·kᵀ·scale + bias)·v`` in float32 with its log-sum-exp, GQA-aware.
+
+    ``query`` ``[B, Hq, q, D]``, ``keys``/``values`` ``[B, Hkv, N, D]``, ``bias`` ``[B|1, 1|Hq, q, N]`` additive float
+    (``-inf`` = masked). Returns ``out`` ``[B, Hq, q, D]`` and ``lse`` ``[B, Hq, q]`` (``-inf``, ``out = 0`` for a
+    row that sees nothing), as :func:`kvcore.reference_attention` does over a view.
+    """
+    group = query.shape[1] // keys.shape[1]
+    k = keys.float().repeat_interleave(group, dim=1)
+    v = values.float().repeat_interleave(group, dim=1)
+    logits = query.float() @ k.transpose(-1, -2) * scale + bias.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    safe = torch.where(torch.isfinite(lse), lse, 0.0)
+    return torch.exp(logits - safe[..., None]) @ v, lse
+
+
+def fused_step(step: Step, query: torch.Tensor, new: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """Attention of ``query`` over ``[Store | pending | new]`` through the Store's fused ``attend``.
+
+    Returns the attention output laid out as transformers' kernels return it, ``[B, q, Hq, D]`` in the query dtype.
+    """
+    layer = step.layer
+    B, _, q, _ = query.shape
+    device = query.device
+    out_s, lse_s = layer.store.attend(query, scaling)
+    m_new = new if new is not None else torch.ones(q, q, dtype=torch.bool, device=device).tril()[None, None]
+    ninf = torch.tensor(float("-inf"), device=device)
+    new_bias = torch.where(m_new.to(device), torch.tensor(0.0, device=device), ninf).expand(B, -1, q, q)
+    keys, values, biases = step.keys, step.values, [new_bias]
+    part = layer.pending_part(step.keys.dtype)
+    if part is not None:
+        keys, values = torch.cat([part[0], keys], 2), torch.cat([part[1], values], 2)
+        pending_bias = part[2][:, :1, None, :].expand(B, new_bias.shape[1], q, -1)  # same for every head
+        biases.insert(0, pending_bias)
+    out_n, lse_n = masked_attention(query, keys, values, torch.cat(biases, -1), scaling)
+    out, _ = merge_attention([(out_s, lse_s), (out_n, lse_n)])
+    return out.to(query.dtype).transpose(1, 2).contiguous()
+
+
 def _valid_new(new: torch.Tensor | None, B: int, q: int) -> torch.Tensor | None:
     """``[B, q]`` bool: which of the step's tokens are real (a token attends to itself unless it is padding)."""
     if new is None:
@@ -147,18 +196,24 @@ def _make(base: Callable[..., Any], eager: bool) -> Callable[..., Any]:
         layer = step.layer
         if layer._step is not step:
             raise RuntimeError("stale kv_hf step: the key tensor was not produced by the current cache update")
-        try:
-            if step.deferred:
-                key, value = layer.assemble(step, query)
-            mask, new = step_mask(step, attention_mask, query, eager)
-            out = base(module, query, key, value, mask, **kwargs)
-        except BaseException:
-            layer._step = None  # the step is abandoned; the next update must not report a missing commit
-            raise
         scaling = kwargs.get("scaling")
         if scaling is None:
             scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
+        try:
+            if step.fused:
+                new = _new_token_mask(attention_mask, query.shape[2])
+                out = (fused_step(step, query, new, scaling), None)
+            else:
+                if step.deferred:
+                    key, value = layer.assemble(step, query)
+                mask, new = step_mask(step, attention_mask, query, eager)
+                out = base(module, query, key, value, mask, **kwargs)
+        except BaseException:
+            layer._step = None  # the step is abandoned; the next update must not report a missing commit
+            raise
         layer.commit(step, query, kwargs.get("position_ids"), _valid_new(new, query.shape[0], query.shape[2]), scaling)
+        if step.on_commit is not None:
+            step.on_commit(layer)
         return out
 
     attention.__name__ = f"kv_hf_{'eager' if eager else 'sdpa'}_attention"
@@ -181,7 +236,7 @@ def register_attention() -> None:
     AttentionMaskInterface.register(KV_HF_EAGER, eager_mask)
 
 
-def enable_attention(model: "PreTrainedModel") -> str:
+def enable_attention(model: PreTrainedModel) -> str:
     """Switch ``model`` to the kv_hf attention matching its current kernel; returns the new implementation name.
 
     ``sdpa`` becomes ``"kv_hf"`` and ``eager`` becomes ``"kv_hf_eager"``; already-switched models are left as they
@@ -201,7 +256,7 @@ def enable_attention(model: "PreTrainedModel") -> str:
     return _WRAPS[impl]
 
 
-def disable_attention(model: "PreTrainedModel") -> str:
+def disable_attention(model: PreTrainedModel) -> str:
     """Undo :func:`enable_attention`: back to ``sdpa`` / ``eager``; returns the implementation name."""
     impl = model.config._attn_implementation
     if impl in _UNWRAPS:

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
-
 import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from kvcore import Compressor
 from transformers.cache_utils import Cache
 
-from kv_hf.attention import KV_HF_IMPLEMENTATIONS, enable_attention
-from kv_hf.entries import gather_entries, missing_message, uniform_context
+from kv_hf.attention import KV_HF_IMPLEMENTATIONS, STEP_ATTR, enable_attention
 from kv_hf.layer import COLLECT, SCRATCH, STORE, CompressedLayer
 from kv_hf.options import CacheOptions
 from kv_hf.support import check_compressor, check_model, resolve_query_window
@@ -49,7 +48,7 @@ class CompressedCache(Cache):
         reconstruction pass), separate from the model's own forward passes.
     """
 
-    def __init__(self, model: "PreTrainedModel", compressor: Compressor, options: CacheOptions | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, compressor: Compressor, options: CacheOptions | None = None) -> None:
         options = CacheOptions() if options is None else options
         if not isinstance(options, CacheOptions):
             raise TypeError(f"options must be a kv_hf.CacheOptions, got {type(options).__name__}")
@@ -62,7 +61,11 @@ class CompressedCache(Cache):
         self._config = config
         self.compress_seconds = 0.0
         self._timing = 0
-        super().__init__(layers=[CompressedLayer(self, i) for i in range(config.num_hidden_layers)])
+        super().__init__(
+            layers=[
+                CompressedLayer(i, self.compressor, options, self.query_window) for i in range(config.num_hidden_layers)
+            ]
+        )
 
     @contextlib.contextmanager
     def timed(self) -> Iterator[None]:
@@ -91,12 +94,28 @@ class CompressedCache(Cache):
                 "(call kv_hf.enable_attention(model))"
             )
 
-    def layer_collected(self, layer: CompressedLayer) -> None:
-        """A layer finished its prefill step: compress it now, or (global budget) once the last layer is done."""
-        if self.compressor.budget.granularity != "global":
-            layer.compress_pending()
-        elif layer.layer_idx == len(self.layers) - 1:
-            self.compress()
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        """transformers' hook: the layer returns what attention sees; the step it hands to the kv_hf attention
+        function calls back :meth:`_committed` once the new tokens are kept."""
+        self.check_attention()
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        step = getattr(keys, STEP_ATTR, None)
+        if step is not None:
+            step.on_commit = self._committed
+        return keys, values
+
+    def _committed(self, layer: CompressedLayer) -> None:
+        """A layer kept its step: compress a finished prefill (per layer now; a global budget once the last layer
+        is done) or re-compress when ``recompress_every`` tokens were added."""
+        if layer.mode == COLLECT and layer.auto_compress:
+            if self.compressor.budget.granularity != "global":
+                with self.timed():
+                    layer.compress()
+            elif layer.layer_idx == len(self.layers) - 1:
+                self.compress()
+        elif layer.recompress_due:
+            with self.timed():
+                layer.recompress()
 
     # -- public API ----------------------------------------------------------------------------------------
     def nbytes(self, device: torch.device | str | None = None) -> int:
@@ -149,12 +168,13 @@ class CompressedCache(Cache):
                 self._compress_global(per_layer, protect_before)
                 return
             for layer in self.layers:
-                layer.compress_pending(extras=per_layer(layer.layer_idx), protect_before=protect_before)
+                layer.compress(extras=per_layer(layer.layer_idx), protect_before=protect_before)
 
     def recompress(self, target_length: int | None = None, target_ratio: float | None = None) -> None:
         """Re-score and prune every layer now (see :meth:`CompressedLayer.recompress`)."""
-        for layer in self.layers:
-            layer.recompress(target_length, target_ratio)
+        with self.timed():
+            for layer in self.layers:
+                layer.recompress(target_length, target_ratio)
 
     def rollback(self, length: int) -> None:
         """Forget every token slot from ``length`` on (``get_seq_length()`` becomes ``length``): the
@@ -167,7 +187,7 @@ class CompressedCache(Cache):
     @contextlib.contextmanager
     def scratch(
         self, observer: Callable[[CompressedLayer, torch.Tensor, torch.Tensor, float], None] | None = None
-    ) -> Iterator["CompressedCache"]:
+    ) -> Iterator[CompressedCache]:
         """Forward passes inside this context attend to the cache but leave nothing in it; ``observer(layer, query,
         new_keys, scaling)`` sees every layer's step (KVzip's context reconstruction)."""
         saved = [(layer.mode, layer.observer) for layer in self.layers]
@@ -189,39 +209,26 @@ class CompressedCache(Cache):
         return lambda i: extras
 
     def _compress_global(self, per_layer, protect_before: int | None) -> None:
+        """One selection over every layer (``Compressor.compress_layers``), written into the layers' own Stores."""
         layers = [layer for layer in self.layers if layer.pending is not None and layer.pending.length]
         if not layers:
             for layer in self.layers:
-                layer.compress_pending()
+                layer.stored()
             return
         if len(layers) != len(self.layers) or any(layer.held() for layer in self.layers):
             raise ValueError(
                 "a 'global' budget selects over all layers at once: every layer must hold only its collected "
                 "prefill (no stored entries) when it is compressed"
             )
-        ctxs = []
-        for layer in layers:
-            entries = gather_entries(None, layer.pending)
-            ctx = uniform_context(
-                entries,
-                queries=layer.queries,
-                layer_idx=layer.layer_idx,
-                extras=per_layer(layer.layer_idx),
-                protect_before=protect_before,
-            )
-            missing = self.compressor.missing_inputs(ctx)
-            if missing:
-                raise ValueError(missing_message(self.compressor, missing, self.query_window))
-            ctxs.append(ctx)
+        ctxs = [layer.context(per_layer(layer.layer_idx), protect_before) for layer in layers]
         lengths = {c.seq_len for c in ctxs}
         if len(lengths) != 1:
             raise ValueError(
                 f"a 'global' budget needs the same number of collected tokens in every layer, got {sorted(lengths)}"
             )
-        for layer, store in zip(layers, self.compressor.compress_layers(ctxs)):
-            layer.store = store
-            layer.pending = None
-            layer.mode, layer.auto_compress = STORE, False
+        self.compressor.compress_layers(ctxs, stores=[layer.store for layer in layers])
+        for layer in layers:
+            layer.stored()
 
 
 def _sync() -> None:
@@ -229,7 +236,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def compressed_cache(model: "PreTrainedModel", compressor: Compressor, **options: Any) -> CompressedCache:
+def compressed_cache(model: PreTrainedModel, compressor: Compressor, **options: Any) -> CompressedCache:
     """A transformers ``Cache`` that compresses ``model``'s KV cache with ``compressor``.
 
     ``model.generate(ids, past_key_values=compressed_cache(model, compressor))`` prefills the prompt exactly, then

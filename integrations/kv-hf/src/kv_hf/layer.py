@@ -1,18 +1,21 @@
 """One attention layer of a compressed cache: a transformers ``CacheLayerMixin`` backed by a kvcore Store.
 
-State machine (DESIGN.md §2, §5):
+State machine:
 
 ``collect``
     Updates are kept raw in a *pending* buffer (attention over the whole prompt is exact) and the last
     ``query_window`` post-RoPE queries are remembered. A fresh layer starts here with ``auto_compress`` on: at the
-    end of the first forward pass through the layer (right after its attention ran) the pending tokens are
-    scored, selected and written to the Store (``Compressor.plan`` -> ``Store.write``). So "prefill" means
-    *the first forward pass through a fresh cache* (or the next one after ``cache.compress_next_prefill = True``);
-    :func:`kv_hf.prefill` instead collects several chunks and compresses once at the end.
+    end of the first forward pass through the layer (right after its attention ran) the cache compresses it
+    (:meth:`CompressedLayer.compress`: ``Compressor.compress`` into the layer's Store; a layer that already holds a
+    compressed context appends the pending entries and re-plans them all with ``kvcore.retier_store``). So
+    "prefill" means *the first forward pass through a fresh cache* (or the next one after
+    ``cache.compress_next_prefill = True``); :func:`kv_hf.prefill` instead collects several chunks and compresses
+    once at the end.
 ``store``
     Updates are appended to the Store (``Store.append``) with their true positions; attention sees the Store's
-    ``read()`` view (plus the step's own raw tokens) with the view's per-entry logit bias. Every
-    ``recompress_every`` committed tokens the stored entries are re-scored and pruned to the target.
+    ``read()`` view (plus the step's own raw tokens) with the view's per-entry logit bias, or — when the Store
+    declares ``can_attend`` — through its fused ``attend`` merged with the step's own tokens. Every
+    ``recompress_every`` committed tokens the cache re-plans the stored entries (``kvcore.retier_store``).
 ``scratch``
     Updates are attended to but not kept (KVzip's reconstruction pass); an observer sees the queries.
 
@@ -25,19 +28,19 @@ columns of transformers' mask line up with the 2-D padding mask of the new token
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any
 
 import torch
-from kvcore import Compressor, storage_bytes
+from kvcore import Compressor, ScoringContext, Store, retier_store, storage_bytes
 from transformers.cache_utils import CacheLayerMixin
 
 from kv_hf.attention import STEP_ATTR
-from kv_hf.entries import Pending, gather_entries, plan_entries, with_tokens
+from kv_hf.entries import Pending
+from kv_hf.options import CacheOptions
+from kv_hf.providers import missing_message
 from kv_hf.support import DEFAULT_QUERY_WINDOW
-
-if TYPE_CHECKING:
-    from kv_hf.cache import CompressedCache
 
 COLLECT = "collect"
 STORE = "store"
@@ -48,35 +51,56 @@ SCRATCH = "scratch"
 class Step:
     """What one ``update`` handed to attention: the new raw K/V and the bias of the columns before them."""
 
-    layer: "CompressedLayer"
+    layer: CompressedLayer
     keys: torch.Tensor
     values: torch.Tensor
     n_prefix: int = 0
     bias: torch.Tensor | None = None  # [B, Hkv, n_prefix] float32 additive bias; None = all zero
     deferred: bool = False
+    fused: bool = False  # attend to the Store with its fused ``attend`` and to [pending | new] separately
+    on_commit: Callable[[CompressedLayer], None] | None = None  # set by the cache: what to do after the commit
 
 
 class CompressedLayer(CacheLayerMixin):
     """A cache layer whose entries live in a kvcore ``Store`` (one per layer, from ``compressor.new_store()``).
 
+    The layer holds its Store, its pending prefill buffer, its captured queries and what it needs to compress
+    them; it has no reference to the cache that orchestrates it (the cache decides when to compress and times it).
+
     Parameters
     ----------
-    owner : CompressedCache
-        The cache holding this layer (compressor, options, model config).
     layer_idx : int
         Index of the attention layer.
+    compressor : kvcore.Compressor
+        Prefill compressor (scorer, selector, budget, protection); ``compressor.new_store()`` gives the Store.
+    options : CacheOptions
+        Re-compression targets and the re-compressor.
+    query_window : int or None
+        Trailing post-RoPE queries captured (``None``: every prompt query; ``0``: none).
+    store : Store, optional
+        The Store to use (default ``compressor.new_store()``).
     """
 
     is_sliding = False
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, owner: "CompressedCache", layer_idx: int) -> None:
+    def __init__(
+        self,
+        layer_idx: int,
+        compressor: Compressor,
+        options: CacheOptions | None = None,
+        query_window: int | None = DEFAULT_QUERY_WINDOW,
+        store: Store | None = None,
+    ) -> None:
         super().__init__()
-        self.owner = owner
         self.layer_idx = layer_idx
-        self.store = owner.compressor.new_store()
-        self.observer: Callable[["CompressedLayer", torch.Tensor, torch.Tensor, float], None] | None = None
+        self.compressor = compressor
+        self.options = CacheOptions() if options is None else options
+        self.recompressor = self.options.recompressor or compressor
+        self.query_window = query_window
+        self.store = compressor.new_store() if store is None else store
+        self.observer: Callable[[CompressedLayer, torch.Tensor, torch.Tensor, float], None] | None = None
         self.recompressions = 0
         self._clear()
 
@@ -108,7 +132,6 @@ class CompressedLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: the kv_hf attention function did not run for the previous update; "
                 "the model's attention implementation must be 'kv_hf' or 'kv_hf_eager' (kv_hf.enable_attention)"
             )
-        self.owner.check_attention()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         B = key_states.shape[0]
@@ -119,6 +142,10 @@ class CompressedLayer(CacheLayerMixin):
         self._batch = B
         step = Step(self, key_states, value_states)
         self._step = step
+        if self.held() and self.store.can_attend:
+            step.fused = True
+            setattr(key_states, STEP_ATTR, step)
+            return key_states, value_states
         if self.held() and self.store.query_dependent:
             step.deferred = True
             setattr(key_states, STEP_ATTR, step)
@@ -166,6 +193,15 @@ class CompressedLayer(CacheLayerMixin):
         self._select_rows(torch.as_tensor(indices).flatten())
 
     # -- attention hand-off ----------------------------------------------------------------------------
+    def pending_part(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The pending raw entries as ``(keys, values, bias [B, Hkv, P])`` (``-inf`` on padding), or ``None``."""
+        if self.pending is None or not self.pending.length:
+            return None
+        p = self.pending
+        B, H = p.keys.shape[:2]
+        pad = torch.zeros(p.valid.shape, dtype=torch.float32, device=p.keys.device).masked_fill(~p.valid, float("-inf"))
+        return p.keys.to(dtype), p.values.to(dtype), pad[:, None, :].expand(B, H, -1)
+
     def assemble(self, step: Step, query: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Concatenate the stored view (read with ``query``), the pending raw entries and the step's new K/V."""
         ks, vs, bs = [], [], []
@@ -175,15 +211,11 @@ class CompressedLayer(CacheLayerMixin):
             ks.append(view.keys.to(dtype))
             vs.append(view.values.to(dtype))
             bs.append(view.logit_bias.float())
-        if self.pending is not None and self.pending.length:
-            p = self.pending
-            B, H = p.keys.shape[:2]
-            ks.append(p.keys)
-            vs.append(p.values)
-            pad = torch.zeros(p.valid.shape, dtype=torch.float32, device=p.keys.device).masked_fill(
-                ~p.valid, float("-inf")
-            )
-            bs.append(pad[:, None, :].expand(B, H, -1))
+        part = self.pending_part(dtype)
+        if part is not None:
+            ks.append(part[0])
+            vs.append(part[1])
+            bs.append(part[2])
         if not ks:
             step.n_prefix, step.bias = 0, None
             return step.keys, step.values
@@ -223,14 +255,15 @@ class CompressedLayer(CacheLayerMixin):
         if self.mode == COLLECT:
             new = Pending(step.keys, step.values, positions, valid)
             self.pending = new if self.pending is None else self.pending.extend(*new.tensors())
-            if self.auto_compress:
-                self.owner.layer_collected(self)
             return
         self.store.append(step.keys, step.values, positions)
         self._since += q
-        every = self.owner.options.recompress_every
-        if every and self._since >= every:
-            self.recompress()
+
+    @property
+    def recompress_due(self) -> bool:
+        """``recompress_every`` tokens were committed to the Store since the last (re-)compression."""
+        every = self.options.recompress_every
+        return self.mode == STORE and bool(every) and self._since >= every
 
     def _positions(self, position_ids: torch.Tensor | None, B: int, q: int, device: torch.device) -> torch.Tensor:
         if position_ids is not None:
@@ -241,7 +274,7 @@ class CompressedLayer(CacheLayerMixin):
         return start.to(device)[:, None] + torch.arange(q, device=device)
 
     def _remember_queries(self, query: torch.Tensor, valid: torch.Tensor) -> None:
-        W = self.owner.query_window
+        W = self.query_window
         if W == 0:
             return
         start = 0 if W is None else max(0, query.shape[2] - W)
@@ -264,46 +297,76 @@ class CompressedLayer(CacheLayerMixin):
             n += int(self.store.seq_lengths().max())
         return n
 
-    def compress_pending(
-        self,
-        *,
-        compressor: Compressor | None = None,
-        extras: Mapping[str, Any] | None = None,
-        protect_before: int | None = None,
-    ) -> None:
-        """Score, select and write the pending entries (merged with the stored ones, if any) into the Store."""
-        with self.owner.timed():
-            self._compress_pending(compressor or self.owner.compressor, extras, protect_before)
+    def context(
+        self, extras: Mapping[str, Any] | None = None, protect_before: int | None = None
+    ) -> ScoringContext | None:
+        """The pending entries as a ``ScoringContext`` (``None`` when nothing is pending); raises if the scorer
+        lacks a declared input."""
+        if self.pending is None or not self.pending.length:
+            return None
+        ctx = self.pending.context(
+            queries=self.queries, layer_idx=self.layer_idx, extras=extras, protect_before=protect_before
+        )
+        missing = self.compressor.missing_inputs(ctx)
+        if missing:
+            raise ValueError(missing_message(self.compressor, missing, self.query_window))
+        return ctx
 
-    def _compress_pending(self, compressor: Compressor, extras, protect_before) -> None:
+    def compress(self, extras: Mapping[str, Any] | None = None, protect_before: int | None = None) -> None:
+        """Compress the pending entries into the Store.
+
+        A fresh layer: ``Compressor.compress(ctx, store)`` (one write). A layer that already holds a compressed
+        context: the pending entries are appended to the Store (``Store.append``) and everything it then holds is
+        re-planned and re-tiered (``kvcore.retier_store``); held entries are never read back and written again.
+        """
         if self.pending is not None and self.pending.length:
-            entries = gather_entries(self.store.read() if self.held() else None, self.pending)
-            if entries.length:
-                keys, values, plan, positions = plan_entries(
-                    entries,
-                    compressor,
-                    queries=self.queries,
-                    layer_idx=self.layer_idx,
-                    query_window=self.owner.query_window,
-                    extras=extras,
-                    protect_before=protect_before,
-                )
-                self.store.write(keys, values, plan, positions)
+            if not self.held():
+                self.compressor.compress(self.context(extras, protect_before), self.store)
+            else:
+                self._merge(extras, protect_before)
+        self.stored()
+
+    def _merge(self, extras: Mapping[str, Any] | None, protect_before: int | None) -> None:
+        p = self.pending
+        if not bool(p.valid.all()):
+            raise ValueError(
+                f"layer {self.layer_idx}: a padded prefill cannot be merged into a layer that already holds a "
+                "compressed context (the padding would be stored as real entries); left-pad only the first prefill"
+            )
+        missing = self.compressor.missing_inputs(
+            p.context(queries=self.queries, layer_idx=self.layer_idx, extras=extras, protect_before=protect_before)
+        )
+        if missing:
+            raise ValueError(missing_message(self.compressor, missing, self.query_window))
+        self.store.append(p.keys, p.values, p.positions)
+        retier_store(
+            self.store,
+            self.compressor,
+            queries=self.queries,
+            extras=extras,
+            layer_idx=self.layer_idx,
+            protect_before=protect_before,
+        )
+
+    def stored(self) -> None:
+        """The pending entries are in the Store: switch to ``store`` mode."""
         self.pending = None
         self.mode = STORE
         self.auto_compress = False
         self._since = 0
-        if self.owner.query_window is None and self.queries is not None:
+        if self.query_window is None and self.queries is not None:
             self.queries = self.queries[:, :, -DEFAULT_QUERY_WINDOW:].clone()  # every prompt query was for the prefill
 
     def recompress(self, target_length: int | None = None, target_ratio: float | None = None) -> None:
         """Re-score the stored entries and prune them to ``target_length`` per head (or keep ``1 - target_ratio``
         of the tokens seen by the longest row); defaults come from the cache options.
 
-        Queries are the last ``query_window`` committed queries (the recent decode steps). Used for methods that
-        re-plan while decoding (HqeKV re-tiering, decoding-stage HubKV, kvpress ``DecodingPress``).
+        Queries are the last ``query_window`` committed queries (the recent decode steps). The held entries are
+        re-planned in place (``kvcore.replan`` then ``Store.retier``): kept entries are untouched, never
+        re-quantized. Used for methods that re-plan while decoding (HqeKV re-tiering, decoding-stage HubKV, kvpress
+        ``DecodingPress``).
         """
-        opts = self.owner.options
+        opts = self.options
         if target_length is None and target_ratio is None:
             target_length, target_ratio = opts.target_length, opts.target_ratio
         if (target_length is None) == (target_ratio is None):
@@ -316,13 +379,10 @@ class CompressedLayer(CacheLayerMixin):
         if target_length is None:
             seen = int(self.next_positions.max()) if self.next_positions is not None else self.seen
             target_length = max(1, math.floor(seen * (1.0 - target_ratio) + 1e-9))
-        compressor = with_tokens(self.owner.recompressor, target_length)
-        with self.owner.timed():
-            entries = gather_entries(self.store.read(), None)
-            keys, values, plan, positions = plan_entries(
-                entries, compressor, queries=self.queries, layer_idx=self.layer_idx, query_window=self.owner.query_window
-            )
-            self.store.write(keys, values, plan, positions)
+        compressor = self.recompressor.with_budget(ratio=None, tokens=int(target_length))
+        if compressor.scorer.needs_queries and self.queries is None:
+            raise ValueError(missing_message(compressor, ["queries"], self.query_window))
+        retier_store(self.store, compressor, queries=self.queries, layer_idx=self.layer_idx)
         self.recompressions += 1
 
     # -- rollback / batch ------------------------------------------------------------------------------

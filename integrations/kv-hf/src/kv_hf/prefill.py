@@ -1,4 +1,5 @@
-"""Explicit prefill: collect a prompt (optionally in chunks), supply scorer extras, compress once."""
+"""Explicit prefill: collect a prompt (optionally in chunks), supply the scorer's extras through the named
+providers (:mod:`kv_hf.providers`), compress once."""
 
 from __future__ import annotations
 
@@ -6,9 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kv_hf import providers
 from kv_hf.cache import CompressedCache
-from kv_hf.kvzip_scorer import KVZIP_EXTRA
-from kv_hf.reconstruction import KVzipConfig, kvzip_scores
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -30,7 +30,7 @@ def _check_ids(input_ids: object, attention_mask: object) -> None:
 
 @torch.no_grad()
 def prefill(
-    model: "PreTrainedModel",
+    model: PreTrainedModel,
     cache: CompressedCache,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
@@ -38,14 +38,15 @@ def prefill(
     tokenizer: Any = None,
     context_start: int = 0,
     chunk_size: int | None = None,
-    kvzip: KVzipConfig | None = None,
+    **provider_options: Any,
 ) -> torch.Tensor:
     """Prefill ``input_ids`` into ``cache`` exactly, then compress them once; returns the last position's logits.
 
     The tokens are attended to uncompressed (in ``chunk_size`` chunks if given, each chunk seeing all earlier ones
-    raw), the last ``query_window`` queries are captured, and — when the compressor's scorer needs
-    ``"kvzip_scores"`` — KVzip's context-reconstruction pass runs (:mod:`kv_hf.reconstruction`). Then every layer
-    is scored, selected and written to its Store (together with what it already held).
+    raw), the last ``query_window`` queries are captured, and the providers of the extras the compressor's scorer
+    declares in ``needs_extras`` run (:data:`kv_hf.providers.PROVIDERS` lists them; a name no provider supplies is a
+    ``ValueError``). Then every layer is scored, selected and written to its Store (merged with what it
+    already held).
 
     Parameters
     ----------
@@ -58,14 +59,15 @@ def prefill(
     attention_mask : Tensor, optional
         ``[B, T]`` 1 for real tokens, 0 for (left) padding; padding is never kept.
     tokenizer : optional
-        Needed for KVzip: an object with ``encode(text, add_special_tokens=False)``.
+        For providers that build prompts: an object with ``encode(text, add_special_tokens=False)``.
     context_start : int
-        True position of the first context token: earlier tokens (a system prompt) are always kept; for KVzip
-        they are the attention sink and the reconstructed context is ``input_ids[:, context_start:]``.
+        True position of the first context token: earlier tokens (a system prompt) are always kept; providers
+        treat them as the prefix (an attention sink) and ``input_ids[:, context_start:]`` as the context.
     chunk_size : int, optional
         Prefill chunk length (peak activation memory); the collected K/V are held raw until the end.
-    kvzip : KVzipConfig, optional
-        Reconstruction-pass parameters (default :class:`KVzipConfig`).
+    **provider_options
+        Configuration of a provider, by the keyword its :class:`~kv_hf.providers.Provider` declares (``option``);
+        see :func:`kv_hf.providers.options`.
 
     Returns
     -------
@@ -83,19 +85,12 @@ def prefill(
         or not 0 <= context_start < input_ids.shape[1]
     ):
         raise ValueError(f"context_start must be an int in [0, {input_ids.shape[1]}), got {context_start!r}")
-    needs_kvzip = KVZIP_EXTRA in cache.compressor.scorer.needs_extras
-    if needs_kvzip:
-        if input_ids.shape[0] != 1:
-            raise ValueError(f"KVzip's reconstruction pass supports batch size 1, got {input_ids.shape[0]}")
-        if attention_mask is not None and not bool(attention_mask.bool().all()):
-            raise ValueError("KVzip's reconstruction pass does not support padding")
-        if cache.get_seq_length() != 0:
-            raise ValueError("KVzip scoring needs a fresh cache (the context is reconstructed from position 0)")
-        if tokenizer is None or not hasattr(tokenizer, "encode"):
-            raise ValueError(
-                "the KVzip scorer needs tokenizer= (an object with encode(text, add_special_tokens=False)) "
-                "for the reconstruction prompts"
-            )
+    unknown = sorted(set(provider_options) - providers.options())
+    if unknown:
+        raise TypeError(f"unknown prefill options {unknown}; provider options: {sorted(providers.options())}")
+    needed = providers.providers_for(cache.compressor.scorer.needs_extras)
+    for provider in needed:
+        provider.check(cache, input_ids, attention_mask, tokenizer)
 
     B, T = input_ids.shape
     device = input_ids.device
@@ -125,11 +120,16 @@ def prefill(
         )
     logits = out.logits[:, -1]
     extras = None
-    if needs_kvzip:
-        encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    if needed:
         with cache.timed():
-            extras = kvzip_scores(
-                model, cache, input_ids[:, context_start:], encode, context_start=context_start, config=kvzip
+            extras = providers.run_providers(
+                needed,
+                model,
+                cache,
+                input_ids,
+                tokenizer=tokenizer,
+                context_start=context_start,
+                configs=provider_options,
             )
     cache.compress(extras=extras, protect_before=context_start or None)
     return logits

@@ -1,7 +1,8 @@
-"""KVzip's context-reconstruction pass on a transformers model (the extras for :class:`~kv_hf.KVzipScorer`).
+"""KVzip's context-reconstruction pass on a transformers model: the provider of the extra ``"kvzip_scores"``
+(read by ``kv_baselines.KVzipScorer``; registered in :data:`kv_hf.providers.PROVIDERS`).
 
 Based on KVzip (arXiv:2505.23416), snu-mllab/KVzip ``model/wrapper.py`` (``self_task``, ``scoring``) and
-``attention/score.py`` (``_get_score``); kvpress ``kvzip_press.py`` (anchors.md §4). After the context is
+``attention/score.py`` (``_get_score``); kvpress ``kvzip_press.py``. After the context is
 prefilled (kept raw), the model is asked to repeat it: chunk ``i`` of ``chunk_size`` context tokens is fed as
 ``prompt_i + suffix + chunk_i`` where ``prompt_0 = "\\n\\nRepeat the previous context exactly."`` and later prompts
 are ``"\\n\\nRepeat the part of the previous context exactly, starting with"`` followed by the last
@@ -16,17 +17,17 @@ queries are processed in blocks of ``query_block`` to bound memory. Batch size 1
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
-
-from kv_hf.layer import CompressedLayer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from kv_hf.cache import CompressedCache
+    from kv_hf.layer import CompressedLayer
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class KVzipConfig:
 class _Collector:
     """Observer of the scratch passes: max-over-group-and-queries softmax attention on the current chunk."""
 
-    def __init__(self, cache: "CompressedCache", sink_end: int, block: int) -> None:
+    def __init__(self, cache: CompressedCache, sink_end: int, block: int) -> None:
         self.sink_end = sink_end
         self.block = block
         self.start = self.end = 0
@@ -131,8 +132,8 @@ class _Collector:
 
 @torch.no_grad()
 def kvzip_scores(
-    model: "PreTrainedModel",
-    cache: "CompressedCache",
+    model: PreTrainedModel,
+    cache: CompressedCache,
     context_ids: torch.Tensor,
     encode: Callable[[str], Sequence[int]],
     *,
@@ -174,3 +175,39 @@ def kvzip_scores(
         prefix = p.valid & (p.positions < context_start)
         out[layer.layer_idx] = {"kvzip_scores": s.masked_fill(prefix[:, None, :], 1.0)}
     return out
+
+
+def check_input(
+    cache: CompressedCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, tokenizer: Any
+) -> None:
+    """Refuse inputs the reconstruction pass cannot score (before the prefill runs)."""
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"KVzip's reconstruction pass supports batch size 1, got {input_ids.shape[0]}")
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError("KVzip's reconstruction pass does not support padding")
+    if cache.get_seq_length() != 0:
+        raise ValueError("KVzip scoring needs a fresh cache (the context is reconstructed from position 0)")
+    if tokenizer is None or not hasattr(tokenizer, "encode"):
+        raise ValueError(
+            "the KVzip scorer needs tokenizer= (an object with encode(text, add_special_tokens=False)) "
+            "for the reconstruction prompts"
+        )
+
+
+def provide(
+    model: PreTrainedModel,
+    cache: CompressedCache,
+    input_ids: torch.Tensor,
+    *,
+    tokenizer: Any,
+    context_start: int,
+    config: KVzipConfig | None,
+) -> dict[int, dict[str, Any]]:
+    """The provider entry point: :func:`kvzip_scores` over ``input_ids[:, context_start:]``."""
+    if config is not None and not isinstance(config, KVzipConfig):
+        raise TypeError(f"kvzip must be a kv_hf.KVzipConfig, got {type(config).__name__}")
+
+    def encode(text: str) -> Sequence[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    return kvzip_scores(model, cache, input_ids[:, context_start:], encode, context_start=context_start, config=config)

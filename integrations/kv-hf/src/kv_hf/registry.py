@@ -1,14 +1,13 @@
-"""Entry-point registry of kv-hf (group ``kvcompress.methods``): methods whose scores need the model itself.
+"""Entry-point registry of kv-hf (group ``kvcompress.methods``).
 
-``kvzip``: KVzip context-reconstruction scores (query-agnostic), global top-k over layers and heads.
+kv-hf registers no method of its own: KVzip's scorer and compressor live in ``kv_baselines`` (the adapter only
+provides the ``"kvzip_scores"`` extra through :mod:`kv_hf.providers`), and kv-hf never imports a method package.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from kvcore import Compressor
 
-from kv_hf.kvzip_scorer import kvzip
-
-METHODS: dict[str, Callable[[float], Compressor]] = {"kvzip": kvzip}
+METHODS: dict[str, Callable[[float], Compressor]] = {}

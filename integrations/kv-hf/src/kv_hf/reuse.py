@@ -1,4 +1,4 @@
-"""Query-agnostic reuse: compress one context once, answer several questions (kvpress pipeline, anchors.md §1).
+"""Query-agnostic reuse: compress one context once, answer several questions (kvpress pipeline).
 
 kvpress's ``kv-press-text-generation`` pipeline prefills the context under the press, then greedy-decodes each
 question with explicit ``position_ids`` starting at the context length and crops the answer back out, so one

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from kvcore import Compressor
 
+from kv_hf import providers
 from kv_hf.attention import KV_HF_IMPLEMENTATIONS
 
 if TYPE_CHECKING:
@@ -17,15 +18,13 @@ SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 """Families whose attention modules call ``past_key_values.update(k, v, layer_idx)`` with post-RoPE K/V and
 dispatch through transformers' ``ALL_ATTENTION_FUNCTIONS`` with ``position_ids`` — the two hooks kv_hf needs."""
 
-PROVIDED_EXTRAS = frozenset({"kvzip_scores"})
-"""``ScoringContext.extras`` keys the adapter can supply (``kvzip_scores``: :func:`kv_hf.prefill` with KVzip)."""
-
 _KERNELS = ("sdpa", "eager", *KV_HF_IMPLEMENTATIONS)
 
 DEFAULT_QUERY_WINDOW = 64
 """Queries captured when neither the options nor the scorer say otherwise (kvpress ``window_size=64``)."""
 
-def resolve_query_window(compressor: Compressor, options: "CacheOptions") -> int | None:
+
+def resolve_query_window(compressor: Compressor, options: CacheOptions) -> int | None:
     """How many trailing post-RoPE queries a cache captures per layer; ``None`` = every prompt query.
 
     A scorer declares what it needs with its ``query_window`` attribute (``kvcore.Scorer``): an int (SnapKV's
@@ -58,12 +57,12 @@ def resolve_query_window(compressor: Compressor, options: "CacheOptions") -> int
     return max(asks, default=DEFAULT_QUERY_WINDOW)
 
 
-def text_config(model: "PreTrainedModel") -> "PretrainedConfig":
+def text_config(model: PreTrainedModel) -> PretrainedConfig:
     config = model.config
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def check_model(model: object) -> "PretrainedConfig":
+def check_model(model: object) -> PretrainedConfig:
     """Raise unless ``model`` is a supported causal LM with only full-attention layers and an SDPA/eager kernel.
 
     Returns the (text) config.
@@ -102,11 +101,11 @@ def check_model(model: object) -> "PretrainedConfig":
     return config
 
 
-def check_compressor(compressor: object, options: "CacheOptions") -> Compressor:
+def check_compressor(compressor: object, options: CacheOptions) -> Compressor:
     """Raise unless the adapter can supply everything ``compressor`` (and the re-compressor) declares it needs."""
     if not isinstance(compressor, Compressor):
         raise TypeError(f"compressor must be a kvcore.Compressor, got {type(compressor).__name__}")
-    _check_needs(compressor, options, "compressor", PROVIDED_EXTRAS)
+    _check_needs(compressor, options, "compressor", providers.provided())
     if options.recompressor is not None or options.recompress_every:
         re = options.recompressor or compressor
         if re.budget.granularity == "global":
@@ -118,12 +117,14 @@ def check_compressor(compressor: object, options: "CacheOptions") -> Compressor:
     return compressor
 
 
-def _check_needs(compressor: Compressor, options: "CacheOptions", what: str, provided: frozenset[str]) -> None:
+def _check_needs(compressor: Compressor, options: CacheOptions, what: str, provided: frozenset[str]) -> None:
     scorer = compressor.scorer
     name = type(scorer).__name__
     missing = sorted(set(scorer.needs_extras) - provided)
     if missing:
-        hint = f"kv_hf supplies {sorted(provided)}" if provided else "no extras are available while decoding"
+        hint = (
+            f"kv_hf.prefill supplies {providers.describe()}" if provided else "no extras are available while decoding"
+        )
         raise ValueError(f"{what} scorer {name} needs extras {missing} that the kv_hf adapter cannot supply ({hint})")
     if scorer.needs_queries and options.query_window == 0:
         raise ValueError(f"{what} scorer {name} needs queries: set query_window >= 1 or leave it unset (got 0)")

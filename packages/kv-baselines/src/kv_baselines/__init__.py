@@ -1,15 +1,16 @@
 """kv_baselines: the baselines users compare against, as kvcore protocol objects and ready-made compressors.
 
-Scorers: Random, Knorm, StreamingLLM, SnapKV, H2O. Quantizers: uniform asymmetric min-max (1/2/3/4/8 bits,
+Scorers: Random, Knorm, StreamingLLM, SnapKV, H2O, KVzip (its scores come from an adapter's reconstruction pass). Quantizers: uniform asymmetric min-max (1/2/3/4/8 bits,
 per-channel or per-token groups, KIVI). Store: KIVI's quantized store with a full-precision residual.
 """
 
-from kv_baselines.compressors import full, h2o, kivi, knorm, random, snapkv, snapkv_kivi, streaming_llm
+from kv_baselines.compressors import full, h2o, kivi, knorm, kvzip, random, snapkv, snapkv_kivi, streaming_llm
 from kv_baselines.quant import KIVIStore, KIVITierSelector, UniformQuantizer
 from kv_baselines.scorers import (
     ConstantScorer,
     H2OScorer,
     KnormScorer,
+    KVzipScorer,
     RandomScorer,
     SnapKVScorer,
     StreamingLLMScorer,
@@ -17,6 +18,6 @@ from kv_baselines.scorers import (
 
 __all__ = [
     "KIVIStore", "KIVITierSelector", "UniformQuantizer",
-    "ConstantScorer", "H2OScorer", "KnormScorer", "RandomScorer", "SnapKVScorer", "StreamingLLMScorer",
-    "full", "h2o", "kivi", "knorm", "random", "snapkv", "snapkv_kivi", "streaming_llm",
+    "ConstantScorer", "H2OScorer", "KnormScorer", "KVzipScorer", "RandomScorer", "SnapKVScorer", "StreamingLLMScorer",
+    "full", "h2o", "kivi", "knorm", "kvzip", "random", "snapkv", "snapkv_kivi", "streaming_llm",
 ]

@@ -8,6 +8,7 @@ from kv_baselines.scorers import (
     ConstantScorer,
     H2OScorer,
     KnormScorer,
+    KVzipScorer,
     RandomScorer,
     SnapKVScorer,
     StreamingLLMScorer,
@@ -85,4 +86,25 @@ def _kivi_compose(name, scorer, ratio, bits, group_size, residual, protect) -> C
         budget=Budget(ratio=ratio),
         protect=protect,
         name=f"{name}-{bits}",
+    )
+
+
+def kvzip(ratio: float = 0.5, granularity: str = "global", store=DenseStore) -> Compressor:
+    """A ready-made KVzip compressor: :class:`KVzipScorer` + top-k without per-head floor + a dense store.
+
+    Parameters
+    ----------
+    ratio : float
+        Fraction of the context entries removed (kvpress convention; the original repo's ``ratio`` is kept).
+    granularity : {"global", "layer", "head"}
+        ``"global"`` = KVzip's default "pair" threshold over all layers and heads; ``"head"`` = ``pair_uniform``.
+    store : Store or callable
+        Per-layer store factory or prototype.
+    """
+    return Compressor(
+        scorer=KVzipScorer(),
+        selector=TopKSelector(head_floor=0.0),
+        store=store,
+        budget=Budget(ratio=ratio, granularity=granularity),
+        name="kvzip",
     )

@@ -1,7 +1,8 @@
 """Baseline scorers."""
 
 from kv_baselines.scorers.h2o import H2OScorer
+from kv_baselines.scorers.kvzip import KVZIP_EXTRA, KVzipScorer
 from kv_baselines.scorers.simple import ConstantScorer, KnormScorer, RandomScorer, StreamingLLMScorer
 from kv_baselines.scorers.snapkv import SnapKVScorer
 
-__all__ = ["ConstantScorer", "H2OScorer", "KnormScorer", "RandomScorer", "SnapKVScorer", "StreamingLLMScorer"]
+__all__ = ["ConstantScorer", "H2OScorer", "KnormScorer", "KVZIP_EXTRA", "KVzipScorer", "RandomScorer", "SnapKVScorer", "StreamingLLMScorer"]

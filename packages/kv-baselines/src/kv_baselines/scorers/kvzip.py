@@ -1,9 +1,9 @@
-"""KVzip as a kvcore Scorer: importance from a context-reconstruction pass the adapter runs.
+"""KVzip as a kvcore Scorer: importance from a context-reconstruction pass an engine adapter runs.
 
 Based on KVzip (Kim et al. 2025, "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction",
-arXiv:2505.23416; snu-mllab/KVzip ``attention/score.py``, kvpress ``kvzip_press.py``; anchors.md §4). The scores
-need model forward passes, which only an engine adapter can run, so the scorer itself only reads
-``ctx.extras["kvzip_scores"]``; :func:`kv_hf.prefill` (:mod:`kv_hf.reconstruction`) supplies them.
+arXiv:2505.23416, §3.2; snu-mllab/KVzip ``attention/score.py``, kvpress ``kvzip_press.py``). The scores need model
+forward passes, which only an engine adapter can run, so the scorer declares the extra ``"kvzip_scores"`` and only
+reads it; with transformers, ``kv_hf.prefill`` runs the provider of that name (KVzip's reconstruction pass).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from kvcore import Budget, Compressor, DenseStore, Scorer, Scores, ScoringContext, TopKSelector
+from kvcore import Scorer, Scores, ScoringContext
 
 KVZIP_EXTRA = "kvzip_scores"
 
@@ -39,24 +39,3 @@ class KVzipScorer(Scorer):
         if not bool(torch.isfinite(s[ctx.valid[:, None, :].expand(expect)]).all()):
             raise ValueError(f"extras[{KVZIP_EXTRA!r}] must be finite on real tokens")
         return Scores(torch.nan_to_num(s, nan=0.0, posinf=0.0, neginf=0.0))
-
-
-def kvzip(ratio: float = 0.5, granularity: str = "global", store=DenseStore) -> Compressor:
-    """A ready-made KVzip compressor: :class:`KVzipScorer` + top-k without per-head floor + a dense store.
-
-    Parameters
-    ----------
-    ratio : float
-        Fraction of the context entries removed (kvpress convention; the original repo's ``ratio`` is kept).
-    granularity : {"global", "layer", "head"}
-        ``"global"`` = KVzip's default "pair" threshold over all layers and heads; ``"head"`` = ``pair_uniform``.
-    store : Store or callable
-        Per-layer store factory or prototype.
-    """
-    return Compressor(
-        scorer=KVzipScorer(),
-        selector=TopKSelector(head_floor=0.0),
-        store=store,
-        budget=Budget(ratio=ratio, granularity=granularity),
-        name="kvzip",
-    )

@@ -1,0 +1,129 @@
+"""Named providers of ``ScoringContext.extras``: inputs a scorer declares in ``needs_extras`` that only an engine
+adapter can compute, because they need extra forward passes of the model.
+
+A scorer declares the extras it reads by name (``kvcore.Scorer.needs_extras``); :func:`kv_hf.prefill` runs the
+provider registered here under each name after the prompt is collected and before it is compressed, and refuses a
+name no provider supplies. The adapter has no method-specific branch: a method that needs the model to score
+registers a :class:`Provider` in :data:`PROVIDERS`.
+
+Provided: ``"kvzip_scores"`` — KVzip's context-reconstruction pass (Kim et al. 2025, arXiv:2505.23416;
+:mod:`kv_hf.reconstruction`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kv_hf import reconstruction
+
+if TYPE_CHECKING:
+    from kvcore import Compressor
+
+
+@dataclass(frozen=True)
+class Provider:
+    """How :func:`kv_hf.prefill` computes one named extra.
+
+    Parameters
+    ----------
+    name : str
+        The ``ScoringContext.extras`` key it supplies (what a scorer lists in ``needs_extras``).
+    option : str
+        Keyword of :func:`kv_hf.prefill` carrying the provider's configuration (``None`` = its defaults).
+    check : callable
+        ``check(cache, input_ids, attention_mask, tokenizer)``; raises ``ValueError`` before any forward pass when
+        the provider cannot run on this input (batch size, padding, missing tokenizer ...).
+    run : callable
+        ``run(model, cache, input_ids, *, tokenizer, context_start, config) -> {layer_idx: {name: tensor}}``, called
+        once the prompt is collected raw in ``cache``; the tensors are aligned with each layer's collected tokens.
+    description : str
+        What it runs and what it needs (used in error messages).
+    """
+
+    name: str
+    option: str
+    check: Callable[..., None]
+    run: Callable[..., Mapping[int, Mapping[str, Any]]]
+    description: str
+
+
+PROVIDERS: dict[str, Provider] = {
+    "kvzip_scores": Provider(
+        name="kvzip_scores",
+        option="kvzip",
+        check=reconstruction.check_input,
+        run=reconstruction.provide,
+        description="KVzip's context-reconstruction pass (batch size 1, no padding, a fresh cache, tokenizer=...; "
+        "configured with kvzip=kv_hf.KVzipConfig(...))",
+    ),
+}
+"""Extras kv-hf can supply, by name."""
+
+
+def provided() -> frozenset[str]:
+    """Names of the extras kv-hf supplies."""
+    return frozenset(PROVIDERS)
+
+
+def options() -> frozenset[str]:
+    """Keywords of :func:`kv_hf.prefill` that configure a provider."""
+    return frozenset(p.option for p in PROVIDERS.values())
+
+
+def providers_for(names: Iterable[str]) -> list[Provider]:
+    """The providers of ``names`` (sorted); ``ValueError`` naming what kv-hf provides for an unknown name."""
+    names = sorted(set(names))
+    unknown = [n for n in names if n not in PROVIDERS]
+    if unknown:
+        raise ValueError(f"no kv_hf provider supplies the extras {unknown}; kv_hf provides {describe()}")
+    return [PROVIDERS[n] for n in names]
+
+
+def describe() -> str:
+    """``name (description)`` of every provider, for error messages."""
+    return "; ".join(f"{p.name!r}: {p.description}" for p in PROVIDERS.values()) or "nothing"
+
+
+def run_providers(
+    providers: list[Provider],
+    model: Any,
+    cache: Any,
+    input_ids: torch.Tensor,
+    *,
+    tokenizer: Any,
+    context_start: int,
+    configs: Mapping[str, Any],
+) -> dict[int, dict[str, Any]]:
+    """Run ``providers`` and merge their per-layer extras into ``{layer_idx: {name: tensor}}``."""
+    out: dict[int, dict[str, Any]] = {}
+    for p in providers:
+        result = p.run(
+            model, cache, input_ids, tokenizer=tokenizer, context_start=context_start, config=configs.get(p.option)
+        )
+        for layer_idx, extras in result.items():
+            out.setdefault(layer_idx, {}).update(extras)
+    return out
+
+
+def missing_message(compressor: Compressor, missing: list[str], query_window: int | None) -> str:
+    """Why a scorer's declared inputs are missing, and how kv-hf supplies each of them."""
+    hints = []
+    if "queries" in missing:
+        hints.append(
+            "queries: kv_hf captures the last `query_window` post-RoPE query states "
+            f"(query_window={query_window}); none were captured for this layer yet"
+        )
+    for name in missing:
+        if name in PROVIDERS:
+            hints.append(
+                f"{name}: compress with kv_hf.prefill(model, cache, ids, ...), which runs {PROVIDERS[name].description}"
+            )
+    other = [m for m in missing if m != "queries" and m not in PROVIDERS]
+    if other:
+        hints.append(f"{other}: kv_hf cannot supply these")
+    name = type(compressor.scorer).__name__
+    return f"scorer {name} needs {missing}, which the kv_hf adapter did not provide ({'; '.join(hints)})"
