@@ -8,9 +8,9 @@ import torch
 from kvcore import EVICT, FULL, KVView, Plan, Quantizer, Store, storage_bytes
 from kvcore.checks import check_float, check_tensor
 
-from kv_baselines.quant.kivi_parts import Entries, FullRows, QuantUnits, Residual, compact_entries
-from kv_baselines.quant.segments import rank_in_segment
-from kv_baselines.quant.uniform import UniformQuantizer
+from kvcodec import UniformQuantizer
+from kvcodec.ragged import Entries, FullRows, QuantUnits, Residual, compact_entries
+from kvcodec.segments import rank_in_segment
 
 
 def _cat(parts: list[Entries | None]) -> Entries:

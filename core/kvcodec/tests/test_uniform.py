@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from kvcore import QuantizedTensor, Quantizer
 from quant_testutil import DTYPES, group_view, make_data, ulp
 
-from kv_baselines.quant import QUANT_BITS, UniformQuantizer, unpack_codes
+from kvcodec import QUANT_BITS, UniformQuantizer, unpack_codes
 
 AXES = ("token", "channel")
 

@@ -1,7 +1,7 @@
 """Setup of the quantization tests.
 
 ``TRITON_INTERPRET`` must be set before any ``@triton.jit`` kernel module is imported, so the Triton
-kernels run on CPU tensors through the interpreter (shared/notes/env.md §2). On a CUDA machine the
+kernels run on CPU tensors through the interpreter. On a CUDA machine the
 variable is left alone, so the kernels run compiled on the GPU. The repository runs pytest
 with ``--import-mode=importlib``, so this folder is put on ``sys.path`` for the shared ``quant_testutil``.
 """

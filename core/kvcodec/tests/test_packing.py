@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvcore import packed_width
 
-from kv_baselines.quant import pack_codes, unpack_codes
+from kvcodec import pack_codes, unpack_codes
 
 BITS = list(range(1, 9))
 

@@ -4,7 +4,7 @@
 * :class:`Residual` -- KIVI's full-precision residual buffer, one dense row of slots per segment.
 * :class:`QuantUnits` -- quantized entries, in *units* of ``U`` consecutive entries of one segment: one
   quantization group of ``G`` tokens for per-channel quantizers (KIVI keys), one token for per-token
-  quantizers (KIVI values). Units are quantized once and never re-quantized (anchors.md §3: HF
+  quantizers (KIVI values). Units are quantized once and never re-quantized (HF
   ``QuantizedLayer`` re-quantizes the whole cache when its residual fills).
 
 A *segment* is one (batch row, KV head). Every entry keeps its true position (int32); positions are unique
@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from kvcore import QuantizedTensor, Quantizer
 
-import kv_baselines.kernels.dispatch as _kernels
-from kv_baselines.quant.segments import exclusive_cumsum, rank_in_segment, segment_ids, segment_take
+import kvcodec.kernels.dispatch as _kernels
+from kvcodec.segments import exclusive_cumsum, rank_in_segment, segment_ids, segment_take
 
 Entries = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """``(rows [N, D], seg [N] int64, pos [N] int32)``, sorted by segment."""
