@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvcore import EVICT, FULL, DenseStore, KVView, Plan, Store
-from quant_testutil import DTYPES
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 from kv_baselines.quant import KIVIStore, UniformQuantizer, kivi_tiers
 
@@ -163,7 +163,8 @@ def test_nbytes_is_every_byte_held():
         codes = n_units * unit * pw
         scales_zeros = 2 * n_units * n_scale_per_unit * f16
         meta = n_units * i32 + n_units * unit * i32  # a segment id per unit, a position per entry
-        return codes + scales_zeros + meta
+        members = n_units * i32 if unit > 1 else 0  # rows held per unit (group membership of the code rows)
+        return codes + scales_zeros + meta + members
 
     def residual(cap):
         return S * cap * D * f16 + S * cap * i32 + S * 8  # data, positions, int64 lengths
