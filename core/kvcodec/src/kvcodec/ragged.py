@@ -100,6 +100,10 @@ class Residual:
     def capacity(self) -> int:
         return self.data.shape[1]
 
+    def valid(self) -> torch.Tensor:
+        """``[S, cap]`` bool: slots holding an entry (row-major order = the order of :meth:`positions`)."""
+        return self._valid()
+
     def _valid(self) -> torch.Tensor:
         return torch.arange(self.capacity, device=self.data.device) < self.length[:, None]
 

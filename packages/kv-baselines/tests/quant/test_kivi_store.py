@@ -387,6 +387,7 @@ def test_bad_writes_and_appends():
         store.append(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4), torch.tensor([5]))
 
 
+@pytest.mark.filterwarnings("ignore::kv_baselines.quant.KIVIUnquantizedWarning")  # full plans on purpose
 def test_trailing_full_run_of_any_plan_is_the_residual():
     # an eviction-only plan (everything FULL): the last n mod R keys and the last min(n, R) values are
     # KIVI's residual; the older FULL entries stay full precision for good
