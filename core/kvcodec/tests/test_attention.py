@@ -3,11 +3,10 @@ the Triton kernel equals the reference (interpreter on CPU, tiny shapes)."""
 
 import pytest
 import torch
-from kvcore import KVView, merge_attention, reference_attention
-
 from kvcodec import QuantizedSegment, UniformQuantizer, quantized_attention
 from kvcodec.attention import CodeRows
 from kvcodec.kernels.reference import quantized_attention_ref
+from kvcore import KVView, merge_attention, reference_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -46,8 +45,12 @@ def test_residual_is_merged():
     res = KVView(rk, rv, torch.arange(5).expand(1, 2, 5), torch.zeros(1, 2, 5))
     q = torch.randn(1, 4, 1, 8, generator=gen)
     out, lse = quantized_attention(q, seg, residual=res)
-    full = KVView(torch.cat([view.keys, rk], 2), torch.cat([view.values, rv], 2),
-                  torch.cat([view.positions, res.positions + 9], 2), torch.zeros(1, 2, 14))
+    full = KVView(
+        torch.cat([view.keys, rk], 2),
+        torch.cat([view.values, rv], 2),
+        torch.cat([view.positions, res.positions + 9], 2),
+        torch.zeros(1, 2, 14),
+    )
     ref_out, ref_lse = reference_attention(full, q)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
@@ -80,41 +83,14 @@ def test_rejects_bad_query():
         quantized_attention(torch.randn(1, 2, 1, 8), "not a segment")
 
 
-triton = pytest.importorskip("triton")
-from kvcodec.kernels.triton_attention import quantized_attention_triton  # noqa: E402
-
-
-@pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("group", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_matches_reference(bits, group, dtype):
-    seg, _ = _case(2, 2, 7, 12, bits, 4, lengths=[[7, 3], [0, 6]], seed=10 + bits, dtype=dtype)
-    seg = _to(seg, DEVICE)
-    q = torch.randn(2, 2 * group, 2, 12, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
-    out, lse = quantized_attention_triton(q, seg, 0.25, block_t=4)  # two T blocks, the last one partial
-    ref_out, ref_lse = quantized_attention_ref(q, seg, 0.25)
-    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
-
-
-def test_triton_mixed_rows_and_3_bits():
-    seg, _ = _case(1, 1, 5, 10, 3, 4, seed=7)
-    full = torch.randn(2, 10, generator=torch.Generator().manual_seed(8))
-    krow = seg.key_row.clone()
-    krow[0, 0, 2] = -2
-    keys = CodeRows(seg.keys.codes, seg.keys.scales, seg.keys.zeros, 3, "channel", 4, full)
-    seg = _to(QuantizedSegment(keys, seg.values, krow, seg.key_group, seg.value_row, seg.value_group, seg.bias), DEVICE)
-    q = torch.randn(1, 1, 1, 10, generator=torch.Generator().manual_seed(9)).to(DEVICE)
-    out, lse = quantized_attention_triton(q, seg, 0.5, block_t=8)
-    ref_out, ref_lse = quantized_attention_ref(q, seg, 0.5)
-    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
-
-
 def _to(seg, device):
     def side(s):
-        return CodeRows(s.codes.to(device), s.scales.to(device), s.zeros.to(device), s.bits, s.axis, s.group_size,
-                        s.full.to(device))
+        return CodeRows(
+            s.codes.to(device), s.scales.to(device), s.zeros.to(device), s.bits, s.axis, s.group_size, s.full.to(device)
+        )
 
-    return QuantizedSegment(side(seg.keys), side(seg.values), *(t.to(device) for t in (
-        seg.key_row, seg.key_group, seg.value_row, seg.value_group, seg.bias)))
+    return QuantizedSegment(
+        side(seg.keys),
+        side(seg.values),
+        *(t.to(device) for t in (seg.key_row, seg.key_group, seg.value_row, seg.value_group, seg.bias)),
+    )

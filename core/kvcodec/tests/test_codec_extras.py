@@ -6,7 +6,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvcodec import CodebookQuantizer, UniformQuantizer, from_bytes, minmax_stats, normal_codebook, to_bytes
 from kvcodec.serialize import FORMAT_VERSION
 from kvcodec.uniform import quantize_minmax
@@ -28,8 +27,14 @@ def _loop_stats(x, axis, G, ignore):
 
 
 @settings(max_examples=40, deadline=None)
-@given(T=st.integers(1, 9), D=st.integers(1, 9), G=st.one_of(st.none(), st.integers(1, 10)),
-       axis=st.sampled_from(["token", "channel"]), masked=st.booleans(), seed=st.integers(0, 999))
+@given(
+    T=st.integers(1, 9),
+    D=st.integers(1, 9),
+    G=st.one_of(st.none(), st.integers(1, 10)),
+    axis=st.sampled_from(["token", "channel"]),
+    masked=st.booleans(),
+    seed=st.integers(0, 999),
+)
 def test_minmax_stats_match_loops(T, D, G, axis, masked, seed):
     """Invariant: per group, lo/hi are the min/max of the group's unmasked entries (0/0 when all are masked)."""
     gen = torch.Generator().manual_seed(seed)
@@ -120,8 +125,10 @@ def test_serialization_round_trip_is_bit_exact(kind):
         assert (a is None) == (b is None)
         if a is not None:
             assert a.dtype == b.dtype and a.shape == b.shape
-            assert torch.equal(a.view(torch.uint8) if a.dtype != torch.uint8 else a,
-                               b.view(torch.uint8) if b.dtype != torch.uint8 else b)
+            assert torch.equal(
+                a.view(torch.uint8) if a.dtype != torch.uint8 else a,
+                b.view(torch.uint8) if b.dtype != torch.uint8 else b,
+            )
     assert (r.bits, r.axis, r.group_size, r.shape, r.dtype) == (q.bits, q.axis, q.group_size, q.shape, q.dtype)
 
 

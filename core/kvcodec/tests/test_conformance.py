@@ -1,9 +1,8 @@
 """The kvcore Quantizer conformance suite, adopted for UniformQuantizer (every width x axis) and CodebookQuantizer."""
 
 import pytest
-from kvcore.testing import QuantizerTests
-
 from kvcodec import QUANT_BITS, CodebookQuantizer, UniformQuantizer
+from kvcore.testing import QuantizerTests
 
 QUANTIZERS = [(bits, axis, G) for bits in QUANT_BITS for axis in ("token", "channel") for G in (8,)] + [
     (2, "channel", 32), (4, "token", 3),  # KIVI's group size, and a group size that is not a power of two

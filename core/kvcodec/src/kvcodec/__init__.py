@@ -9,15 +9,27 @@
 * Ragged per-(batch, head) containers (:mod:`kvcodec.ragged`, :mod:`kvcodec.segments`) for quantized stores.
 """
 
+from kvcodec.attention import CodeRows, QuantizedSegment, quantized_attention
 from kvcodec.codebook import CodebookQuantizer, normal_codebook
 from kvcodec.packing import PACK_BITS, pack_codes, unpack_codes
 from kvcodec.serialize import from_bytes, to_bytes
 from kvcodec.stats import QUANT_BITS, MinMaxStats, minmax_stats, scale_dtype_for
 from kvcodec.uniform import UniformQuantizer
-from kvcodec.attention import CodeRows, QuantizedSegment, quantized_attention
 
 __all__ = [
-    "CodeRows", "CodebookQuantizer", "MinMaxStats", "PACK_BITS", "QUANT_BITS", "QuantizedSegment", "UniformQuantizer",
-    "from_bytes", "minmax_stats", "normal_codebook", "pack_codes", "quantized_attention", "scale_dtype_for",
-    "to_bytes", "unpack_codes",
+    "PACK_BITS",
+    "QUANT_BITS",
+    "CodeRows",
+    "CodebookQuantizer",
+    "MinMaxStats",
+    "QuantizedSegment",
+    "UniformQuantizer",
+    "from_bytes",
+    "minmax_stats",
+    "normal_codebook",
+    "pack_codes",
+    "quantized_attention",
+    "scale_dtype_for",
+    "to_bytes",
+    "unpack_codes",
 ]

@@ -126,7 +126,7 @@ class QuantizedSegment:
     @classmethod
     def from_dense(
         cls, keys: QuantizedTensor, values: QuantizedTensor, bias: torch.Tensor | None = None
-    ) -> "QuantizedSegment":
+    ) -> QuantizedSegment:
         """Segment over uniform ``QuantizedTensor`` keys and values of shape ``[B, Hkv, T, D]`` (any axes).
 
         ``bias`` ``[B, Hkv, T]`` (default zeros) marks padding with ``-inf``. Codes and parameters are viewed, not
@@ -147,8 +147,13 @@ class QuantizedSegment:
             row = (s * T + t).view(B, H, T)
             group = (s * nT + (t if q.axis == "token" else t // G)).view(B, H, T)
             side = CodeRows(
-                q.codes.reshape(B * H * T, -1), q.scales.reshape(B * H * nT, C), q.zeros.reshape(B * H * nT, C),
-                q.bits, q.axis, G, torch.zeros(0, D, dtype=q.dtype, device=q.device),
+                q.codes.reshape(B * H * T, -1),
+                q.scales.reshape(B * H * nT, C),
+                q.zeros.reshape(B * H * nT, C),
+                q.bits,
+                q.axis,
+                G,
+                torch.zeros(0, D, dtype=q.dtype, device=q.device),
             )
             sides.append((side, row, group))
         if keys.shape != values.shape:

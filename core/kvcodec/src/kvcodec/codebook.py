@@ -37,7 +37,9 @@ def normal_codebook(bits: int) -> torch.Tensor:
 def _check_codebook(codebook: torch.Tensor, bits: int) -> torch.Tensor:
     check_tensor("codebook", codebook, ndim=1)
     if codebook.numel() != 1 << bits or not codebook.is_floating_point():
-        raise ValueError(f"codebook must be a float tensor of {1 << bits} levels, got {codebook.dtype} {tuple(codebook.shape)}")
+        raise ValueError(
+            f"codebook must be a float tensor of {1 << bits} levels, got {codebook.dtype} {tuple(codebook.shape)}"
+        )
     if not bool(torch.isfinite(codebook).all()) or not bool((codebook[1:] > codebook[:-1]).all()):
         raise ValueError("codebook levels must be finite and strictly increasing")
     if float(codebook.abs().max()) == 0:
@@ -128,8 +130,15 @@ class CodebookQuantizer:
         y = torch.where(s > 0, xf / torch.where(s > 0, s, 1.0), 0.0)
         codes = nearest_level(y, cb)
         return QuantizedTensor(
-            codes=pack_unchecked(codes, self.bits), scales=scale, zeros=None, bits=self.bits, axis=self.axis,
-            group_size=G, shape=tuple(x.shape), dtype=x.dtype, codebook=cb,
+            codes=pack_unchecked(codes, self.bits),
+            scales=scale,
+            zeros=None,
+            bits=self.bits,
+            axis=self.axis,
+            group_size=G,
+            shape=tuple(x.shape),
+            dtype=x.dtype,
+            codebook=cb,
         )
 
     def dequantize(self, q: QuantizedTensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ class FullRows:
         self.rows, self.pos, self.counts = rows, pos.int(), counts.long()
 
     @classmethod
-    def from_mask(cls, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> "FullRows":
+    def from_mask(cls, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> FullRows:
         """Entries of ``x [B, H, T, D]`` where ``mask [B, H, T]``; ``pos`` ``[B, H, T]``."""
         (rows, _, p), counts = compact_entries(x, mask, pos)
         return cls(rows, p, counts)
@@ -84,7 +84,7 @@ class Residual:
         self.data, self.pos, self.length = data, pos.int(), length.long()
 
     @classmethod
-    def from_mask(cls, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> "Residual":
+    def from_mask(cls, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> Residual:
         """Entries of ``x [B, H, T, D]`` where ``mask [B, H, T]``, in ``T`` order per segment."""
         B, H, T, D = x.shape
         S = B * H
@@ -233,7 +233,7 @@ class QuantUnits:
             raise ValueError(f"quantized units must share (bits, axis, group_size, D, dtype) {self._meta}, got {meta}")
         if tuple(q.scales.shape[1:-1]) != (1,):
             raise ValueError(f"a unit must be one quantization group, got scales {tuple(q.scales.shape)}")
-        m, U = x.shape[0], self.unit
+        U = self.unit
         real = pos >= 0
         units = {"scales": q.scales, "zeros": q.zeros, "seg": seg.int(), "rows": real.sum(1).int() if U > 1 else None}
         rows = {"codes": q.codes[real], "pos": pos[real].int()}

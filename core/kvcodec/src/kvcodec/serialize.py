@@ -30,8 +30,18 @@ _CRC = struct.Struct("<I")
 _FIELDS = ("codes", "scales", "zeros", "codebook")
 _DTYPES = {
     str(d).removeprefix("torch."): d
-    for d in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
-              torch.float32, torch.float64, torch.bool)
+    for d in (
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.bool,
+    )
 }
 
 
@@ -64,8 +74,12 @@ def to_bytes(q: QuantizedTensor) -> bytes:
         payload.append(raw)
     header = json.dumps(
         {
-            "dtype": _dtype_name(q.dtype), "shape": list(q.shape), "bits": q.bits, "axis": q.axis,
-            "group_size": q.group_size, "tensors": tensors,
+            "dtype": _dtype_name(q.dtype),
+            "shape": list(q.shape),
+            "bits": q.bits,
+            "axis": q.axis,
+            "group_size": q.group_size,
+            "tensors": tensors,
         },
         sort_keys=True,
     ).encode()
@@ -98,7 +112,7 @@ def from_bytes(data: bytes | bytearray | memoryview) -> QuantizedTensor:
     if start + hlen > len(body):
         raise ValueError("truncated header in serialized QuantizedTensor")
     try:
-        meta = json.loads(body[start: start + hlen])
+        meta = json.loads(body[start : start + hlen])
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"unreadable header in serialized QuantizedTensor: {e}") from None
     offset = start + hlen
@@ -111,7 +125,7 @@ def from_bytes(data: bytes | bytearray | memoryview) -> QuantizedTensor:
         dtype, shape, n = _DTYPES[spec["dtype"]], tuple(spec["shape"]), spec["nbytes"]
         if offset + n > len(body):
             raise ValueError(f"truncated payload in serialized QuantizedTensor (tensor {name})")
-        raw = bytearray(body[offset: offset + n])
+        raw = bytearray(body[offset : offset + n])
         offset += n
         if n == 0:
             fields[name] = torch.empty(shape, dtype=dtype)
@@ -120,7 +134,13 @@ def from_bytes(data: bytes | bytearray | memoryview) -> QuantizedTensor:
     if offset != len(body):
         raise ValueError(f"{len(body) - offset} unexpected trailing bytes in serialized QuantizedTensor")
     return QuantizedTensor(
-        codes=fields["codes"], scales=fields["scales"], zeros=fields["zeros"], bits=meta["bits"], axis=meta["axis"],
-        group_size=meta["group_size"], shape=tuple(meta["shape"]), dtype=_DTYPES[meta["dtype"]],
+        codes=fields["codes"],
+        scales=fields["scales"],
+        zeros=fields["zeros"],
+        bits=meta["bits"],
+        axis=meta["axis"],
+        group_size=meta["group_size"],
+        shape=tuple(meta["shape"]),
+        dtype=_DTYPES[meta["dtype"]],
         codebook=fields["codebook"],
     )

@@ -16,7 +16,21 @@ from kv_baselines.scorers import (
 )
 
 __all__ = [
-    "KIVIStore", "KIVITierSelector", "UniformQuantizer",
-    "ConstantScorer", "H2OScorer", "KnormScorer", "RandomScorer", "SnapKVScorer", "StreamingLLMScorer",
-    "full", "h2o", "kivi", "knorm", "random", "snapkv", "snapkv_kivi", "streaming_llm",
+    "ConstantScorer",
+    "H2OScorer",
+    "KIVIStore",
+    "KIVITierSelector",
+    "KnormScorer",
+    "RandomScorer",
+    "SnapKVScorer",
+    "StreamingLLMScorer",
+    "UniformQuantizer",
+    "full",
+    "h2o",
+    "kivi",
+    "knorm",
+    "random",
+    "snapkv",
+    "snapkv_kivi",
+    "streaming_llm",
 ]

@@ -1,9 +1,8 @@
 """The kvcore Store conformance suite, adopted for KIVIStore."""
 
 import pytest
-from kvcore.testing import StoreTests
-
 from kv_baselines.quant import KIVIStore, UniformQuantizer
+from kvcore.testing import StoreTests
 
 
 # the generic suite writes eviction-only (all FULL) plans into KIVIStore on purpose

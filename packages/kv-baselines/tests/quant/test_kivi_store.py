@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvcore import EVICT, FULL, DenseStore, KVView, Plan, Store
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 from kv_baselines.quant import KIVIStore, UniformQuantizer, kivi_tiers
@@ -137,7 +138,7 @@ def test_evicted_entries_hold_no_memory():
     evicting = _store()
     evicting.write(keys, values, Plan(kb, vb), torch.arange(T).expand(B, T))
     # the same kept entries written densely, with the same tiers
-    gather = lambda x: x[keep].view(B, H, T // 2, -1)  # noqa: E731
+    gather = lambda x: x[keep].view(B, H, T // 2, -1)
     dense = _store()
     dense.write(gather(keys), gather(values), Plan(gather(kb[..., None])[..., 0], gather(vb[..., None])[..., 0]),
                 torch.arange(T // 2).expand(B, T // 2))

@@ -3,14 +3,13 @@ attend, the unquantized-plan warning, and kivi(evict=...)."""
 
 import warnings
 
+import kv_baselines as kb
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvcore import EVICT, FULL, Budget, Compressor, DenseStore, Plan, Protection, ScoringContext, reference_attention
-
-import kv_baselines as kb
 from kv_baselines.quant import KIVIStore, KIVIUnquantizedWarning, UniformQuantizer, kivi_tiers
+from kvcore import EVICT, FULL, DenseStore, Plan, ScoringContext, reference_attention
 
 
 def _filled(seed=0, B=2, H=2, T=29, D=8, G=4, R=8, bits=2, appends=6, dtype=torch.float32, evict=0.3):
@@ -21,8 +20,11 @@ def _filled(seed=0, B=2, H=2, T=29, D=8, G=4, R=8, bits=2, appends=6, dtype=torc
     plan = Plan(kivi_tiers(keep, bits, R, "keys"), kivi_tiers(keep, bits, R, "values"))
     store.write(k, v, plan, torch.arange(T).expand(B, T))
     for i in range(appends):
-        store.append(torch.randn(B, H, 1, D, generator=gen).to(dtype), torch.randn(B, H, 1, D, generator=gen).to(dtype),
-                     torch.full((B, 1), T + i))
+        store.append(
+            torch.randn(B, H, 1, D, generator=gen).to(dtype),
+            torch.randn(B, H, 1, D, generator=gen).to(dtype),
+            torch.full((B, 1), T + i),
+        )
     return store
 
 
@@ -32,10 +34,14 @@ def _held_bytes(store):
     for kind, (full, units, resid) in store._parts.items():
         seg, pos = units.positions()
         out[kind] = {
-            "quant": {(int(s), int(p)): (units.codes[i].clone(), units.scales[u].clone(), units.zeros[u].clone())
-                      for i, (s, p, u) in enumerate(zip(seg, pos, units.row_unit()))},
+            "quant": {
+                (int(s), int(p)): (units.codes[i].clone(), units.scales[u].clone(), units.zeros[u].clone())
+                for i, (s, p, u) in enumerate(zip(seg, pos, units.row_unit()))
+            },
             "full": {(int(s), int(p)): r.clone() for (s, p), r in zip(zip(*full.positions()), full.rows)},
-            "resid": {(int(s), int(p)): r.clone() for (s, p), r in zip(zip(*resid.positions()), resid.data[resid.valid()])},
+            "resid": {
+                (int(s), int(p)): r.clone() for (s, p), r in zip(zip(*resid.positions()), resid.data[resid.valid()])
+            },
         }
     return out
 
@@ -123,7 +129,9 @@ def test_retier_rejects_bad_plans_and_changes_nothing(case):
     with pytest.raises(ValueError, match="plan"):
         store.retier(Plan(kb_, vb_))
     after = store.read()
-    assert store.nbytes() == nbytes and torch.equal(after.keys, view.keys) and torch.equal(after.positions, view.positions)
+    assert (
+        store.nbytes() == nbytes and torch.equal(after.keys, view.keys) and torch.equal(after.positions, view.positions)
+    )
 
 
 @pytest.mark.parametrize("group", [1, 2])
@@ -140,8 +148,12 @@ def test_attend_equals_reference_attention_over_read(group, bits):
     drop = torch.zeros_like(tiers.key_bits, dtype=torch.bool)
     drop[0, 1, :5] = True
     drop &= tiers.key_bits != EVICT
-    store.retier(Plan(torch.where(drop, EVICT, tiers.key_bits).to(torch.uint8),
-                      torch.where(drop, EVICT, tiers.value_bits).to(torch.uint8)))
+    store.retier(
+        Plan(
+            torch.where(drop, EVICT, tiers.key_bits).to(torch.uint8),
+            torch.where(drop, EVICT, tiers.value_bits).to(torch.uint8),
+        )
+    )
     out, lse = store.attend(q)
     ref_out, ref_lse = reference_attention(store.read(), q)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
@@ -185,16 +197,24 @@ def test_write_warns_when_a_long_plan_quantizes_nothing():
         store.write(x, x, Plan.from_keep(torch.ones(1, 1, 12, dtype=torch.bool)), torch.arange(12)[None])
     with warnings.catch_warnings():
         warnings.simplefilter("error", KIVIUnquantizedWarning)
-        store.write(x[:, :, :8], x[:, :, :8], Plan.from_keep(torch.ones(1, 1, 8, dtype=torch.bool)), torch.arange(8)[None])
+        store.write(
+            x[:, :, :8], x[:, :, :8], Plan.from_keep(torch.ones(1, 1, 8, dtype=torch.bool)), torch.arange(8)[None]
+        )
         keep = torch.ones(1, 1, 12, dtype=torch.bool)
-        store.write(x, x, Plan(kivi_tiers(keep, 2, 8, "keys"), kivi_tiers(keep, 2, 8, "values")), torch.arange(12)[None])
+        store.write(
+            x, x, Plan(kivi_tiers(keep, 2, 8, "keys"), kivi_tiers(keep, 2, 8, "values")), torch.arange(12)[None]
+        )
 
 
 def test_kivi_with_evict_quantizes_what_the_eviction_keeps():
     torch.manual_seed(0)
     B, H, T, D = 1, 2, 96, 16
-    ctx = ScoringContext(keys=torch.randn(B, H, T, D), values=torch.randn(B, H, T, D),
-                         queries=torch.randn(B, 4, T, D), positions=torch.arange(T)[None])
+    ctx = ScoringContext(
+        keys=torch.randn(B, H, T, D),
+        values=torch.randn(B, H, T, D),
+        queries=torch.randn(B, 4, T, D),
+        positions=torch.arange(T)[None],
+    )
     evict = kb.snapkv(0.5, window=8)
     comp = kb.kivi(2, evict=evict, group_size=8, residual=16)
     store = comp.compress(ctx)

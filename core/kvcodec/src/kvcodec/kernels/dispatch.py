@@ -9,13 +9,12 @@ from __future__ import annotations
 import functools
 
 import torch
-
 from kvcore.checks import check_tensor
 
 from kvcodec.kernels.reference import compact_ref, quantize_pack_ref, unpack_dequantize_ref
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_available() -> bool:
     """Whether ``triton`` can be imported."""
     try:

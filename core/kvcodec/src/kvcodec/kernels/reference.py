@@ -14,8 +14,8 @@ import math
 import torch
 from kvcore import packed_width
 
-from kvcodec.stats import minmax_scale, scale_dtype_for
 from kvcodec.packing import pack_unchecked, unpack_unchecked
+from kvcodec.stats import minmax_scale, scale_dtype_for
 
 
 def _pad_groups(x: torch.Tensor, axis: str, group_size: int, replicate: bool) -> tuple[torch.Tensor, int]:

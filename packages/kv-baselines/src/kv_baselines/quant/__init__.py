@@ -9,10 +9,18 @@
 """
 
 from kvcodec import QUANT_BITS, UniformQuantizer, pack_codes, scale_dtype_for, unpack_codes
+
 from kv_baselines.quant.kivi_selector import KIVITierSelector, kivi_tiers
 from kv_baselines.quant.kivi_store import KIVIStore, KIVIUnquantizedWarning
 
 __all__ = [
-    "KIVIStore", "KIVITierSelector", "KIVIUnquantizedWarning", "QUANT_BITS", "UniformQuantizer", "kivi_tiers",
-    "pack_codes", "scale_dtype_for", "unpack_codes",
+    "QUANT_BITS",
+    "KIVIStore",
+    "KIVITierSelector",
+    "KIVIUnquantizedWarning",
+    "UniformQuantizer",
+    "kivi_tiers",
+    "pack_codes",
+    "scale_dtype_for",
+    "unpack_codes",
 ]

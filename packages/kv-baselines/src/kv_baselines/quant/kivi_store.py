@@ -6,13 +6,12 @@ import dataclasses
 import warnings
 
 import torch
-from kvcore import EVICT, FULL, KVView, Plan, Quantizer, Store, reference_attention, storage_bytes
-from kvcore.attention import check_query, check_scale
-from kvcore.checks import check_float, check_tensor
-
 from kvcodec import CodeRows, QuantizedSegment, UniformQuantizer, quantized_attention
 from kvcodec.ragged import Entries, FullRows, QuantUnits, Residual, compact_entries
 from kvcodec.segments import rank_in_segment
+from kvcore import EVICT, FULL, KVView, Plan, Quantizer, Store, reference_attention, storage_bytes
+from kvcore.attention import check_query, check_scale
+from kvcore.checks import check_float, check_tensor
 
 
 def _cat(parts: list[Entries | None]) -> Entries:
