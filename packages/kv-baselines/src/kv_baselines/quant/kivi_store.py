@@ -47,7 +47,7 @@ class KIVIUnquantizedWarning(UserWarning):
 
 
 class KIVIStore(Store):
-    """One layer's KV cache quantized the KIVI way (Liu et al. 2024, "KIVI", §3.3-3.4; anchors.md §4 KIVI).
+    """One layer's KV cache quantized the KIVI way (Liu et al. 2024, "KIVI", §3.3-3.4).
 
     Keys are quantized per channel (groups of ``G`` consecutive tokens of one head), values per token, and
     each keeps a full-precision residual whose policy differs (KIVI ``models/llama_kivi.py``):
