@@ -1,9 +1,9 @@
 """Benchmark: min-max quantize+pack and unpack+dequantize of KV tensors, three ways, with ratios.
 
-* ``dispatch``  -- ``kv_baselines.kernels`` as users get it: the fused Triton kernels on CUDA tensors (on CPU
+* ``dispatch``  -- ``kvcodec.kernels`` as users get it: the fused Triton kernels on CUDA tensors (on CPU
   tensors it *is* the reference, so the column is left out there);
 * ``reference`` -- our PyTorch reference (dense bit-packing of any width, exact min-max scale rule);
-* ``anchor``    -- the approach of KIVI's ``quant/new_pack.py`` (anchors.md §4), written here from its
+* ``anchor``    -- the approach of KIVI's ``quant/new_pack.py``, written here from its
   description: group min/max, ``clamp(round((x - min) / scale))`` to int32, then pack ``32/b`` codes per int32
   with a Python loop over the ``32/b`` lanes (keys packed along tokens, values along channels, as KIVI does);
   dequantize by shifting every lane out again and computing ``code * scale + min`` in the input dtype.
@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from kv_baselines import kernels
+from kvcodec import kernels
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -17,7 +17,23 @@ from kv_baselines.scorers import (
 )
 
 __all__ = [
-    "KIVIStore", "KIVITierSelector", "UniformQuantizer",
-    "ConstantScorer", "H2OScorer", "KnormScorer", "KVzipScorer", "RandomScorer", "SnapKVScorer", "StreamingLLMScorer",
-    "full", "h2o", "kivi", "knorm", "kvzip", "random", "snapkv", "snapkv_kivi", "streaming_llm",
+    "ConstantScorer",
+    "H2OScorer",
+    "KIVIStore",
+    "KIVITierSelector",
+    "KVzipScorer",
+    "KnormScorer",
+    "RandomScorer",
+    "SnapKVScorer",
+    "StreamingLLMScorer",
+    "UniformQuantizer",
+    "full",
+    "h2o",
+    "kivi",
+    "knorm",
+    "kvzip",
+    "random",
+    "snapkv",
+    "snapkv_kivi",
+    "streaming_llm",
 ]

@@ -59,34 +59,62 @@ def h2o(ratio: float, recent: int = 0) -> Compressor:
     return _evicting("h2o", H2OScorer(), ratio, Protection(recent=recent))
 
 
-def kivi(bits: int = 2, group_size: int = 32, residual: int = 128) -> Compressor:
-    """KIVI: keys quantized per channel, values per token, a full-precision residual (Liu et al. 2024)."""
-    return _kivi_compose("kivi", ConstantScorer(), 0.0, bits, group_size, residual, Protection())
+def kivi(
+    bits: int = 2,
+    evict: Compressor | None = None,
+    group_size: int = 32,
+    residual: int = 128,
+    value_bits: int | None = None,
+) -> Compressor:
+    """KIVI: keys quantized per channel, values per token, a full-precision residual (Liu et al. 2024, §3.3-3.4).
 
+    Parameters
+    ----------
+    bits : int
+        Key width (and value width unless ``value_bits``): 1, 2, 3, 4 or 8.
+    evict : kvcore.Compressor, optional
+        Evict first with this compressor's scorer, selector, budget and protection (e.g. ``snapkv(0.5)``), then
+        quantize what is kept with KIVI (``KIVITierSelector(base=evict.selector)`` + ``KIVIStore``). ``None``:
+        keep everything (plain KIVI).
+    group_size : int
+        Quantization group ``G`` (KIVI's 32).
+    residual : int
+        Full-precision residual ``R`` (a multiple of ``group_size``; KIVI's 128).
+    value_bits : int, optional
+        Value width; ``None`` = ``bits``.
+    """
+    from kvcodec import UniformQuantizer
 
-def snapkv_kivi(ratio: float, bits: int = 2, window: int = 64, group_size: int = 32, residual: int = 128) -> Compressor:
-    """Eviction and quantization composed: SnapKV picks what to keep, KIVI quantizes what is kept."""
-    return _kivi_compose("snapkv+kivi", SnapKVScorer(window), ratio, bits, group_size, residual, Protection(recent=window))
+    from kv_baselines.quant import KIVIStore, KIVITierSelector
 
-
-def _kivi_compose(name, scorer, ratio, bits, group_size, residual, protect) -> Compressor:
-    from kv_baselines.quant import KIVIStore, KIVITierSelector, UniformQuantizer
+    if evict is not None and not isinstance(evict, Compressor):
+        raise TypeError(f"evict must be a kvcore.Compressor (e.g. kv_baselines.snapkv(0.5)), got {type(evict).__name__}")
+    vbits = bits if value_bits is None else value_bits
 
     def store() -> KIVIStore:
         return KIVIStore(
             UniformQuantizer(bits, axis="channel", group_size=group_size),
-            UniformQuantizer(bits, axis="token", group_size=group_size),
+            UniformQuantizer(vbits, axis="token", group_size=group_size),
             residual=residual,
         )
 
-    return Compressor(
-        scorer=scorer,
-        selector=KIVITierSelector(TopKSelector(), bits=bits, residual=residual),
-        store=store,
-        budget=Budget(ratio=ratio),
-        protect=protect,
-        name=f"{name}-{bits}",
+    selector = KIVITierSelector(
+        TopKSelector() if evict is None else evict.selector, bits=bits, residual=residual, value_bits=value_bits
     )
+    if evict is None:
+        return Compressor(ConstantScorer(), selector, store, Budget(ratio=0.0), Protection(), name=f"kivi-{bits}")
+    return Compressor(
+        scorer=evict.scorer, selector=selector, store=store, budget=evict.budget, protect=evict.protect,
+        name=f"{evict.name or 'evict'}+kivi-{bits}", strict=evict.strict,
+    )
+
+
+def snapkv_kivi(ratio: float, bits: int = 2, window: int = 64, group_size: int = 32, residual: int = 128) -> Compressor:
+    """Eviction and quantization composed: SnapKV picks what to keep, KIVI quantizes what is kept.
+
+    ``kivi(bits, evict=snapkv(ratio, window), ...)``.
+    """
+    return kivi(bits, evict=snapkv(ratio, window=window), group_size=group_size, residual=residual)
 
 
 def kvzip(ratio: float = 0.5, granularity: str = "global", store=DenseStore) -> Compressor:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from kvcore import ScoringContext
+
 from kv_baselines import compressors as c
 
 

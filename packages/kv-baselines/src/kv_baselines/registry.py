@@ -6,7 +6,7 @@ with KIVI quantization of what is kept.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from kvcore import Compressor
 

@@ -4,9 +4,20 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvcore import EVICT, FULL, Budget, Compressor, Plan, Protection, Scorer, Scores, ScoringContext, Selector, TopKSelector
-
 from kv_baselines.quant import KIVIStore, KIVITierSelector, UniformQuantizer
+from kvcore import (
+    EVICT,
+    FULL,
+    Budget,
+    Compressor,
+    Plan,
+    Protection,
+    Scorer,
+    Scores,
+    ScoringContext,
+    Selector,
+    TopKSelector,
+)
 
 
 class _NormScorer(Scorer):

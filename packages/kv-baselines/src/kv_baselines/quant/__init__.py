@@ -1,18 +1,26 @@
-"""Quantization: KIVI-style uniform min-max quantizers, dense bit-packing, and the KIVI store/selector.
+"""KIVI on kvcodec: the KIVI store and tier selector (the quantization toolkit itself is :mod:`kvcodec`).
 
-* :class:`UniformQuantizer` -- ``kvcore.Quantizer``, per-token or per-channel groups, 1/2/3/4/8 bits.
-* :func:`pack_codes` / :func:`unpack_codes` -- the dense little-endian bit stream of ``kvcore.QuantizedTensor``.
-* :class:`KIVIStore` -- ``kvcore.Store`` with KIVI's key/value residual policies and ragged eviction.
+* :class:`KIVIStore` -- ``kvcore.Store`` with KIVI's key/value residual policies, ragged eviction, re-tiering and a
+  fused quantized ``attend``.
 * :class:`KIVITierSelector` -- ``kvcore.Selector`` producing KIVI's prefill layout after any eviction.
+
+``UniformQuantizer``, ``pack_codes``, ``unpack_codes``, ``QUANT_BITS`` and ``scale_dtype_for`` are re-exported from
+:mod:`kvcodec` for existing imports; new code imports them from ``kvcodec``.
 """
 
-from kv_baselines.quant.minmax import QUANT_BITS, scale_dtype_for
-from kv_baselines.quant.packing import pack_codes, unpack_codes
-from kv_baselines.quant.uniform import UniformQuantizer
-from kv_baselines.quant.kivi_store import KIVIStore
+from kvcodec import QUANT_BITS, UniformQuantizer, pack_codes, scale_dtype_for, unpack_codes
+
 from kv_baselines.quant.kivi_selector import KIVITierSelector, kivi_tiers
+from kv_baselines.quant.kivi_store import KIVIStore, KIVIUnquantizedWarning
 
 __all__ = [
-    "KIVIStore", "KIVITierSelector", "QUANT_BITS", "UniformQuantizer", "kivi_tiers", "pack_codes",
-    "scale_dtype_for", "unpack_codes",
+    "QUANT_BITS",
+    "KIVIStore",
+    "KIVITierSelector",
+    "KIVIUnquantizedWarning",
+    "UniformQuantizer",
+    "kivi_tiers",
+    "pack_codes",
+    "scale_dtype_for",
+    "unpack_codes",
 ]

@@ -28,7 +28,7 @@ class KIVITierSelector:
 
     Among each head's kept entries (in token order): keys -- the last ``n_kept mod residual`` ``FULL`` and
     the rest ``bits``; values -- the last ``min(residual, n_kept)`` ``FULL`` and the rest ``bits``
-    (Liu et al. 2024, "KIVI", Alg. 1; anchors.md §4 KIVI). Paired with
+    (Liu et al. 2024, "KIVI", Alg. 1). Paired with
     :class:`~kv_baselines.quant.KIVIStore` of the same ``residual``, the ``FULL`` entries are the store's
     residuals, so decoding continues exactly as KIVI's cache would.
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
-from kvcore import EVICT, FULL, KVView, Plan, Quantizer, Store, storage_bytes
+from kvcodec import CodeRows, QuantizedSegment, UniformQuantizer, quantized_attention
+from kvcodec.ragged import Entries, FullRows, QuantUnits, Residual, compact_entries
+from kvcodec.segments import rank_in_segment
+from kvcore import EVICT, FULL, KVView, Plan, Quantizer, Store, reference_attention, storage_bytes
+from kvcore.attention import check_query, check_scale
 from kvcore.checks import check_float, check_tensor
-
-from kv_baselines.quant.kivi_parts import Entries, FullRows, QuantUnits, Residual, compact_entries
-from kv_baselines.quant.segments import rank_in_segment
-from kv_baselines.quant.uniform import UniformQuantizer
 
 
 def _cat(parts: list[Entries | None]) -> Entries:
@@ -41,8 +42,12 @@ def _held_tensors(obj: object, seen: set[int]) -> list[torch.Tensor]:
     return out
 
 
+class KIVIUnquantizedWarning(UserWarning):
+    """A ``KIVIStore.write`` plan keeps more entries than the residual but quantizes none of them."""
+
+
 class KIVIStore(Store):
-    """One layer's KV cache quantized the KIVI way (Liu et al. 2024, "KIVI", §3.3-3.4; anchors.md §4 KIVI).
+    """One layer's KV cache quantized the KIVI way (Liu et al. 2024, "KIVI", §3.3-3.4).
 
     Keys are quantized per channel (groups of ``G`` consecutive tokens of one head), values per token, and
     each keeps a full-precision residual whose policy differs (KIVI ``models/llama_kivi.py``):
@@ -74,7 +79,18 @@ class KIVIStore(Store):
         Must group per token (``axis="token"``). Default ``UniformQuantizer(2, "token", 32)``.
     residual : int
         ``R``, full-precision residual length (KIVI's ``residual_length``; 128 in the paper's runs).
+
+    Notes
+    -----
+    ``tiers()``/``retier(plan)`` (kvcore contract v2) evict any held entry: a dropped entry of a per-channel key
+    group frees its packed code row while the group keeps its scale and zero (nothing is re-quantized), and every
+    other entry's bytes are untouched; there is no demotion (``can_demote = False``). ``attend(query, scale)``
+    runs :func:`kvcodec.quantized_attention` on the held codes and full-precision rows (the Triton kernel on CUDA)
+    and equals ``kvcore.reference_attention(self.read(), query, scale)``.
     """
+
+    can_attend = True
+    can_demote = False
 
     def __init__(
         self,
@@ -105,11 +121,155 @@ class KIVIStore(Store):
         self.reset()
 
     # -- state -----------------------------------------------------------------------------------------
-    def tiers(self):
-        raise NotImplementedError("re-tiering is not implemented for this store yet (kvcore contract v2)")
+    def _slots(self, kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(seg, slot in read())`` of every entry of each part of ``kind``, in the part's ``positions()`` order."""
+        S = self._segments
+        held = [part.positions() for part in self._parts[kind]]
+        seg = torch.cat([sg.long() for sg, _ in held])
+        pos = torch.cat([p.long() for _, p in held])
+        order = torch.argsort((seg << 32) | pos)
+        slot_sorted, _ = rank_in_segment(seg[order], S)
+        slot = torch.empty_like(slot_sorted)
+        slot[order] = slot_sorted
+        out, start = [], 0
+        for sg, _ in held:
+            n = sg.numel()
+            out.append((seg[start: start + n], slot[start: start + n]))
+            start += n
+        return out
 
-    def retier(self, plan):
-        raise NotImplementedError("re-tiering is not implemented for this store yet (kvcore contract v2)")
+    def _held_tiers(self, kind: str) -> tuple[int, int, int]:
+        q = self.key_quantizer if kind == "k" else self.value_quantizer
+        return FULL, q.bits, FULL  # FullRows, QuantUnits, Residual
+
+    def tiers(self) -> Plan:
+        """The tier of every held entry (``FULL`` or the quantizer's bits), laid out like :meth:`read`."""
+        if self._shape is None:
+            raise ValueError("tiers() on an empty store: write() or append() first")
+        B, H, _ = self._shape
+        S = self._segments
+        T = int(self.seq_lengths().max()) if S else 0
+        device = self._parts["k"][2].length.device
+        out = []
+        for kind in ("k", "v"):
+            bits = torch.zeros(S, T, dtype=torch.uint8, device=device)
+            for (seg, slot), tier in zip(self._slots(kind), self._held_tiers(kind)):
+                bits[seg, slot] = tier
+            out.append(bits.view(B, H, T))
+        return Plan(out[0], out[1])
+
+    def retier(self, plan: Plan) -> None:
+        """Evict the entries ``plan`` marks ``EVICT`` (laid out like :meth:`read`); every other entry keeps its tier
+        and its bytes. Raises ``ValueError`` (changing nothing) for another tier, padding kept, or different kept
+        sets for keys and values."""
+        if self._shape is None:
+            raise ValueError("retier() on an empty store: write() or append() first")
+        held = self.tiers()
+        if not isinstance(plan, Plan) or tuple(plan.key_bits.shape) != tuple(held.key_bits.shape):
+            raise ValueError(f"plan must be a kvcore.Plan laid out like read(): shape {tuple(held.key_bits.shape)}")
+        if plan.full_precision is not None:
+            raise ValueError("KIVIStore does not hold element-level full-precision masks (plan.full_precision)")
+        device = held.key_bits.device
+        kb, vb = plan.key_bits.to(device), plan.bits_for_values.to(device)
+        for name, new, old in (("key_bits", kb, held.key_bits), ("value_bits", vb, held.bits_for_values)):
+            padding = old == EVICT
+            if bool((padding & (new != EVICT)).any()):
+                raise ValueError(f"plan.{name} keeps padding entries (positions -1 in read()); padding must be EVICT")
+            changed = ~padding & (new != EVICT) & (new != old)
+            if bool(changed.any()):
+                raise ValueError(
+                    f"plan.{name} moves held entries to another tier ({sorted(set(new[changed].tolist()))}); "
+                    "KIVIStore re-tiers by eviction only (each entry EVICT or its held tier, see tiers())"
+                )
+        if not torch.equal(kb != EVICT, vb != EVICT):
+            raise ValueError("plan must keep the same entries for keys and values in a KIVIStore (tiers may differ)")
+        keep = (kb != EVICT).flatten(0, 1)  # [S, T]
+        masks = {kind: [keep[seg, slot] for seg, slot in self._slots(kind)] for kind in ("k", "v")}
+        for kind, parts in self._parts.items():
+            for part, mask in zip(parts, masks[kind]):
+                part.keep(mask)
+        self._refresh_last_pos()
+
+    def _refresh_last_pos(self) -> None:
+        B, H, _ = self._shape
+        held = [part.positions() for part in self._parts["k"]]
+        row = torch.cat([seg.to(self._last_pos.device) for seg, _ in held]).long() // H
+        pos = torch.cat([p.to(self._last_pos.device) for _, p in held]).long()
+        self._last_pos = torch.full_like(self._last_pos, -1).scatter_reduce(0, row, pos, reduce="amax")
+
+    # -- fused attention -------------------------------------------------------------------------------
+    def _side(self, kind: str) -> tuple[CodeRows, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The held ``kind`` entries as code rows + full rows, with ``(seg, pos, row, group)`` per entry."""
+        full, units, resid = self._parts[kind]
+        q = units.quantizer
+        if not isinstance(q, UniformQuantizer):
+            return None
+        B, H, D = self._shape
+        device = resid.length.device
+        full_rows = torch.cat([full.rows, resid.data.reshape(-1, D)])
+        fseg, fpos = full.positions()
+        valid = resid.valid()
+        rseg, rpos = resid.positions()
+        cap = resid.capacity
+        rflat = (torch.arange(self._segments, device=device)[:, None] * cap + torch.arange(cap, device=device))[valid]
+        full_row = torch.cat([torch.arange(full.rows.shape[0], device=device), full.rows.shape[0] + rflat])
+        if units.empty:
+            pw, C = (D * q.bits + 7) // 8, D if q.axis == "channel" else -(-D // q.group_size)
+            codes = torch.zeros(0, pw, dtype=torch.uint8, device=device)
+            scales = zeros = torch.zeros(0, C, dtype=self._dtype, device=device)
+            qseg = qpos = qrow = qgroup = torch.zeros(0, dtype=torch.long, device=device)
+        else:
+            codes = units.codes
+            scales, zeros = units.scales.flatten(1), units.zeros.flatten(1)
+            qseg, qpos = units.positions()
+            qrow = torch.arange(units.nr, device=device)
+            qgroup = units.row_unit()
+        side = CodeRows(codes, scales, zeros, q.bits, q.axis, q.group_size, full_rows)
+        seg = torch.cat([fseg.long(), rseg.long(), qseg.long()])
+        pos = torch.cat([fpos.long(), rpos.long(), qpos.long()])
+        row = torch.cat([-1 - full_row, qrow])
+        group = torch.cat([torch.zeros_like(full_row), qgroup])
+        return side, seg, pos, row, group
+
+    def quantized_segment(self) -> QuantizedSegment | None:
+        """The held cache as a :class:`kvcodec.QuantizedSegment` laid out like :meth:`read` (``None`` when a
+        quantizer is not a ``kvcodec.UniformQuantizer``)."""
+        B, H, D = self._shape
+        S = self._segments
+        sides = [self._side("k"), self._side("v")]
+        if sides[0] is None or sides[1] is None:
+            return None
+        T = int(self.seq_lengths().max()) if S else 0
+        device = sides[0][1].device
+        maps = []
+        for side, seg, pos, row, group in sides:
+            order = torch.argsort((seg << 32) | pos)
+            seg, row, group = seg[order], row[order], group[order]
+            slot, _ = rank_in_segment(seg, S)
+            r = torch.zeros(S, T, dtype=torch.long, device=device)
+            g = torch.zeros(S, T, dtype=torch.long, device=device)
+            r[seg, slot], g[seg, slot] = row, group
+            maps.append((side, r.view(B, H, T), g.view(B, H, T), seg, slot))
+        (ks, kr, kg, seg, slot), (vs, vr, vg, _, _) = maps
+        bias = torch.full((S, T), float("-inf"), device=device)
+        bias[seg, slot] = 0.0
+        return QuantizedSegment(ks, vs, kr, kg, vr, vg, bias.view(B, H, T))
+
+    def attend(self, query: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of ``query [B, Hq, Q, D]`` over the held cache, read from the codes (no dequantized copy).
+
+        Returns ``(out fp32 [B, Hq, Q, D], lse fp32 [B, Hq, Q])``, equal to
+        ``kvcore.reference_attention(self.read(), query, scale)``. Non-uniform quantizers fall back to that.
+        """
+        if self._shape is None:
+            raise ValueError("attend() on an empty store: write() or append() first")
+        B, H, D = self._shape
+        q = check_query(query, H, D, B)
+        scale = check_scale(scale, D)
+        segment = self.quantized_segment()
+        if segment is None:
+            return reference_attention(self.read(), q, scale)
+        return quantized_attention(q.to(segment.bias.device), segment, scale)
 
     def reset(self) -> None:
         """Drop everything and free the memory."""
@@ -192,6 +352,16 @@ class KIVIStore(Store):
         marked = torch.where(kept_any, positions, -1).sort(-1).values
         if bool(((marked[:, 1:] == marked[:, :-1]) & (marked[:, 1:] >= 0)).any()):
             raise ValueError("positions of the kept entries of a batch row must be distinct")
+        if bool((keep.sum(-1) > self.residual).any()) and not bool(((kb != EVICT) & (kb != FULL)).any()) \
+                and not bool(((vb != EVICT) & (vb != FULL)).any()):
+            warnings.warn(
+                f"KIVIStore.write: the plan keeps more than residual={self.residual} entries of a head but quantizes "
+                "none of them, so this store holds a full-precision cache. Pair KIVIStore with KIVITierSelector "
+                "(it lays kept entries out as KIVI does), or build the compressor with kv_baselines.kivi(bits, "
+                "evict=<an evicting Compressor>).",
+                KIVIUnquantizedWarning,
+                stacklevel=2,
+            )
         self._init(B, H, D, keys.dtype, keys.device)
         self._last_pos = marked[:, -1].clone() if T else self._last_pos
         pos = positions[:, None, :].expand(B, H, T).int()
@@ -307,8 +477,8 @@ class KIVIStore(Store):
     def crop(self, position: int) -> None:
         """Drop every entry whose true position is ``>= position``.
 
-        A per-channel key group cut by ``position`` keeps its codes (entries past the cut are masked out, not
-        re-quantized); groups left without entries are freed.
+        A per-channel key group cut by ``position`` keeps its scale and zero and drops the code rows past the cut
+        (nothing is re-quantized); groups left without entries are freed.
         """
         if isinstance(position, bool) or not isinstance(position, int):
             raise TypeError(f"position must be an int, got {type(position).__name__}")
@@ -317,11 +487,7 @@ class KIVIStore(Store):
         for parts in self._parts.values():
             for part in parts:
                 part.crop(position)
-        B, H, _ = self._shape
-        held = [part.positions() for part in self._parts["k"]]
-        row = torch.cat([seg.to(self._last_pos.device) for seg, _ in held]) // H
-        pos = torch.cat([p.to(self._last_pos.device) for _, p in held]).long()
-        self._last_pos = torch.full_like(self._last_pos, -1).scatter_reduce(0, row, pos, reduce="amax")
+        self._refresh_last_pos()
 
     def reorder(self, index: torch.Tensor) -> None:
         """Row ``i`` of the batch becomes old row ``index[i]`` (beam search; rows may repeat or vanish)."""

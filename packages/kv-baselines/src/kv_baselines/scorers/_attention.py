@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
-
 from kvcore import ScoringContext
 
 

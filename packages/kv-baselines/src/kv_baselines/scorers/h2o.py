@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-
 from kvcore import Scorer, Scores, ScoringContext
+
 from kv_baselines.scorers._attention import window_attention
 
 

@@ -8,8 +8,8 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-
 from kvcore import Scorer, Scores, ScoringContext
+
 from kv_baselines.scorers._attention import window_attention
 
 

@@ -1,6 +1,6 @@
-"""Dispatch: Triton kernels for CUDA tensors, the PyTorch references for everything else (DESIGN.md §4).
+"""Dispatch: Triton kernels for CUDA tensors, the PyTorch references for everything else.
 
-``import kv_baselines`` works without triton: the Triton modules are imported on the first CUDA call, and
+``import kvcodec`` works without triton: the Triton modules are imported on the first CUDA call, and
 CUDA tensors fall back to the reference when triton is not installed.
 """
 
@@ -9,13 +9,12 @@ from __future__ import annotations
 import functools
 
 import torch
-
 from kvcore.checks import check_tensor
 
-from kv_baselines.kernels.reference import compact_ref, quantize_pack_ref, unpack_dequantize_ref
+from kvcodec.kernels.reference import compact_ref, quantize_pack_ref, unpack_dequantize_ref
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_available() -> bool:
     """Whether ``triton`` can be imported."""
     try:
@@ -35,11 +34,11 @@ def quantize_pack(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused min-max quantize + bit-pack of ``x [..., T, D]``: ``(codes, scales, zeros)``.
 
-    Arguments are not checked here; :class:`~kv_baselines.quant.UniformQuantizer` is the checked entry point.
-    See :func:`~kv_baselines.kernels.reference.quantize_pack_ref` for the layout.
+    Arguments are not checked here; :class:`~kvcodec.UniformQuantizer` is the checked entry point.
+    See :func:`~kvcodec.kernels.reference.quantize_pack_ref` for the layout.
     """
     if use_triton(x):
-        from kv_baselines.kernels.triton_quant import quantize_pack_triton
+        from kvcodec.kernels.triton_quant import quantize_pack_triton
 
         return quantize_pack_triton(x, bits, axis, group_size)
     return quantize_pack_ref(x, bits, axis, group_size)
@@ -57,7 +56,7 @@ def unpack_dequantize(
 ) -> torch.Tensor:
     """Fused unpack + dequantize (inverse of :func:`quantize_pack` up to the quantization error)."""
     if use_triton(codes):
-        from kv_baselines.kernels.triton_quant import unpack_dequantize_triton
+        from kvcodec.kernels.triton_quant import unpack_dequantize_triton
 
         return unpack_dequantize_triton(codes, scales, zeros, bits, axis, group_size, shape, dtype)
     return unpack_dequantize_ref(codes, scales, zeros, bits, axis, group_size, shape, dtype)
@@ -77,7 +76,7 @@ def compact(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     if keep.device != x.device:
         raise ValueError(f"keep is on {keep.device} but x is on {x.device}")
     if use_triton(x):
-        from kv_baselines.kernels.triton_compact import compact_triton
+        from kvcodec.kernels.triton_compact import compact_triton
 
         return compact_triton(x, keep)
     return compact_ref(x, keep)

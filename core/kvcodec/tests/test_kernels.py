@@ -4,17 +4,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvcodec import QUANT_BITS, UniformQuantizer, kernels
 from quant_testutil import DTYPES, make_data, ulp
-
-from kv_baselines import kernels
-from kv_baselines.quant import QUANT_BITS, UniformQuantizer
 
 triton = pytest.importorskip("triton")
 # Masked padding lanes of a tile may divide by a tiny scale and overflow to -inf before being clamped and
 # discarded; numpy (the interpreter) warns about it, the GPU does not.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in divide:RuntimeWarning")
-from kv_baselines.kernels.triton_compact import compact_triton  # noqa: E402
-from kv_baselines.kernels.triton_quant import quantize_pack_triton, unpack_dequantize_triton  # noqa: E402
+from kvcodec.kernels.triton_compact import compact_triton
+from kvcodec.kernels.triton_quant import quantize_pack_triton, unpack_dequantize_triton
 
 # compiled on a GPU machine; on CPU the kernels run in the interpreter (conftest.py)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -2,11 +2,11 @@
 
 ``quantize_pack`` / ``unpack_dequantize`` (min-max quantization fused with dense bit-packing, both grouping
 axes, 1/2/3/4/8 bits) and ``compact`` (gather kept entries of a ragged selection). Each dispatcher runs the
-Triton kernel on CUDA tensors and the reference in :mod:`kv_baselines.kernels.reference` otherwise.
+Triton kernel on CUDA tensors and the reference in :mod:`kvcodec.kernels.reference` otherwise.
 """
 
-from kv_baselines.kernels.dispatch import compact, quantize_pack, triton_available, unpack_dequantize, use_triton
-from kv_baselines.kernels.reference import compact_ref, quantize_pack_ref, unpack_dequantize_ref
+from kvcodec.kernels.dispatch import compact, quantize_pack, triton_available, unpack_dequantize, use_triton
+from kvcodec.kernels.reference import compact_ref, quantize_pack_ref, unpack_dequantize_ref
 
 __all__ = [
     "compact", "compact_ref", "quantize_pack", "quantize_pack_ref", "triton_available", "unpack_dequantize",

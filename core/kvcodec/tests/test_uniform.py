@@ -6,10 +6,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvcodec import QUANT_BITS, UniformQuantizer, unpack_codes
 from kvcore import QuantizedTensor, Quantizer
 from quant_testutil import DTYPES, group_view, make_data, ulp
-
-from kv_baselines.quant import QUANT_BITS, UniformQuantizer, unpack_codes
 
 AXES = ("token", "channel")
 

@@ -1,11 +1,11 @@
 """Triton kernels: fused min-max quantize + bit-pack, and fused unpack + dequantize, for both grouping axes.
 
-Same signatures and bit-identical results as :mod:`kv_baselines.kernels.reference` (codes, scales and zeros
+Same signatures and bit-identical results as :mod:`kvcodec.kernels.reference` (codes, scales and zeros
 exactly; dequantized values exactly when compiled without FMA contraction, which the launchers request).
-The scale rule is :mod:`kv_baselines.quant.minmax`; divisions use ``tl.math.div_rn`` (IEEE round-to-nearest,
+The scale rule is :mod:`kvcodec.stats`; divisions use ``tl.math.div_rn`` (IEEE round-to-nearest,
 plain ``/`` is an approximate division on NVIDIA GPUs) and rounding is half-to-even like ``torch.round``.
 
-Layout (DESIGN.md §4: few programs, large blocks):
+Layout (few programs, large blocks):
 
 * ``axis="token"`` (groups of G channels of one token, KIVI values): a program owns ``BLOCK_R`` token rows
   and the whole head dimension. With G a power of two (or G >= D) the tile is reshaped to
@@ -18,7 +18,7 @@ Codes are packed along D in both cases (the ``kvcore.QuantizedTensor`` layout): 
 ``8/b`` codes of a byte are combined with shifts, for b = 3 eight codes form a 24-bit word stored as
 3 bytes, for b = 8 a code is a byte.
 
-This module needs ``triton``; import it lazily (``kv_baselines.kernels.dispatch`` does).
+This module needs ``triton``; import it lazily (``kvcodec.kernels.dispatch`` does).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from kvcore import packed_width
 
-from kv_baselines.quant.minmax import scale_dtype_for, scale_floor
+from kvcodec.stats import scale_dtype_for, scale_floor
 
 _SDT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -84,7 +84,7 @@ def _next_up(s, SDT: tl.constexpr):
 
 @triton.jit
 def _minmax_scale(span, LEVELS: tl.constexpr, SDT: tl.constexpr, FLOOR: tl.constexpr):
-    """``kv_baselines.quant.minmax.minmax_scale`` on float32 ``span = max - min``."""
+    """``kvcodec.stats.minmax_scale`` on float32 ``span = max - min``."""
     s = _to_scale_dtype(tl.math.div_rn(span, tl.full(span.shape, LEVELS, tl.float32)), SDT)
     s = tl.maximum(s, tl.full(span.shape, FLOOR, tl.float32))
     for _ in tl.static_range(2):
@@ -335,7 +335,7 @@ def _block_rows(R: int, block_d: int, block_rows: int | None) -> int:
 def quantize_pack_triton(
     x: torch.Tensor, bits: int, axis: str, group_size: int, *, block_rows: int | None = None, num_warps: int = 4
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton :func:`~kv_baselines.kernels.reference.quantize_pack_ref`.
+    """Triton :func:`~kvcodec.kernels.reference.quantize_pack_ref`.
 
     ``block_rows`` (token axis) sets the token rows per program; the default aims at 4096 elements per
     program. Under ``TRITON_INTERPRET=1`` it runs on CPU tensors.
@@ -384,7 +384,7 @@ def unpack_dequantize_triton(
     block_rows: int | None = None,
     num_warps: int = 4,
 ) -> torch.Tensor:
-    """Triton :func:`~kv_baselines.kernels.reference.unpack_dequantize_ref`."""
+    """Triton :func:`~kvcodec.kernels.reference.unpack_dequantize_ref`."""
     *lead, T, D = shape
     M = math.prod(lead)
     G = group_size

@@ -5,7 +5,7 @@ row-major order, exactly ``x[keep]`` (the reference). The destination of every k
 prefix sum of ``keep`` (one ``torch.cumsum``); the kernel then moves ``BLOCK_R`` rows x the whole head
 dimension per program, reading ``x`` through its strides (no copy of a non-contiguous input).
 
-This module needs ``triton``; import it lazily (``kv_baselines.kernels.dispatch`` does).
+This module needs ``triton``; import it lazily (``kvcodec.kernels.dispatch`` does).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _compact_kernel(
 def compact_triton(
     x: torch.Tensor, keep: torch.Tensor, *, block_rows: int | None = None, num_warps: int = 4
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton :func:`~kv_baselines.kernels.reference.compact_ref`."""
+    """Triton :func:`~kvcodec.kernels.reference.compact_ref`."""
     B, H, T, D = x.shape
     flat_keep = keep.reshape(-1).contiguous()
     lengths = keep.sum(-1)

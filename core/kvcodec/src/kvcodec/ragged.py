@@ -4,8 +4,12 @@
 * :class:`Residual` -- KIVI's full-precision residual buffer, one dense row of slots per segment.
 * :class:`QuantUnits` -- quantized entries, in *units* of ``U`` consecutive entries of one segment: one
   quantization group of ``G`` tokens for per-channel quantizers (KIVI keys), one token for per-token
-  quantizers (KIVI values). Units are quantized once and never re-quantized (anchors.md §3: HF
-  ``QuantizedLayer`` re-quantizes the whole cache when its residual fills).
+  quantizers (KIVI values). Units are quantized once and never re-quantized (HF
+  ``QuantizedLayer`` re-quantizes the whole cache when its residual fills); an evicted entry drops its packed
+  code row while its unit keeps its scale and zero.
+
+Every part can drop any subset of its entries (:meth:`keep`, in the order of ``positions()``) without touching
+the others' bytes.
 
 A *segment* is one (batch row, KV head). Every entry keeps its true position (int32); positions are unique
 inside a segment, so ``(segment, position)`` orders keys and values of different tiers identically on read.
@@ -18,8 +22,8 @@ from __future__ import annotations
 import torch
 from kvcore import QuantizedTensor, Quantizer
 
-import kv_baselines.kernels.dispatch as _kernels
-from kv_baselines.quant.segments import exclusive_cumsum, rank_in_segment, segment_ids, segment_take
+import kvcodec.kernels.dispatch as _kernels
+from kvcodec.segments import exclusive_cumsum, offsets_in_segment, rank_in_segment, segment_ids, segment_take
 
 Entries = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """``(rows [N, D], seg [N] int64, pos [N] int32)``, sorted by segment."""
@@ -40,7 +44,7 @@ class FullRows:
         self.rows, self.pos, self.counts = rows, pos.int(), counts.long()
 
     @classmethod
-    def from_mask(cls, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> "FullRows":
+    def from_mask(cls, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> FullRows:
         """Entries of ``x [B, H, T, D]`` where ``mask [B, H, T]``; ``pos`` ``[B, H, T]``."""
         (rows, _, p), counts = compact_entries(x, mask, pos)
         return cls(rows, p, counts)
@@ -66,6 +70,12 @@ class FullRows:
         self.rows, self.pos = self.rows[idx], self.pos[idx]
         self.counts = torch.bincount(new_seg, minlength=take.numel())
 
+    def keep(self, mask: torch.Tensor) -> None:
+        """Keep the entries where ``mask`` (aligned with :meth:`positions`); the kept rows are copied unchanged."""
+        seg = self._seg()
+        self.counts = torch.bincount(seg[mask], minlength=self.counts.numel())
+        self.rows, self.pos = self.rows[mask], self.pos[mask]
+
 
 class Residual:
     """Full-precision residual: ``data [S, cap, D]`` with ``length [S]`` valid slots per segment, oldest first."""
@@ -74,7 +84,7 @@ class Residual:
         self.data, self.pos, self.length = data, pos.int(), length.long()
 
     @classmethod
-    def from_mask(cls, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> "Residual":
+    def from_mask(cls, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> Residual:
         """Entries of ``x [B, H, T, D]`` where ``mask [B, H, T]``, in ``T`` order per segment."""
         B, H, T, D = x.shape
         S = B * H
@@ -89,6 +99,10 @@ class Residual:
     @property
     def capacity(self) -> int:
         return self.data.shape[1]
+
+    def valid(self) -> torch.Tensor:
+        """``[S, cap]`` bool: slots holding an entry (row-major order = the order of :meth:`positions`)."""
+        return self._valid()
 
     def _valid(self) -> torch.Tensor:
         return torch.arange(self.capacity, device=self.data.device) < self.length[:, None]
@@ -133,7 +147,15 @@ class Residual:
         return out
 
     def crop(self, position: int) -> None:
-        keep = self._valid() & (self.pos < position)
+        self._compact(self._valid() & (self.pos < position))
+
+    def keep(self, mask: torch.Tensor) -> None:
+        """Keep the entries where ``mask`` (aligned with :meth:`positions`), oldest first, slots compacted."""
+        grid = torch.zeros_like(self._valid())
+        grid[self._valid()] = mask
+        self._compact(grid)
+
+    def _compact(self, keep: torch.Tensor) -> None:
         rank = torch.cumsum(keep, 1) - 1
         seg = self._seg_grid()
         data, pos = torch.zeros_like(self.data), torch.zeros_like(self.pos)
@@ -147,12 +169,16 @@ class Residual:
 
 
 class QuantUnits:
-    """Quantized entries in units of ``unit`` consecutive entries of one segment.
+    """Quantized entries in units of ``unit`` consecutive entries of one segment, stored row by row.
 
-    Buffers hold ``capacity`` units (``codes [cap, U, PW]``, ``scales``/``zeros [cap, ...]``, ``seg [cap]``,
-    ``pos [cap, U]``) of which the first ``n`` are in use. A unit's rows past its segment's entries (a
-    partial last group) repeat the unit's last real row, so they leave its min/max unchanged, and have
-    position ``-1`` (not an entry).
+    Unit-level buffers hold one quantization group each (``scales``/``zeros [capU, 1, C]``, ``seg [capU]`` and
+    ``rows [capU]``, the number of code rows the unit still holds; the first ``nu`` in use); row-level buffers hold
+    one packed code row per *entry* (``codes [capR, PW]``, ``pos [capR]``, the first ``nr`` in use), sorted by
+    unit. The group membership is explicit (``rows``; for ``U = 1`` rows and units correspond one to one and
+    ``rows`` is not stored): dropping an entry drops its code row and leaves its unit's scale and zero as they
+    were (never re-quantized; every row of a group shares them, so a row's slot is immaterial); a unit left
+    without rows is freed. A unit's partial last group is quantized with its last real row repeated (the min/max
+    are unchanged) and those padding rows are not stored.
 
     Parameters
     ----------
@@ -162,16 +188,21 @@ class QuantUnits:
         Entries per unit ``U``.
     """
 
+    _UNIT = ("scales", "zeros", "seg", "rows")
+    _ROW = ("codes", "pos")
+
     def __init__(self, quantizer: Quantizer, unit: int) -> None:
         self.quantizer = quantizer
         self.unit = unit
-        self.n = 0
+        self.nu = 0
+        self.nr = 0
         self.codes: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
         self.zeros: torch.Tensor | None = None
         self.codebook: torch.Tensor | None = None
         self.seg: torch.Tensor | None = None
         self.pos: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None
         self._meta: tuple | None = None  # (bits, axis, group_size, D, dtype) of the stored QuantizedTensor
 
     # -- building ---------------------------------------------------------------------------------------
@@ -193,87 +224,113 @@ class QuantUnits:
         return rows[src], unit_seg, torch.where(i < cnt, pos[src], -1).int()
 
     def add(self, x: torch.Tensor, seg: torch.Tensor, pos: torch.Tensor) -> None:
-        """Quantize ``x [Nu, U, D]`` (once) and append the units."""
+        """Quantize ``x [Nu, U, D]`` (once) and append the units and their real rows (``pos >= 0``)."""
         if x.shape[0] == 0:
             return
         q = self.quantizer.quantize(x)
         meta = (q.bits, q.axis, q.group_size, x.shape[-1], q.dtype)
         if self._meta is not None and meta != self._meta:
             raise ValueError(f"quantized units must share (bits, axis, group_size, D, dtype) {self._meta}, got {meta}")
+        if tuple(q.scales.shape[1:-1]) != (1,):
+            raise ValueError(f"a unit must be one quantization group, got scales {tuple(q.scales.shape)}")
+        U = self.unit
+        real = pos >= 0
+        units = {"scales": q.scales, "zeros": q.zeros, "seg": seg.int(), "rows": real.sum(1).int() if U > 1 else None}
+        rows = {"codes": q.codes[real], "pos": pos[real].int()}
         self._meta, self.codebook = meta, q.codebook
-        new = {"codes": q.codes, "scales": q.scales, "zeros": q.zeros, "seg": seg.int(), "pos": pos.int()}
-        m = x.shape[0]
-        if self.codes is None:
-            for name, t in new.items():
-                setattr(self, name, None if t is None else t.clone())
-            self.n = m
-            return
-        if self.n + m > self.capacity:
-            self._resize(max(self.n + m, self.capacity + self.capacity // 2))
-        for name, t in new.items():
-            if t is not None:
-                getattr(self, name)[self.n: self.n + m] = t
-        self.n += m
+        self.nu = self._append(self._UNIT, units, self.nu)
+        self.nr = self._append(self._ROW, rows, self.nr)
 
-    @property
-    def capacity(self) -> int:
-        return 0 if self.codes is None else self.codes.shape[0]
-
-    def _resize(self, cap: int, index: torch.Tensor | None = None) -> None:
-        """Reallocate with ``cap`` units, keeping units ``index`` (default: the ``n`` in use) in front."""
-        keep = torch.arange(self.n, device=self.codes.device) if index is None else index
-        for name in ("codes", "scales", "zeros", "seg", "pos"):
-            old = getattr(self, name)
-            if old is None:
+    def _append(self, names: tuple[str, ...], new: dict[str, torch.Tensor | None], n: int) -> int:
+        m = next(t for t in new.values() if t is not None).shape[0]
+        for name in names:
+            t, old = new[name], getattr(self, name)
+            if t is None:
                 continue
-            new = torch.zeros((cap, *old.shape[1:]), dtype=old.dtype, device=old.device)
-            new[: keep.numel()] = old[keep]
-            setattr(self, name, new)
-        self.n = keep.numel()
+            if old is None:
+                setattr(self, name, t.clone())
+                continue
+            if n + m > old.shape[0]:
+                grown = torch.zeros((max(n + m, old.shape[0] + old.shape[0] // 2), *old.shape[1:]),
+                                    dtype=old.dtype, device=old.device)
+                grown[:n] = old[:n]
+                setattr(self, name, grown)
+                old = grown
+            old[n: n + m] = t
+        return n + m
 
     # -- reading ----------------------------------------------------------------------------------------
-    def entries(self) -> Entries | None:
-        if self.codes is None or self.n == 0:
-            return None
+    @property
+    def empty(self) -> bool:
+        return self.codes is None or self.nr == 0
+
+    def row_unit(self) -> torch.Tensor:
+        """``[nr]`` unit (group) index of every stored row."""
+        if self.unit == 1:
+            return torch.arange(self.nr, device=self.codes.device)
+        return segment_ids(self.rows[: self.nu])
+
+    def dequantized(self) -> torch.Tensor:
+        """``[nr, D]`` dequantized rows (through the quantizer, in its output dtype)."""
         bits, axis, group_size, D, dtype = self._meta
-        n, U = self.n, self.unit
+        nu, U = self.nu, self.unit
+        cell = self.row_unit() * U if U == 1 else self.row_unit() * U + offsets_in_segment(self.rows[: self.nu])
+        codes = torch.zeros(nu * U, self.codes.shape[-1], dtype=torch.uint8, device=self.codes.device)
+        codes[cell] = self.codes[: self.nr]
         q = QuantizedTensor(
-            codes=self.codes[:n], scales=self.scales[:n], zeros=None if self.zeros is None else self.zeros[:n],
-            bits=bits, axis=axis, group_size=group_size, shape=(n, U, D), dtype=dtype, codebook=self.codebook,
+            codes=codes.view(nu, U, -1), scales=self.scales[:nu],
+            zeros=None if self.zeros is None else self.zeros[:nu], bits=bits, axis=axis, group_size=group_size,
+            shape=(nu, U, D), dtype=dtype, codebook=self.codebook,
         )
-        x = self.quantizer.dequantize(q)
-        pos = self.pos[:n]
-        valid = pos >= 0
-        seg = self.seg[:n, None].long().expand(n, U)
-        return x[valid], seg[valid], pos[valid]
+        return self.quantizer.dequantize(q).reshape(nu * U, D)[cell]
+
+    def entries(self) -> Entries | None:
+        if self.empty:
+            return None
+        return self.dequantized(), self.seg[self.row_unit()].long(), self.pos[: self.nr]
 
     def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.codes is None or self.n == 0:
+        if self.empty:
             empty = torch.zeros(0, dtype=torch.long, device=self.codes.device if self.codes is not None else None)
             return empty, empty.int()
-        pos = self.pos[: self.n]
-        seg = self.seg[: self.n, None].long().expand_as(pos)
-        return seg[pos >= 0], pos[pos >= 0]
+        return self.seg[self.row_unit()].long(), self.pos[: self.nr]
 
     def counts(self, num_segments: int, device: torch.device) -> torch.Tensor:
-        if self.codes is None or self.n == 0:
+        if self.empty:
             return torch.zeros(num_segments, dtype=torch.long, device=device)
-        per_unit = (self.pos[: self.n] >= 0).sum(1)
-        return torch.bincount(self.seg[: self.n].long(), weights=per_unit.double(), minlength=num_segments).long()
+        return torch.bincount(self.seg[self.row_unit()].long(), minlength=num_segments)
 
     # -- editing ----------------------------------------------------------------------------------------
-    def crop(self, position: int) -> None:
-        """Drop entries at ``position`` or later (their rows stay in a kept unit); empty units are freed."""
+    def keep(self, mask: torch.Tensor) -> None:
+        """Keep the rows where ``mask`` (aligned with :meth:`positions`); units left without rows are freed.
+
+        Kept rows and the scales/zeros of kept units are copied unchanged; buffers shrink to the kept size.
+        """
         if self.codes is None:
             return
-        pos = self.pos[: self.n]
-        pos.masked_fill_(pos >= position, -1)
-        keep = (pos >= 0).any(1).nonzero().flatten()
-        self._resize(keep.numel(), keep)
+        row_idx = mask.nonzero().flatten()
+        per_unit = torch.bincount(self.row_unit()[row_idx], minlength=self.nu)
+        unit_idx = (per_unit > 0).nonzero().flatten()
+        self._select(row_idx, unit_idx, per_unit[unit_idx])
+
+    def _select(self, row_idx: torch.Tensor, unit_idx: torch.Tensor, rows_per_unit: torch.Tensor | None) -> None:
+        """Rows ``row_idx`` and units ``unit_idx`` (old indices, rows grouped by unit in the new unit order)."""
+        units = {n: None if getattr(self, n) is None else getattr(self, n)[unit_idx] for n in self._UNIT}
+        units["rows"] = None if self.unit == 1 else rows_per_unit.int()
+        for name, t in {**units, "codes": self.codes[row_idx], "pos": self.pos[row_idx]}.items():
+            setattr(self, name, t)
+        self.nu, self.nr = unit_idx.numel(), row_idx.numel()
+
+    def crop(self, position: int) -> None:
+        """Drop entries at ``position`` or later; units left without entries are freed."""
+        if self.codes is None:
+            return
+        self.keep(self.pos[: self.nr] < position)
 
     def take_segments(self, take: torch.Tensor, num_segments: int) -> None:
         if self.codes is None:
             return
-        idx, new_seg = segment_take(self.seg[: self.n], take, num_segments)
-        self._resize(idx.numel(), idx)
-        self.seg[: self.n] = new_seg.int()
+        unit_idx, new_seg = segment_take(self.seg[: self.nu], take, num_segments)
+        row_idx, _ = segment_take(self.row_unit(), unit_idx, self.nu)
+        self._select(row_idx, unit_idx, None if self.unit == 1 else self.rows[unit_idx])
+        self.seg[: self.nu] = new_seg.int()

@@ -9,8 +9,9 @@ from kvcore import QuantizedTensor
 from kvcore.checks import check_finite, check_float, check_tensor
 from kvcore.quantized import AXES, Axis
 
-import kv_baselines.kernels.dispatch as _kernels
-from kv_baselines.quant.minmax import QUANT_BITS
+import kvcodec.kernels.dispatch as _kernels
+from kvcodec.packing import pack_unchecked
+from kvcodec.stats import QUANT_BITS, expand_groups, minmax_scale, minmax_stats, resolve_group_size, scale_dtype_for
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,7 @@ class UniformQuantizer:
 
     Per group: ``zero = min``, ``scale ~ (max - min) / (2**bits - 1)``, ``code = round((x - zero) / scale)``
     (Liu et al. 2024, "KIVI", §3; HqeKV §3.1 Eq. 1). The exact rounding of ``zero`` and ``scale`` is
-    :mod:`kv_baselines.quant.minmax`; it guarantees ``|x - dequantize(quantize(x))| <= scale/2`` per element
+    :mod:`kvcodec.stats`; it guarantees ``|x - dequantize(quantize(x))| <= scale/2`` per element
     (plus the rounding of the output dtype), no clamped code, and ``quantize(dequantize(q)).codes == q.codes``.
 
     Parameters
@@ -37,9 +38,9 @@ class UniformQuantizer:
     -----
     Codes are bit-packed densely along ``D`` (``kvcore.QuantizedTensor``; 8 codes in 3 bytes at 3 bits).
     Zeros are stored in the input dtype; scales in the input dtype as well, except float32 scales for bf16
-    input at 8 bits (bf16 cannot resolve steps of 1/255; :func:`~kv_baselines.quant.minmax.scale_dtype_for`).
+    input at 8 bits (bf16 cannot resolve steps of 1/255; :func:`~kvcodec.stats.scale_dtype_for`).
     ``QuantizedTensor.nbytes`` is then exactly codes + scales + zeros. CUDA tensors run the fused Triton
-    kernels of :mod:`kv_baselines.kernels`, CPU tensors the PyTorch reference; both give identical codes.
+    kernels of :mod:`kvcodec.kernels`, CPU tensors the PyTorch reference; both give identical codes.
     """
 
     bits: int = 2
@@ -90,3 +91,34 @@ class UniformQuantizer:
                 f"group_size={G}; got {tuple(q.scales.shape)} and {tuple(q.zeros.shape)}"
             )
         return _kernels.unpack_dequantize(q.codes, q.scales, q.zeros, q.bits, q.axis, G, q.shape, q.dtype)
+
+
+def quantize_minmax(
+    x: torch.Tensor, bits: int, axis: str, group_size: int | None = None, ignore: torch.Tensor | None = None
+) -> QuantizedTensor:
+    """Uniform min-max quantization with whole-axis groups and masked statistics (PyTorch, any device).
+
+    Same rule as :class:`UniformQuantizer` (``zero = min``, the scale rule of :mod:`kvcodec.stats`), with two
+    extensions: ``group_size=None`` makes one group per token (``axis="token"``) or per channel
+    (``axis="channel"``) over the whole axis, and entries where ``ignore`` is ``True`` do not enter the group
+    statistics (HEX-style full-precision outliers kept elsewhere); their codes are clamped to ``[0, 2**bits - 1]``.
+    Without ``ignore`` the result equals ``UniformQuantizer(bits, axis, G).quantize(x)`` bit for bit.
+    ``UniformQuantizer.dequantize`` dequantizes the result.
+    """
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in QUANT_BITS:
+        raise ValueError(f"bits must be one of {QUANT_BITS}, got {bits!r}")
+    check_finite("x", check_float("x", check_tensor("x", x)))
+    G = resolve_group_size(tuple(x.shape), axis, group_size)
+    stats = minmax_stats(x, axis, G, ignore)
+    sdt = scale_dtype_for(x.dtype, bits)
+    scale = minmax_scale(stats.span, bits, sdt)
+    *lead, T, D = x.shape
+    zero = stats.lo.to(x.dtype)  # a group minimum: exact in x.dtype
+    s, z = (expand_groups(t, axis, G, T, D) for t in (scale, zero.float()))
+    codes = torch.round((x.float() - z) / s).clamp_(0, (1 << bits) - 1).to(torch.uint8)
+    if not bool(torch.isfinite(scale).all()):
+        raise ValueError(f"x has a group range too large for {sdt} scales at bits={bits}; quantize it in float32")
+    return QuantizedTensor(
+        codes=pack_unchecked(codes, bits), scales=scale.to(sdt), zeros=zero, bits=bits, axis=axis, group_size=G,
+        shape=tuple(x.shape), dtype=x.dtype,
+    )

@@ -14,8 +14,8 @@ import math
 import torch
 from kvcore import packed_width
 
-from kv_baselines.quant.minmax import minmax_scale, scale_dtype_for
-from kv_baselines.quant.packing import pack_unchecked, unpack_unchecked
+from kvcodec.packing import pack_unchecked, unpack_unchecked
+from kvcodec.stats import minmax_scale, scale_dtype_for
 
 
 def _pad_groups(x: torch.Tensor, axis: str, group_size: int, replicate: bool) -> tuple[torch.Tensor, int]:
@@ -42,7 +42,7 @@ def _pad_groups(x: torch.Tensor, axis: str, group_size: int, replicate: bool) ->
 def quantize_pack_ref(
     x: torch.Tensor, bits: int, axis: str, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize ``x [..., T, D]`` per group with the min-max rule of :mod:`kv_baselines.quant.minmax`.
+    """Quantize ``x [..., T, D]`` per group with the min-max rule of :mod:`kvcodec.stats`.
 
     Returns
     -------
@@ -108,3 +108,33 @@ def unpack_dequantize_ref(
 def compact_ref(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Kept entries of ``x [B, H, T, D]`` under ``keep [B, H, T]`` as ``([N, D] in (b, h, t) order, [B, H] counts)``."""
     return x[keep], keep.sum(-1)
+
+
+def dequantize_rows_ref(side, row: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """float32 ``[*row.shape, D]``: dequantized code rows (``row >= 0``) or full rows (``row < 0``) of a
+    :class:`~kvcodec.attention.CodeRows`."""
+    D = side.head_dim
+    r, g = row.reshape(-1).long(), group.reshape(-1).long()
+    quant = r >= 0
+    out = torch.zeros(r.numel(), D, dtype=torch.float32, device=row.device)
+    if side.codes.shape[0] and bool(quant.any()):
+        qr, qg = r[quant], g[quant]
+        codes = unpack_unchecked(side.codes[qr], side.bits, D).float()
+        col = torch.arange(D, device=row.device)
+        if side.axis == "token":
+            col = col // side.group_size
+        out[quant] = side.zeros.float()[qg][:, col] + codes * side.scales.float()[qg][:, col]
+    if side.full.shape[0] and bool((~quant).any()):
+        out[~quant] = side.full.float()[-1 - r[~quant]]
+    return out.view(*row.shape, D)
+
+
+def quantized_attention_ref(query: torch.Tensor, segment, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference of :func:`~kvcodec.quantized_attention` (dequantizes, then ``kvcore.reference_attention``)."""
+    from kvcore import KVView, reference_attention
+
+    k = dequantize_rows_ref(segment.keys, segment.key_row, segment.key_group)
+    v = dequantize_rows_ref(segment.values, segment.value_row, segment.value_group)
+    bias = segment.bias.float()
+    pos = torch.where(bias == float("-inf"), -1, 0).long()
+    return reference_attention(KVView(k, v, pos, bias), query, scale)

@@ -6,9 +6,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvcodec import pack_codes, unpack_codes
 from kvcore import packed_width
-
-from kv_baselines.quant import pack_codes, unpack_codes
 
 BITS = list(range(1, 9))
 

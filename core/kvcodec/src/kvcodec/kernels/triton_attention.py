@@ -1,0 +1,136 @@
+"""Triton kernel: decode attention over a :class:`~kvcodec.attention.QuantizedSegment`, dequantizing in registers.
+
+One program per (batch row, KV head) owns the ``Hq/Hkv * Q`` query rows of that head (GQA without repeating K/V)
+and walks the head's ``T`` entries in ``NUM_T_BLOCKS`` (a compile-time count) blocks of ``BLOCK_T`` with an online
+softmax (FlashAttention, Dao et al. 2022, §3.1). Each entry's key and value are read through the index maps: a packed
+code row (two bytes per code read and shifted, which covers every width 1-8 including 3) dequantized as
+``zero + code * scale`` in float32, or a full-precision row. Products are broadcast-and-sum in float32 (no ``tl.dot``:
+decode has a handful of query rows, and the interpreter's ``tl.dot`` is wrong for bf16).
+
+This module needs ``triton``; :func:`kvcodec.quantized_attention` imports it lazily for CUDA queries.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_side(codes_ptr, scales_ptr, zeros_ptr, full_ptr, row, grp, tmask, d, PW, C,
+               BITS: tl.constexpr, GCOL: tl.constexpr, D: tl.constexpr):
+    quant = (row >= 0) & tmask
+    isfull = (row < 0) & tmask
+    r = tl.where(quant, row, 0).to(tl.int64)
+    g = tl.where(quant, grp, 0).to(tl.int64)
+    f = tl.where(isfull, -1 - row, 0).to(tl.int64)
+    dmask = d < D
+    bitpos = d * BITS
+    byte = bitpos // 8
+    sh = bitpos % 8
+    m2 = quant[:, None] & dmask[None, :]
+    b0 = tl.load(codes_ptr + r[:, None] * PW + byte[None, :], mask=m2, other=0).to(tl.int32)
+    b1 = tl.load(codes_ptr + r[:, None] * PW + byte[None, :] + 1, mask=m2 & ((byte + 1) < PW)[None, :], other=0)
+    word = b0 | (b1.to(tl.int32) << 8)
+    code = (word >> sh[None, :]) & ((1 << BITS) - 1)
+    col = d // GCOL
+    s = tl.load(scales_ptr + g[:, None] * C + col[None, :], mask=m2, other=0.0).to(tl.float32)
+    z = tl.load(zeros_ptr + g[:, None] * C + col[None, :], mask=m2, other=0.0).to(tl.float32)
+    deq = z + code.to(tl.float32) * s
+    fv = tl.load(full_ptr + f[:, None] * D + d[None, :], mask=isfull[:, None] & dmask[None, :], other=0.0)
+    return tl.where(quant[:, None], deq, fv.to(tl.float32))
+
+
+@triton.jit
+def _quantized_attention_kernel(
+    q_ptr, out_ptr, lse_ptr,
+    kc_ptr, ks_ptr, kz_ptr, kf_ptr, vc_ptr, vs_ptr, vz_ptr, vf_ptr,
+    krow_ptr, kgrp_ptr, vrow_ptr, vgrp_ptr, bias_ptr,
+    sqb, sqh, sqq, sqd, H, T, Q, KPW, KC, VPW, VC, scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_T_BLOCKS: tl.constexpr, KBITS: tl.constexpr, KGCOL: tl.constexpr, VBITS: tl.constexpr,
+    VGCOL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    m = tl.arange(0, BLOCK_M)
+    mmask = m < GROUP * Q
+    hq = h * GROUP + m // Q
+    qi = m % Q
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    qoff = b.to(tl.int64) * sqb + hq.to(tl.int64) * sqh + qi.to(tl.int64) * sqq
+    qmask = mmask[:, None] & dmask[None, :]
+    qv = tl.load(q_ptr + qoff[:, None] + d[None, :].to(tl.int64) * sqd, mask=qmask, other=0.0).to(tl.float32)
+    qv = qv * scale
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for blk in range(NUM_T_BLOCKS):
+        t = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+        tmask = t < T
+        base = pid.to(tl.int64) * T + t
+        krow = tl.load(krow_ptr + base, mask=tmask, other=0)
+        kgrp = tl.load(kgrp_ptr + base, mask=tmask, other=0)
+        vrow = tl.load(vrow_ptr + base, mask=tmask, other=0)
+        vgrp = tl.load(vgrp_ptr + base, mask=tmask, other=0)
+        bias = tl.load(bias_ptr + base, mask=tmask, other=float("-inf"))
+        k = _load_side(kc_ptr, ks_ptr, kz_ptr, kf_ptr, krow, kgrp, tmask, d, KPW, KC, KBITS, KGCOL, D)
+        v = _load_side(vc_ptr, vs_ptr, vz_ptr, vf_ptr, vrow, vgrp, tmask, d, VPW, VC, VBITS, VGCOL, D)
+        logits = tl.sum(qv[:, None, :] * k[None, :, :], axis=2) + bias[None, :]
+        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(logits - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    row = (b * (H * GROUP) + hq).to(tl.int64) * Q + qi
+    tl.store(out_ptr + row[:, None] * D + d[None, :], out, mask=qmask)
+    tl.store(lse_ptr + row, lse, mask=mmask)
+
+
+def _full_or_dummy(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous() if t.shape[0] else torch.zeros(1, t.shape[1], dtype=t.dtype, device=t.device)
+
+
+def _params(side) -> tuple:
+    codes = side.codes.contiguous() if side.codes.shape[0] else torch.zeros(1, side.codes.shape[1] or 1,
+                                                                             dtype=torch.uint8, device=side.codes.device)
+    scales = side.scales.contiguous() if side.scales.shape[0] else torch.zeros(1, max(side.scales.shape[1], 1),
+                                                                               device=side.codes.device)
+    zeros = side.zeros.contiguous() if side.zeros.shape[0] else torch.zeros_like(scales)
+    gcol = 1 if side.axis == "channel" else side.group_size
+    return codes, scales, zeros, _full_or_dummy(side.full), side.codes.shape[1], side.scales.shape[1], gcol
+
+
+def quantized_attention_triton(
+    query: torch.Tensor, segment, scale: float, *, block_t: int | None = None, num_warps: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton :func:`~kvcodec.kernels.reference.quantized_attention_ref` (same arguments, same results)."""
+    B, H, T, D = segment.shape
+    Hq, Q = query.shape[1], query.shape[2]
+    group = Hq // H
+    out = torch.zeros(B, Hq, Q, D, dtype=torch.float32, device=query.device)
+    lse = torch.full((B, Hq, Q), float("-inf"), dtype=torch.float32, device=query.device)
+    if B * H == 0 or Q == 0 or D == 0:
+        return out, lse
+    kc, ks, kz, kf, kpw, kC, kg = _params(segment.keys)
+    vc, vs, vz, vf, vpw, vC, vg = _params(segment.values)
+    bt = block_t if block_t is not None else min(64, max(1, 1 << max(T - 1, 0).bit_length()))
+    bt = 1 << (bt - 1).bit_length()
+    _quantized_attention_kernel[(B * H,)](
+        query, out, lse, kc, ks, kz, kf, vc, vs, vz, vf,
+        segment.key_row.contiguous(), segment.key_group.contiguous(), segment.value_row.contiguous(),
+        segment.value_group.contiguous(), segment.bias.float().contiguous(),
+        *query.stride(), H, T, Q, kpw, kC, vpw, vC, float(scale),
+        GROUP=group, D=D, BLOCK_M=max(1, 1 << (group * Q - 1).bit_length()), BLOCK_T=bt,
+        BLOCK_D=max(1, 1 << (D - 1).bit_length()), NUM_T_BLOCKS=triton.cdiv(T, bt), KBITS=segment.keys.bits,
+        KGCOL=kg, VBITS=segment.values.bits, VGCOL=vg, num_warps=num_warps,
+    )
+    return out, lse

@@ -1,0 +1,231 @@
+"""KIVIStore on kvcore contract v2: tiers/retier (eviction of any entry, untouched bytes, all-or-nothing), the fused
+attend, the unquantized-plan warning, and kivi(evict=...)."""
+
+import warnings
+
+import kv_baselines as kb
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kv_baselines.quant import KIVIStore, KIVIUnquantizedWarning, UniformQuantizer, kivi_tiers
+from kvcore import EVICT, FULL, DenseStore, Plan, ScoringContext, reference_attention
+
+
+def _filled(seed=0, B=2, H=2, T=29, D=8, G=4, R=8, bits=2, appends=6, dtype=torch.float32, evict=0.3):
+    gen = torch.Generator().manual_seed(seed)
+    store = KIVIStore(UniformQuantizer(bits, "channel", G), UniformQuantizer(bits, "token", G), residual=R)
+    k, v = torch.randn(B, H, T, D, generator=gen).to(dtype), torch.randn(B, H, T, D, generator=gen).to(dtype)
+    keep = torch.rand(B, H, T, generator=gen) >= evict
+    plan = Plan(kivi_tiers(keep, bits, R, "keys"), kivi_tiers(keep, bits, R, "values"))
+    store.write(k, v, plan, torch.arange(T).expand(B, T))
+    for i in range(appends):
+        store.append(
+            torch.randn(B, H, 1, D, generator=gen).to(dtype),
+            torch.randn(B, H, 1, D, generator=gen).to(dtype),
+            torch.full((B, 1), T + i),
+        )
+    return store
+
+
+def _held_bytes(store):
+    """Packed code rows, group parameters and full rows per kind, with their positions (for identity checks)."""
+    out = {}
+    for kind, (full, units, resid) in store._parts.items():
+        seg, pos = units.positions()
+        out[kind] = {
+            "quant": {
+                (int(s), int(p)): (units.codes[i].clone(), units.scales[u].clone(), units.zeros[u].clone())
+                for i, (s, p, u) in enumerate(zip(seg, pos, units.row_unit()))
+            },
+            "full": {(int(s), int(p)): r.clone() for (s, p), r in zip(zip(*full.positions()), full.rows)},
+            "resid": {
+                (int(s), int(p)): r.clone() for (s, p), r in zip(zip(*resid.positions()), resid.data[resid.valid()])
+            },
+        }
+    return out
+
+
+def test_tiers_are_laid_out_like_read_and_match_the_write_plan():
+    B, H, T, R, G = 1, 2, 21, 8, 4
+    keep = torch.rand(B, H, T, generator=torch.Generator().manual_seed(1)) > 0.2
+    plan = Plan(kivi_tiers(keep, 2, R, "keys"), kivi_tiers(keep, 2, R, "values"))
+    store = KIVIStore(UniformQuantizer(2, "channel", G), UniformQuantizer(2, "token", G), residual=R)
+    store.write(torch.randn(B, H, T, 8), torch.randn(B, H, T, 8), plan, torch.arange(T)[None])
+    tiers, view = store.tiers(), store.read()
+    assert tiers.key_bits.shape == view.positions.shape
+    assert torch.equal(tiers.key_bits != EVICT, view.valid)
+    for h in range(H):  # the kept entries' tiers in position order are the plan's
+        assert torch.equal(tiers.key_bits[0, h][view.valid[0, h]], plan.key_bits[0, h][keep[0, h]])
+        assert torch.equal(tiers.value_bits[0, h][view.valid[0, h]], plan.value_bits[0, h][keep[0, h]])
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), frac=st.floats(0.0, 1.0))
+def test_retier_evicts_exactly_and_leaves_kept_bytes_untouched(seed, frac):
+    """Invariant: after retier, read() holds exactly the kept entries with the same values, the kept entries'
+    codes/scales/zeros/full rows are bit-identical, and memory does not grow."""
+    store = _filled(seed)
+    view, tiers = store.read(), store.tiers()
+    before, nbytes = _held_bytes(store), store.nbytes()
+    drop = (torch.rand(view.positions.shape, generator=torch.Generator().manual_seed(seed + 1)) < frac) & view.valid
+    new_k = torch.where(drop, EVICT, tiers.key_bits).to(torch.uint8)
+    new_v = torch.where(drop, EVICT, tiers.value_bits).to(torch.uint8)
+    store.retier(Plan(new_k, new_v))
+    after = store.read()
+    kept = view.valid & ~drop
+    assert torch.equal(store.seq_lengths(), kept.sum(-1))
+    for b in range(view.positions.shape[0]):
+        for h in range(view.positions.shape[1]):
+            n = int(kept[b, h].sum())
+            assert torch.equal(after.positions[b, h, :n], view.positions[b, h][kept[b, h]])
+            assert torch.equal(after.keys[b, h, :n], view.keys[b, h][kept[b, h]])
+            assert torch.equal(after.values[b, h, :n], view.values[b, h][kept[b, h]])
+    held = _held_bytes(store)
+    for kind in held:
+        for part in held[kind]:
+            for key, val in held[kind][part].items():
+                old = before[kind][part][key]
+                if isinstance(val, tuple):
+                    assert all(torch.equal(a, b) for a, b in zip(val, old))
+                else:
+                    assert torch.equal(val, old)
+    assert store.nbytes() <= nbytes
+    if frac == 1.0 or bool(drop.sum() == view.valid.sum()):
+        assert int(store.seq_lengths().sum()) == 0
+
+
+def test_retier_drops_a_code_row_inside_a_key_group_without_requantizing():
+    store = _filled(3, B=1, H=1, T=16, appends=0, evict=0.0)  # keys: two quantized groups of 4 ... and residual
+    units = store._parts["k"][1]
+    rows_before, params = units.nr, units.scales[: units.nu].clone()
+    tiers = store.tiers()
+    kb_ = tiers.key_bits.clone()
+    kb_[0, 0, 1] = EVICT  # an entry of the first per-channel key group
+    vb_ = tiers.value_bits.clone()
+    vb_[0, 0, 1] = EVICT
+    store.retier(Plan(kb_, vb_))
+    assert units.nr == rows_before - 1 and torch.equal(units.scales[: units.nu], params)
+
+
+@pytest.mark.parametrize("case", ["up", "other_width", "padding", "mismatch", "shape"])
+def test_retier_rejects_bad_plans_and_changes_nothing(case):
+    store = _filled(5)
+    view, tiers, nbytes = store.read(), store.tiers(), store.nbytes()
+    kb_, vb_ = tiers.key_bits.clone(), tiers.value_bits.clone()
+    quant = (kb_ == 2).nonzero()[0]
+    if case == "up":
+        kb_[tuple(quant)] = FULL
+    elif case == "other_width":
+        kb_[tuple(quant)] = 4
+    elif case == "padding":
+        pad = (~view.valid).nonzero()[0]
+        kb_[tuple(pad)] = FULL
+        vb_[tuple(pad)] = FULL
+    elif case == "mismatch":
+        kb_[tuple(quant)] = EVICT
+    else:
+        kb_, vb_ = kb_[..., :-1], vb_[..., :-1]
+    with pytest.raises(ValueError, match="plan"):
+        store.retier(Plan(kb_, vb_))
+    after = store.read()
+    assert (
+        store.nbytes() == nbytes and torch.equal(after.keys, view.keys) and torch.equal(after.positions, view.positions)
+    )
+
+
+@pytest.mark.parametrize("group", [1, 2])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_attend_equals_reference_attention_over_read(group, bits):
+    store = _filled(7, bits=bits)
+    q = torch.randn(2, 2 * group, 2, 8, generator=torch.Generator().manual_seed(8))
+    out, lse = store.attend(q, 0.4)
+    ref_out, ref_lse = reference_attention(store.read(), q, 0.4)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    # after eviction through retier, and with permanent full rows (FULL entries before quantized ones)
+    tiers = store.tiers()
+    drop = torch.zeros_like(tiers.key_bits, dtype=torch.bool)
+    drop[0, 1, :5] = True
+    drop &= tiers.key_bits != EVICT
+    store.retier(
+        Plan(
+            torch.where(drop, EVICT, tiers.key_bits).to(torch.uint8),
+            torch.where(drop, EVICT, tiers.value_bits).to(torch.uint8),
+        )
+    )
+    out, lse = store.attend(q)
+    ref_out, ref_lse = reference_attention(store.read(), q)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_attend_with_permanent_full_rows_and_empty_heads():
+    B, H, T, D = 1, 2, 12, 8
+    kb_ = torch.full((B, H, T), 2, dtype=torch.uint8)
+    kb_[0, 0, :3] = FULL  # permanent full-precision rows before quantized entries
+    kb_[0, 1] = EVICT  # an empty head
+    store = KIVIStore(UniformQuantizer(2, "channel", 4), UniformQuantizer(2, "token", 4), residual=4)
+    store.write(torch.randn(B, H, T, D), torch.randn(B, H, T, D), Plan(kb_), torch.arange(T)[None])
+    q = torch.randn(B, 4, 1, D)
+    out, lse = store.attend(q)
+    ref_out, ref_lse = reference_attention(store.read(), q)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse)
+    assert bool(torch.isinf(lse[0, 2:]).all())
+
+
+def test_attend_through_the_triton_kernel_matches():
+    pytest.importorskip("triton")
+    from kvcodec.kernels.reference import quantized_attention_ref
+    from kvcodec.kernels.triton_attention import quantized_attention_triton
+
+    store = _filled(11, B=1, H=2, T=13, appends=3)
+    seg = store.quantized_segment()
+    q = torch.randn(1, 4, 1, 8, generator=torch.Generator().manual_seed(12))
+    out, lse = quantized_attention_triton(q, seg, 0.35, block_t=8)
+    ref_out, ref_lse = reference_attention(store.read(), q, 0.35)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(quantized_attention_ref(q, seg, 0.35)[0], ref_out, rtol=1e-5, atol=1e-5)
+
+
+def test_write_warns_when_a_long_plan_quantizes_nothing():
+    store = KIVIStore(UniformQuantizer(2, "channel", 4), UniformQuantizer(2, "token", 4), residual=8)
+    x = torch.randn(1, 1, 12, 8)
+    with pytest.warns(KIVIUnquantizedWarning, match="KIVITierSelector"):
+        store.write(x, x, Plan.from_keep(torch.ones(1, 1, 12, dtype=torch.bool)), torch.arange(12)[None])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KIVIUnquantizedWarning)
+        store.write(
+            x[:, :, :8], x[:, :, :8], Plan.from_keep(torch.ones(1, 1, 8, dtype=torch.bool)), torch.arange(8)[None]
+        )
+        keep = torch.ones(1, 1, 12, dtype=torch.bool)
+        store.write(
+            x, x, Plan(kivi_tiers(keep, 2, 8, "keys"), kivi_tiers(keep, 2, 8, "values")), torch.arange(12)[None]
+        )
+
+
+def test_kivi_with_evict_quantizes_what_the_eviction_keeps():
+    torch.manual_seed(0)
+    B, H, T, D = 1, 2, 96, 16
+    ctx = ScoringContext(
+        keys=torch.randn(B, H, T, D),
+        values=torch.randn(B, H, T, D),
+        queries=torch.randn(B, 4, T, D),
+        positions=torch.arange(T)[None],
+    )
+    evict = kb.snapkv(0.5, window=8)
+    comp = kb.kivi(2, evict=evict, group_size=8, residual=16)
+    store = comp.compress(ctx)
+    dense = evict.compress(ctx)
+    assert isinstance(store, KIVIStore) and isinstance(dense, DenseStore)
+    assert torch.equal(store.seq_lengths(), dense.seq_lengths())  # same eviction
+    assert torch.equal(store.read().positions, dense.read().positions)
+    assert int(store.entry_counts()["keys_quantized"].sum()) > 0
+    assert store.nbytes() < dense.nbytes()
+    assert comp.budget == evict.budget and comp.protect == evict.protect and comp.scorer is evict.scorer
+    legacy = kb.snapkv_kivi(0.5, bits=2, window=8, group_size=8, residual=16).compress(ctx)
+    assert torch.equal(legacy.read().keys, store.read().keys)
+    with pytest.raises(TypeError, match="evict"):
+        kb.kivi(2, evict="snapkv")
