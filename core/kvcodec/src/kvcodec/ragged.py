@@ -156,12 +156,18 @@ class Residual:
         self._compact(grid)
 
     def _compact(self, keep: torch.Tensor) -> None:
+        """Keep the ``keep [S, cap]`` slots, oldest first; the buffers shrink to the longest segment kept, so dropped
+        entries hold no memory."""
         rank = torch.cumsum(keep, 1) - 1
         seg = self._seg_grid()
-        data, pos = torch.zeros_like(self.data), torch.zeros_like(self.pos)
+        length = keep.sum(1)
+        cap = int(length.max()) if length.numel() else 0
+        S, _, D = self.data.shape
+        data = torch.zeros(S, cap, D, dtype=self.data.dtype, device=self.data.device)
+        pos = torch.zeros(S, cap, dtype=self.pos.dtype, device=self.pos.device)
         data[seg[keep], rank[keep]] = self.data[keep]
         pos[seg[keep], rank[keep]] = self.pos[keep]
-        self.data, self.pos, self.length = data, pos, keep.sum(1)
+        self.data, self.pos, self.length = data, pos, length
 
     def take_segments(self, take: torch.Tensor, num_segments: int) -> None:
         take = take.long().to(self.data.device)
