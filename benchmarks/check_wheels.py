@@ -120,7 +120,7 @@ def workspace_closure(names: list[str], members: dict[str, Member]) -> list[str]
 
 def run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 900) -> tuple[int, str]:
     """Run ``cmd``; return its exit status and combined output."""
-    res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    res = subprocess.run(cmd, check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     return res.returncode, res.stdout + res.stderr
 
 

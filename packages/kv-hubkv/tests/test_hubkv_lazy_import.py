@@ -7,9 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import kvcore
-
 import kv_hubkv
+import kvcore
 
 LAZY = ("kv_hubkv.theory", "kv_hubkv.diagnostics")
 
@@ -19,7 +18,9 @@ def _run(code: str) -> subprocess.CompletedProcess:
     src = [str(Path(kv_hubkv.__file__).parents[1]), str(Path(kvcore.__file__).parents[1])]
     path = os.pathsep.join([*src, os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def test_import_does_not_load_theory_or_diagnostics():

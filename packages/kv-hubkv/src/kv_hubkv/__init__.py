@@ -32,8 +32,8 @@ from .selectivity import head_statistics, head_weights
 from .triton_kernel import HAS_TRITON, refine_triton
 
 __all__ = [
-    "DecodingSchedule",
     "HAS_TRITON",
+    "DecodingSchedule",
     "HubKV",
     "HubKVConfig",
     "diagnostics",
