@@ -12,9 +12,14 @@ DecodingSchedule             decoding-stage re-compression parameters (§4.3, Ap
 local_hubs, head_weights     building blocks (Eqs. 6 and 8–9)
 theory                       F_sub, marginal gains, greedy oracle, Prop. 3 bounds (Appendix J)
 diagnostics                  Appendix I diagnostics on captured scores
+
+``theory`` and ``diagnostics`` are analysis tools, not on the inference path: they are imported on first
+attribute access (``kv_hubkv.theory``), so ``import kv_hubkv`` stays cheap.
 """
 
-from . import diagnostics, theory
+import importlib
+from types import ModuleType
+
 from .ceiling import retention_ceiling
 from .compressor import hubkv
 from .config import HubKVConfig
@@ -27,8 +32,8 @@ from .selectivity import head_statistics, head_weights
 from .triton_kernel import HAS_TRITON, refine_triton
 
 __all__ = [
-    "DecodingSchedule",
     "HAS_TRITON",
+    "DecodingSchedule",
     "HubKV",
     "HubKVConfig",
     "diagnostics",
@@ -44,3 +49,18 @@ __all__ = [
     "smd_discount",
     "theory",
 ]
+
+_LAZY_SUBMODULES = ("diagnostics", "theory")
+
+
+def __getattr__(name: str) -> ModuleType:
+    """Import the analysis submodules (``theory``, ``diagnostics``) on first access (PEP 562)."""
+    if name in _LAZY_SUBMODULES:
+        module = importlib.import_module(f"{__name__}.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
