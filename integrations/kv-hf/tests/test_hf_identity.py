@@ -1,4 +1,4 @@
-"""Ratio 0 through the compressed path gives the unmodified model's logits (DESIGN.md §5)."""
+"""Ratio 0 through the compressed path gives the unmodified model's logits."""
 
 import kv_hf
 import pytest

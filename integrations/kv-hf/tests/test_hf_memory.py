@@ -1,4 +1,4 @@
-"""Eviction frees real bytes: cache.nbytes() is what the Stores hold (DESIGN.md §3 Store, anchors.md §9)."""
+"""Eviction frees real bytes: cache.nbytes() is what the Stores hold."""
 
 import kv_hf
 import torch

@@ -1,4 +1,4 @@
-"""True positions after eviction (anchors.md §3 gotcha, §9): cache length != token position."""
+"""True positions after eviction: the cache length is not a token position (a known pitfall of eviction in transformers caches)."""
 
 import kv_hf
 import pytest

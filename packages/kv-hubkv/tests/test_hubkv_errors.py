@@ -1,4 +1,4 @@
-"""Bad arguments raise clear errors naming the argument and its allowed range (DESIGN.md §3)."""
+"""Bad arguments raise clear errors naming the argument and its allowed range."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fused Triton kernel == PyTorch reference (DESIGN.md §4).
+"""Fused Triton kernel == PyTorch reference (docs/architecture.md, "Kernels").
 
 On CPU machines ``conftest.py`` sets ``TRITON_INTERPRET=1`` before ``kv_hubkv`` is imported, so
 the launcher runs in Triton's interpreter on CPU tensors; on CUDA machines it runs compiled.

@@ -1,4 +1,4 @@
-"""The composition object adapters take: scorer -> selector -> store (DESIGN.md §2-3)."""
+"""The composition object adapters take: scorer -> selector -> store (docs/architecture.md)."""
 
 from __future__ import annotations
 

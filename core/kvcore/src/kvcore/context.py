@@ -1,4 +1,4 @@
-"""The scoring context: everything a Scorer may look at for one attention layer (DESIGN.md §2)."""
+"""The scoring context: everything a Scorer may look at for one attention layer."""
 
 from __future__ import annotations
 

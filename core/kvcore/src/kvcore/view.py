@@ -11,7 +11,7 @@ import torch
 class KVView:
     """Dense, attention-ready view of one layer's cache.
 
-    Attention over a view is ``softmax(q·kᵀ·scale + logit_bias)·v`` (DESIGN.md §2).
+    Attention over a view is ``softmax(q·kᵀ·scale + logit_bias)·v``.
 
     Parameters
     ----------

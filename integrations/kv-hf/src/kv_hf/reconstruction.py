@@ -12,7 +12,7 @@ tokens (causal)]``, as in the original) and each chunk key's score is the max ov
 The sink is the prefix before the context (KVzip's system prompt), which is always kept.
 
 Differences from the original: the softmax is computed in float32 (the original uses the model dtype), and the
-queries are processed in blocks of ``query_block`` to bound memory. Batch size 1 only, like both anchors.
+queries are processed in blocks of ``query_block`` to bound memory. Batch size 1 only, like the KVzip and Fast KVzip reference code.
 """
 
 from __future__ import annotations

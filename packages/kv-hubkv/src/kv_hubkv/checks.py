@@ -1,7 +1,7 @@
 """Argument checks shared by every :func:`kv_hubkv.refine` back end.
 
 Bad inputs raise ``TypeError`` / ``ValueError`` naming the argument and the allowed range, never
-silent garbage (DESIGN.md §3).
+silent garbage (docs/architecture.md, "Contracts").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``kv_hubkv.refine``: the HubKV score refinement with back-end dispatch (paper §3.3).
 
 Triton on CUDA tensors (when triton is installed), the PyTorch reference everywhere else
-(DESIGN.md §4: the reference *is* the CPU path).
+(the reference *is* the CPU path; docs/architecture.md, "Kernels").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``HubKV(base=SnapKVScorer())`` asks the base for its scores, then refines them with
 :func:`kv_hubkv.refine_config` using the context's budget ratio and protected mask. It is a Scorer
-too, so it drops into any ``kvcore.Compressor`` in place of its base (DESIGN.md §3: wrappers are
+too, so it drops into any ``kvcore.Compressor`` in place of its base (docs/architecture.md: wrappers are
 Scorers).
 """
 
