@@ -28,8 +28,11 @@ def _case(B, H, T, D, bits, G, lengths=None, seed=0, dtype=torch.float32):
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("group", [1, 2])
-def test_reference_matches_reference_attention_over_dequantized(bits, group):
-    seg, view = _case(2, 2, 11, 12, bits, 4, lengths=[[11, 5], [0, 8]], seed=bits)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_reference_matches_reference_attention_over_dequantized(bits, group, dtype):
+    """Code rows dequantize exactly as ``UniformQuantizer.dequantize`` (rounded to the cache dtype), so the fused
+    attention equals attention over the dequantized cache to fp32 accuracy, whatever the cache dtype."""
+    seg, view = _case(2, 2, 11, 12, bits, 4, lengths=[[11, 5], [0, 8]], seed=bits, dtype=dtype)
     q = torch.randn(2, 2 * group, 3, 12, generator=torch.Generator().manual_seed(1))
     out, lse = quantized_attention(q, seg, 0.3)
     ref_out, ref_lse = reference_attention(view, q, 0.3)
@@ -73,6 +76,18 @@ def test_mixed_full_and_quantized_rows():
     ref = reference_attention(KVView(view.keys, v, view.positions, view.logit_bias), q)
     torch.testing.assert_close(out, ref[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, ref[1], rtol=1e-5, atol=1e-5)
+
+
+def test_dequantized_rows_are_rounded_to_the_cache_dtype():
+    """The attention's dequantization equals ``UniformQuantizer.dequantize`` bit for bit (fp16/bf16 caches)."""
+    from kvcodec.kernels.reference import dequantize_rows_ref
+
+    for dtype in (torch.float16, torch.bfloat16):
+        for bits in (2, 4, 8):
+            seg, view = _case(1, 2, 9, 8, bits, 4, seed=20 + bits, dtype=dtype)
+            k = dequantize_rows_ref(seg.keys, seg.key_row, seg.key_group)
+            v = dequantize_rows_ref(seg.values, seg.value_row, seg.value_group)
+            assert torch.equal(k, view.keys.float()) and torch.equal(v, view.values.float())
 
 
 def test_rejects_bad_query():

@@ -12,7 +12,7 @@ from kvcodec.kernels.triton_attention import quantized_attention_triton  # noqa:
 
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("group", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_triton_matches_reference(bits, group, dtype):
     seg, _ = _case(2, 2, 7, 12, bits, 4, lengths=[[7, 3], [0, 6]], seed=10 + bits, dtype=dtype)
     seg = _to(seg, DEVICE)

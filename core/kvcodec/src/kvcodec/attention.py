@@ -48,7 +48,9 @@ class CodeRows:
     group_size : int
         ``G``.
     full : Tensor
-        ``[F, D]`` full-precision rows (may be empty).
+        ``[F, D]`` full-precision rows (may be empty), in the cache dtype (float32, float16 or bfloat16). Code rows
+        dequantize to that dtype too, exactly as ``UniformQuantizer.dequantize`` does (``zero + code * scale`` in
+        float32, rounded to ``full.dtype``), so attention sees the values the cache reads back.
     """
 
     codes: torch.Tensor
@@ -64,6 +66,8 @@ class CodeRows:
         check_tensor("scales", self.scales, ndim=2)
         check_tensor("zeros", self.zeros, ndim=2)
         check_tensor("full", self.full, ndim=2)
+        if self.full.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"full must be float32, float16 or bfloat16 (the cache dtype), got {self.full.dtype}")
         if self.codes.dtype != torch.uint8:
             raise TypeError(f"codes must be uint8, got {self.codes.dtype}")
         if isinstance(self.bits, bool) or self.bits not in PACK_BITS:
@@ -173,8 +177,9 @@ def quantized_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``query [B, Hq, Q, D]`` over a quantized segment (and a full-precision residual view).
 
-    Equals :func:`kvcore.reference_attention` over the dequantized entries (dequantized in float32) and the
-    residual, within float tolerance. GQA: ``Hq`` is a multiple of ``Hkv``; no causal mask among cached entries.
+    Equals :func:`kvcore.reference_attention` over the dequantized entries (dequantized as
+    ``UniformQuantizer.dequantize`` does, in the cache dtype of :attr:`CodeRows.full`) and the residual, within
+    float tolerance. GQA: ``Hq`` is a multiple of ``Hkv``; no causal mask among cached entries.
 
     Returns
     -------

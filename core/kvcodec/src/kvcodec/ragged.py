@@ -1,7 +1,7 @@
 """The three kinds of storage a KIVI-style store holds per tensor (keys or values), over ragged segments.
 
 * :class:`FullRows` -- entries kept in full precision for good (plan tier ``FULL`` outside the residual).
-* :class:`Residual` -- KIVI's full-precision residual buffer, one dense row of slots per segment.
+* :class:`Residual` -- KIVI's full-precision residual, ragged like :class:`FullRows`, with append / pop-oldest.
 * :class:`QuantUnits` -- quantized entries, in *units* of ``U`` consecutive entries of one segment: one
   quantization group of ``G`` tokens for per-channel quantizers (KIVI keys), one token for per-token
   quantizers (KIVI values). Units are quantized once and never re-quantized (HF
@@ -23,7 +23,7 @@ import torch
 from kvcore import QuantizedTensor, Quantizer
 
 import kvcodec.kernels.dispatch as _kernels
-from kvcodec.segments import exclusive_cumsum, offsets_in_segment, rank_in_segment, segment_ids, segment_take
+from kvcodec.segments import exclusive_cumsum, offsets_in_segment, segment_ids, segment_take
 
 Entries = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """``(rows [N, D], seg [N] int64, pos [N] int32)``, sorted by segment."""
@@ -77,101 +77,51 @@ class FullRows:
         self.rows, self.pos = self.rows[mask], self.pos[mask]
 
 
-class Residual:
-    """Full-precision residual: ``data [S, cap, D]`` with ``length [S]`` valid slots per segment, oldest first."""
+class Residual(FullRows):
+    """KIVI's full-precision residual: flat rows ``rows [N, D]`` sorted by segment, oldest first inside a segment,
+    with ``counts [S]`` (alias ``length``) and positions -- the layout of :class:`FullRows`, so every entry costs its
+    row and its position and nothing else (no per-segment padding: an evicted entry frees its bytes whichever
+    segment it belongs to, and a residual holds exactly the bytes of the same entries written directly).
 
-    def __init__(self, data: torch.Tensor, pos: torch.Tensor, length: torch.Tensor) -> None:
-        self.data, self.pos, self.length = data, pos.int(), length.long()
-
-    @classmethod
-    def from_mask(cls, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> Residual:
-        """Entries of ``x [B, H, T, D]`` where ``mask [B, H, T]``, in ``T`` order per segment."""
-        B, H, T, D = x.shape
-        S = B * H
-        (rows, seg, epos), length = compact_entries(x, mask, pos)
-        slot, _ = rank_in_segment(seg, S)
-        cap = int(length.max()) if S else 0
-        data = torch.zeros(S, cap, D, dtype=x.dtype, device=x.device)
-        p = torch.zeros(S, cap, dtype=torch.int32, device=x.device)
-        data[seg, slot], p[seg, slot] = rows, epos
-        return cls(data, p, length)
+    The residual policies of a store are built from :meth:`push` (append after every segment's last entry) and
+    :meth:`pop_front` (take the oldest entries of every segment, e.g. a full key block of ``R`` to quantize per
+    channel, or the values leaving a FIFO of ``R``). Both rebuild the buffers at their exact new size in one gather
+    (``O(N)``, with ``N <= S * R`` for KIVI's bounded residuals).
+    """
 
     @property
-    def capacity(self) -> int:
-        return self.data.shape[1]
-
-    def valid(self) -> torch.Tensor:
-        """``[S, cap]`` bool: slots holding an entry (row-major order = the order of :meth:`positions`)."""
-        return self._valid()
-
-    def _valid(self) -> torch.Tensor:
-        return torch.arange(self.capacity, device=self.data.device) < self.length[:, None]
-
-    def _seg_grid(self) -> torch.Tensor:
-        S, cap = self.pos.shape
-        return torch.arange(S, device=self.data.device)[:, None].expand(S, cap)
-
-    def entries(self) -> Entries:
-        valid = self._valid()
-        return self.data[valid], self._seg_grid()[valid], self.pos[valid]
-
-    def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
-        valid = self._valid()
-        return self._seg_grid()[valid], self.pos[valid]
+    def length(self) -> torch.Tensor:
+        """``[S]`` entries per segment (same as ``counts``)."""
+        return self.counts
 
     def push(self, rows: torch.Tensor, pos: torch.Tensor) -> None:
         """Append ``rows [S, n, D]`` (positions ``[S, n]``) after every segment's last entry."""
-        S, n, _ = rows.shape
-        need = (int(self.length.max()) if S else 0) + n
-        if need > self.capacity:
-            data = torch.zeros(S, need, rows.shape[-1], dtype=self.data.dtype, device=self.data.device)
-            p = torch.zeros(S, need, dtype=torch.int32, device=self.data.device)
-            data[:, : self.capacity], p[:, : self.capacity] = self.data, self.pos
-            self.data, self.pos = data, p
-        slot = self.length[:, None] + torch.arange(n, device=rows.device)
-        seg = torch.arange(S, device=rows.device)[:, None].expand(S, n)
-        self.data[seg, slot] = rows
-        self.pos[seg, slot] = pos.int()
-        self.length = self.length + n
+        S, n, D = rows.shape
+        if n == 0:
+            return
+        device = self.rows.device
+        old = self.counts.to(device)
+        new = old + n
+        start = exclusive_cumsum(new)
+        total = int(start[-1] + new[-1]) if S else 0
+        seg = self._seg()
+        dst_old = torch.arange(seg.numel(), device=device) + seg * n  # every earlier segment grew by n
+        dst_new = (start + old)[:, None] + torch.arange(n, device=device)
+        data = torch.empty(total, D, dtype=self.rows.dtype, device=device)
+        p = torch.empty(total, dtype=torch.int32, device=device)
+        data[dst_old], p[dst_old] = self.rows, self.pos
+        data[dst_new.flatten()] = rows.reshape(S * n, D).to(self.rows.dtype)
+        p[dst_new.flatten()] = pos.reshape(S * n).int().to(device)
+        self.rows, self.pos, self.counts = data, p, new
 
     def pop_front(self, k: torch.Tensor) -> Entries:
         """Remove the ``k[s]`` oldest entries of every segment; returns them in (segment, age) order."""
-        S, cap, _ = self.data.shape
-        ar = torch.arange(cap, device=self.data.device)
-        taken = ar < k[:, None]
-        out = (self.data[taken], self._seg_grid()[taken], self.pos[taken])
-        src = (ar + k[:, None]).clamp_max(max(cap - 1, 0))
-        self.data = torch.gather(self.data, 1, src[:, :, None].expand_as(self.data))
-        self.pos = torch.gather(self.pos, 1, src)
-        self.length = self.length - k
+        k = k.long().to(self.rows.device)
+        seg = self._seg()
+        taken = offsets_in_segment(self.counts) < k[seg]
+        out = (self.rows[taken], seg[taken], self.pos[taken])
+        self.rows, self.pos, self.counts = self.rows[~taken], self.pos[~taken], self.counts - k
         return out
-
-    def crop(self, position: int) -> None:
-        self._compact(self._valid() & (self.pos < position))
-
-    def keep(self, mask: torch.Tensor) -> None:
-        """Keep the entries where ``mask`` (aligned with :meth:`positions`), oldest first, slots compacted."""
-        grid = torch.zeros_like(self._valid())
-        grid[self._valid()] = mask
-        self._compact(grid)
-
-    def _compact(self, keep: torch.Tensor) -> None:
-        """Keep the ``keep [S, cap]`` slots, oldest first; the buffers shrink to the longest segment kept, so dropped
-        entries hold no memory."""
-        rank = torch.cumsum(keep, 1) - 1
-        seg = self._seg_grid()
-        length = keep.sum(1)
-        cap = int(length.max()) if length.numel() else 0
-        S, _, D = self.data.shape
-        data = torch.zeros(S, cap, D, dtype=self.data.dtype, device=self.data.device)
-        pos = torch.zeros(S, cap, dtype=self.pos.dtype, device=self.pos.device)
-        data[seg[keep], rank[keep]] = self.data[keep]
-        pos[seg[keep], rank[keep]] = self.pos[keep]
-        self.data, self.pos, self.length = data, pos, length
-
-    def take_segments(self, take: torch.Tensor, num_segments: int) -> None:
-        take = take.long().to(self.data.device)
-        self.data, self.pos, self.length = self.data[take], self.pos[take], self.length[take]
 
 
 class QuantUnits:

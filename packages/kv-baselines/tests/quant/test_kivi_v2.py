@@ -40,7 +40,7 @@ def _held_bytes(store):
             },
             "full": {(int(s), int(p)): r.clone() for (s, p), r in zip(zip(*full.positions()), full.rows)},
             "resid": {
-                (int(s), int(p)): r.clone() for (s, p), r in zip(zip(*resid.positions()), resid.data[resid.valid()])
+                (int(s), int(p)): r.clone() for (s, p), r in zip(zip(*resid.positions()), resid.rows)
             },
         }
     return out

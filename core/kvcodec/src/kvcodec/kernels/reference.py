@@ -112,7 +112,11 @@ def compact_ref(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torc
 
 def dequantize_rows_ref(side, row: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
     """float32 ``[*row.shape, D]``: dequantized code rows (``row >= 0``) or full rows (``row < 0``) of a
-    :class:`~kvcodec.attention.CodeRows`."""
+    :class:`~kvcodec.attention.CodeRows`.
+
+    Code rows are dequantized exactly as :func:`unpack_dequantize_ref` does for the cache dtype ``side.full.dtype``
+    (``zero + code * scale`` in float32, clamped to the dtype's finite range and rounded to it), so attention over
+    them equals attention over the dequantized cache a store reads back."""
     D = side.head_dim
     r, g = row.reshape(-1).long(), group.reshape(-1).long()
     quant = r >= 0
@@ -123,7 +127,9 @@ def dequantize_rows_ref(side, row: torch.Tensor, group: torch.Tensor) -> torch.T
         col = torch.arange(D, device=row.device)
         if side.axis == "token":
             col = col // side.group_size
-        out[quant] = side.zeros.float()[qg][:, col] + codes * side.scales.float()[qg][:, col]
+        fmax = torch.finfo(side.full.dtype).max
+        y = side.zeros.float()[qg][:, col] + codes * side.scales.float()[qg][:, col]
+        out[quant] = y.clamp_(-fmax, fmax).to(side.full.dtype).float()
     if side.full.shape[0] and bool((~quant).any()):
         out[~quant] = side.full.float()[-1 - r[~quant]]
     return out.view(*row.shape, D)

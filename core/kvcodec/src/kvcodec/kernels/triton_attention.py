@@ -4,7 +4,8 @@ One program per (batch row, KV head) owns the ``Hq/Hkv * Q`` query rows of that 
 and walks the head's ``T`` entries in ``NUM_T_BLOCKS`` (a compile-time count) blocks of ``BLOCK_T`` with an online
 softmax (FlashAttention, Dao et al. 2022, §3.1). Each entry's key and value are read through the index maps: a packed
 code row (two bytes per code read and shifted, which covers every width 1-8 including 3) dequantized as
-``zero + code * scale`` in float32, or a full-precision row. Products are broadcast-and-sum in float32 (no ``tl.dot``:
+``zero + code * scale`` in float32 and rounded to the cache dtype (``CodeRows.full.dtype``) exactly as the unpack +
+dequantize kernel of :mod:`kvcodec.kernels.triton_quant` does (no FMA contraction), or a full-precision row. Products are broadcast-and-sum in float32 (no ``tl.dot``:
 decode has a handful of query rows, and the interpreter's ``tl.dot`` is wrong for bf16).
 
 This module needs ``triton``; :func:`kvcodec.quantized_attention` imports it lazily for CUDA queries.
@@ -16,10 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcodec.kernels.triton_quant import _bf16_rtne
+
 
 @triton.jit
 def _load_side(codes_ptr, scales_ptr, zeros_ptr, full_ptr, row, grp, tmask, d, PW, C,
-               BITS: tl.constexpr, GCOL: tl.constexpr, D: tl.constexpr):
+               BITS: tl.constexpr, GCOL: tl.constexpr, D: tl.constexpr, FMAX: tl.constexpr,
+               OUT: tl.constexpr):
     quant = (row >= 0) & tmask
     isfull = (row < 0) & tmask
     r = tl.where(quant, row, 0).to(tl.int64)
@@ -38,6 +42,11 @@ def _load_side(codes_ptr, scales_ptr, zeros_ptr, full_ptr, row, grp, tmask, d, P
     s = tl.load(scales_ptr + g[:, None] * C + col[None, :], mask=m2, other=0.0).to(tl.float32)
     z = tl.load(zeros_ptr + g[:, None] * C + col[None, :], mask=m2, other=0.0).to(tl.float32)
     deq = z + code.to(tl.float32) * s
+    deq = tl.minimum(tl.maximum(deq, -FMAX), FMAX)
+    if OUT == 1:
+        deq = deq.to(tl.float16).to(tl.float32)
+    elif OUT == 2:
+        deq = _bf16_rtne(deq).to(tl.float32)
     fv = tl.load(full_ptr + f[:, None] * D + d[None, :], mask=isfull[:, None] & dmask[None, :], other=0.0)
     return tl.where(quant[:, None], deq, fv.to(tl.float32))
 
@@ -50,7 +59,7 @@ def _quantized_attention_kernel(
     sqb, sqh, sqq, sqd, H, T, Q, KPW, KC, VPW, VC, scale,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_T_BLOCKS: tl.constexpr, KBITS: tl.constexpr, KGCOL: tl.constexpr, VBITS: tl.constexpr,
-    VGCOL: tl.constexpr,
+    VGCOL: tl.constexpr, KFMAX: tl.constexpr, KOUT: tl.constexpr, VFMAX: tl.constexpr, VOUT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // H
@@ -77,8 +86,8 @@ def _quantized_attention_kernel(
         vrow = tl.load(vrow_ptr + base, mask=tmask, other=0)
         vgrp = tl.load(vgrp_ptr + base, mask=tmask, other=0)
         bias = tl.load(bias_ptr + base, mask=tmask, other=float("-inf"))
-        k = _load_side(kc_ptr, ks_ptr, kz_ptr, kf_ptr, krow, kgrp, tmask, d, KPW, KC, KBITS, KGCOL, D)
-        v = _load_side(vc_ptr, vs_ptr, vz_ptr, vf_ptr, vrow, vgrp, tmask, d, VPW, VC, VBITS, VGCOL, D)
+        k = _load_side(kc_ptr, ks_ptr, kz_ptr, kf_ptr, krow, kgrp, tmask, d, KPW, KC, KBITS, KGCOL, D, KFMAX, KOUT)
+        v = _load_side(vc_ptr, vs_ptr, vz_ptr, vf_ptr, vrow, vgrp, tmask, d, VPW, VC, VBITS, VGCOL, D, VFMAX, VOUT)
         logits = tl.sum(qv[:, None, :] * k[None, :, :], axis=2) + bias[None, :]
         m_new = tl.maximum(m_i, tl.max(logits, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -99,6 +108,9 @@ def _full_or_dummy(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous() if t.shape[0] else torch.zeros(1, t.shape[1], dtype=t.dtype, device=t.device)
 
 
+_OUT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
 def _params(side) -> tuple:
     codes = side.codes.contiguous() if side.codes.shape[0] else torch.zeros(1, side.codes.shape[1] or 1,
                                                                              dtype=torch.uint8, device=side.codes.device)
@@ -106,7 +118,8 @@ def _params(side) -> tuple:
                                                                                device=side.codes.device)
     zeros = side.zeros.contiguous() if side.zeros.shape[0] else torch.zeros_like(scales)
     gcol = 1 if side.axis == "channel" else side.group_size
-    return codes, scales, zeros, _full_or_dummy(side.full), side.codes.shape[1], side.scales.shape[1], gcol
+    rounding = (float(torch.finfo(side.full.dtype).max), _OUT[side.full.dtype])
+    return codes, scales, zeros, _full_or_dummy(side.full), side.codes.shape[1], side.scales.shape[1], gcol, rounding
 
 
 def quantized_attention_triton(
@@ -120,8 +133,8 @@ def quantized_attention_triton(
     lse = torch.full((B, Hq, Q), float("-inf"), dtype=torch.float32, device=query.device)
     if B * H == 0 or Q == 0 or D == 0:
         return out, lse
-    kc, ks, kz, kf, kpw, kC, kg = _params(segment.keys)
-    vc, vs, vz, vf, vpw, vC, vg = _params(segment.values)
+    kc, ks, kz, kf, kpw, kC, kg, (kfmax, kout) = _params(segment.keys)
+    vc, vs, vz, vf, vpw, vC, vg, (vfmax, vout) = _params(segment.values)
     bt = block_t if block_t is not None else min(64, max(1, 1 << max(T - 1, 0).bit_length()))
     bt = 1 << (bt - 1).bit_length()
     _quantized_attention_kernel[(B * H,)](
@@ -131,6 +144,7 @@ def quantized_attention_triton(
         *query.stride(), H, T, Q, kpw, kC, vpw, vC, float(scale),
         GROUP=group, D=D, BLOCK_M=max(1, 1 << (group * Q - 1).bit_length()), BLOCK_T=bt,
         BLOCK_D=max(1, 1 << (D - 1).bit_length()), NUM_T_BLOCKS=triton.cdiv(T, bt), KBITS=segment.keys.bits,
-        KGCOL=kg, VBITS=segment.values.bits, VGCOL=vg, num_warps=num_warps,
+        KGCOL=kg, VBITS=segment.values.bits, VGCOL=vg, KFMAX=kfmax, KOUT=kout, VFMAX=vfmax, VOUT=vout,
+        num_warps=num_warps, enable_fp_fusion=False,  # dequantize bit-exactly like the unpack + dequantize kernel
     )
     return out, lse

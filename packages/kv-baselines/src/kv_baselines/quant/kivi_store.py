@@ -191,7 +191,7 @@ class KIVIStore(Store):
         self._refresh_last_pos()
 
     def _refresh_last_pos(self) -> None:
-        B, H, _ = self._shape
+        H = self._shape[1]
         held = [part.positions() for part in self._parts["k"]]
         row = torch.cat([seg.to(self._last_pos.device) for seg, _ in held]).long() // H
         pos = torch.cat([p.to(self._last_pos.device) for _, p in held]).long()
@@ -204,15 +204,12 @@ class KIVIStore(Store):
         q = units.quantizer
         if not isinstance(q, UniformQuantizer):
             return None
-        B, H, D = self._shape
+        D = self._shape[2]
         device = resid.length.device
-        full_rows = torch.cat([full.rows, resid.data.reshape(-1, D)])
+        full_rows = torch.cat([full.rows, resid.rows])
         fseg, fpos = full.positions()
-        valid = resid.valid()
         rseg, rpos = resid.positions()
-        cap = resid.capacity
-        rflat = (torch.arange(self._segments, device=device)[:, None] * cap + torch.arange(cap, device=device))[valid]
-        full_row = torch.cat([torch.arange(full.rows.shape[0], device=device), full.rows.shape[0] + rflat])
+        full_row = torch.arange(full_rows.shape[0], device=device)
         if units.empty:
             pw, C = (D * q.bits + 7) // 8, D if q.axis == "channel" else -(-D // q.group_size)
             codes = torch.zeros(0, pw, dtype=torch.uint8, device=device)
@@ -234,7 +231,7 @@ class KIVIStore(Store):
     def quantized_segment(self) -> QuantizedSegment | None:
         """The held cache as a :class:`kvcodec.QuantizedSegment` laid out like :meth:`read` (``None`` when a
         quantizer is not a ``kvcodec.UniformQuantizer``)."""
-        B, H, D = self._shape
+        B, H, _ = self._shape
         S = self._segments
         sides = [self._side("k"), self._side("v")]
         if sides[0] is None or sides[1] is None:
