@@ -10,7 +10,9 @@ from transformers import DynamicCache
 def _decode_pair(model, ids, cache_a, cache_b, steps, attention_mask=None):
     """Prefill then greedy-decode ``steps`` tokens with two caches fed the same tokens; returns logits pairs."""
     pairs = []
-    kw = {} if attention_mask is None else {"attention_mask": attention_mask}
+    kw = {}
+    if attention_mask is not None:  # true positions of left-padded rows, as generate() derives them
+        kw = {"attention_mask": attention_mask, "position_ids": (attention_mask.cumsum(-1) - 1).clamp_min(0)}
     a = model(ids, past_key_values=cache_a, **kw)
     b = model(ids, past_key_values=cache_b, **kw)
     pairs.append((a.logits, b.logits))
