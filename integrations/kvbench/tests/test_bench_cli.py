@@ -7,9 +7,9 @@ import json
 import pytest
 from kvcore import Compressor
 
-from kv_hf.bench import cli
-from kv_hf.bench.methods import build, discover
-from kv_hf.bench.report import Row, format_table, plot, write_json
+from kvbench import cli
+from kvbench.methods import build, discover
+from kvbench.report import Row, format_table, plot, write_json
 
 
 def test_discover_finds_every_default_method_and_hubkv():

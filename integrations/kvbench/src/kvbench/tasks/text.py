@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
-from kv_hf.bench.tasks.tokens import check_count, check_tokenizer, encode
+from kvbench.tasks.tokens import check_count, check_tokenizer, encode
 
 LEE_FILENAME = "lee_background.cor"
 

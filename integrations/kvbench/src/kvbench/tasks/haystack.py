@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from kv_hf.bench.tasks.tokens import count_tokens
+from kvbench.tasks.tokens import count_tokens
 
 
 @dataclass

@@ -10,8 +10,8 @@ import pytest
 import torch
 from kvhf_testkit import KnormScorer, make, prompt, tiny_model
 
-from kv_hf.bench.memory import peak_memory, release_free_memory
-from kv_hf.bench.run import decode_rate
+from kvbench.memory import peak_memory, release_free_memory
+from kvbench.run import decode_rate
 
 MIB = 2**20
 LINUX_PEAK = Path("/proc/self/clear_refs").exists()

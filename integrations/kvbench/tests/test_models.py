@@ -1,4 +1,4 @@
-"""Tests of kv_hf.models: the safetensors export cache (tiny random Llama) and the real SmolLM2 (slow)."""
+"""Tests of kvbench.models: the safetensors export cache (tiny random Llama) and the real SmolLM2 (slow)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ pytest.importorskip("safetensors")
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from kv_hf.models import (  # noqa: E402
+from kvbench.models import (  # noqa: E402
     CorruptExportError,
     GGUFSource,
     default_cache_root,
@@ -27,8 +27,8 @@ from kv_hf.models import (  # noqa: E402
     read_manifest,
     smollm2_cache_path,
 )
-from kv_hf.models import smollm2 as smollm2_mod  # noqa: E402
-from kv_hf.models.export import MANIFEST_NAME, WEIGHTS_NAME  # noqa: E402
+from kvbench.models import smollm2 as smollm2_mod  # noqa: E402
+from kvbench.models.export import MANIFEST_NAME, WEIGHTS_NAME  # noqa: E402
 
 WORDS = ["<unk>", "<s>", "</s>", "the", "capital", "of", "france", "is", "paris", "a", "b", "c"]
 

@@ -22,7 +22,7 @@ class Row:
     prefill_s: float = 0.0  # mean prefill time including compression
     compress_s: float = 0.0  # mean time of the compression itself within prefill (CompressedCache.compress_seconds)
     peak_bytes: int | None = None  # peak extra memory during prefill + compression
-    decode_tok_s: float | None = None  # single-token decode steps per second over the compressed cache (bench.run.decode_rate)
+    decode_tok_s: float | None = None  # single-token decode steps per second over the compressed cache (kvbench.run.decode_rate)
     samples: int = 0
     error: str | None = None  # why this configuration could not run (e.g. budget below the protected count)
 

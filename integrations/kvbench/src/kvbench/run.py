@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from kvcore import Compressor
-from kv_hf.bench.memory import peak_memory
-from kv_hf.bench.report import Row
-from kv_hf.bench.tasks import TaskSample, score
+from kvbench.memory import peak_memory
+from kvbench.report import Row
+from kvbench.tasks import TaskSample, score
 from kv_hf.cache import compressed_cache
 from kv_hf.prefill import prefill
 from kv_hf.reuse import generate_answer
