@@ -1,33 +1,80 @@
-"""kvbench plumbing that needs no model: method discovery, argument checks, JSON / table / plot output."""
+"""kvbench plumbing that needs no model: method discovery, the grid, argument checks, JSON / table / plot output."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from kvcore import Compressor
+from kvcore import Budget, Compressor
+from kvcore.registry import Method, discover
 
 from kvbench import cli
-from kvbench.methods import build, discover
+from kvbench.methods import MethodSpec, describe, parse_methods, plan_grid
 from kvbench.report import Row, format_table, plot, write_json
 
 
 def test_discover_finds_every_default_method_and_hubkv():
     registry = discover()
-    for name in ["full", *cli.DEFAULT_METHODS, "hubkv-snapkv"]:
-        assert name in registry
-    comp = build("snapkv", 0.75, registry)
+    for spec in [MethodSpec("full"), *parse_methods(cli.DEFAULT_METHODS), MethodSpec("hubkv-snapkv")]:
+        assert spec.name in registry
+    comp = registry["snapkv"].build(Budget(ratio=0.75))
     assert isinstance(comp, Compressor) and comp.budget.ratio == 0.75
 
 
-def test_unknown_method_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown method 'nope'"):
-        build("nope", 0.5)
+def test_default_grid_is_the_documented_one():
+    # evictions at each ratio, plain KIVI once (pinned to ratio 0), the full cache not in the grid (reference row)
+    grid = plan_grid(discover(), parse_methods(cli.DEFAULT_METHODS), [0.5, 0.75, 0.9])
+    expect = [(m, r) for m in ["streaming_llm", "snapkv", "knorm"] for r in [0.5, 0.75, 0.9]]
+    assert [(n, b.ratio) for n, b in grid] == expect + [("kivi-4", 0.0), ("kivi-2", 0.0)]
+
+
+def _fixed(budget: Budget) -> Compressor:
+    return discover()["full"].build()
+
+
+def test_a_method_without_ratio_budgets_runs_once_at_its_default():
+    fixed = Method("fixed", _fixed, "a method with one budget", budgets=frozenset())
+    ratio = Method("evict", _fixed, "takes ratios", budgets=frozenset({"ratio"}))
+    registry = {"fixed": fixed, "evict": ratio}
+    grid = plan_grid(registry, parse_methods("fixed,evict,fixed"), [0.5, 0.9])
+    assert grid == [("fixed", Budget()), ("evict", Budget(ratio=0.5)), ("evict", Budget(ratio=0.9))]
+    with pytest.raises(ValueError, match="takes no ratio"):
+        plan_grid(registry, parse_methods("fixed@0.5"), [0.5])
+    assert plan_grid(registry, parse_methods("fixed@0"), [0.5]) == [("fixed", Budget())]
+
+
+def test_pinned_ratios_replace_the_run_ratios():
+    specs = parse_methods(" snapkv@0.5/0.9 , knorm ,")
+    assert specs == [MethodSpec("snapkv", (0.5, 0.9)), MethodSpec("knorm")]
+    grid = plan_grid(discover(), specs, [0.25])
+    assert [(n, b.ratio) for n, b in grid] == [("snapkv", 0.5), ("snapkv", 0.9), ("knorm", 0.25)]
+    for bad, match in [("snapkv@", "followed by ratios"), ("@0.5", "no method name"), ("snapkv@1.0", r"\[0, 1\)"),
+                       ("snapkv@x", "not a number")]:
+        with pytest.raises(ValueError, match=match):
+            parse_methods(bad)
+
+
+def test_list_prints_names_budget_kinds_and_descriptions(capsys):
+    registry = discover()
+    assert cli.main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == sorted(registry)
+    by_name = {line.split()[0]: line for line in lines}
+    assert "ratio,tokens" in by_name["snapkv"] and registry["snapkv"].description in by_name["snapkv"]
+    assert "default only (ratio 0)" in by_name["full"]
+    assert describe(registry) == "\n".join(lines)
+
+
+def test_unknown_method_is_a_clear_error(capsys):
+    with pytest.raises(ValueError, match="unknown method\\(s\\) \\['nope'\\]; registered: .*'snapkv'"):
+        plan_grid(discover(), parse_methods("nope"), [0.5])
     assert cli.main(["--methods", "nope"]) == 2
+    assert "registered:" in capsys.readouterr().err
 
 
 def test_ratio_outside_range_is_refused():
     assert cli.main(["--ratios", "1.0"]) == 2
+    assert cli.main(["--methods", "snapkv@0.5/1.5"]) == 2
 
 
 def test_reports(tmp_path):
@@ -57,8 +104,8 @@ def test_kvzip_and_hubkv_over_kvzip_are_registered():
     from kv_hf import KVzipScorer
 
     registry = discover()
-    base = build("kvzip", 0.75, registry)
-    assert isinstance(base.scorer, KVzipScorer) and base.budget.granularity == "global"
-    paired = build("hubkv-kvzip", 0.75, registry)
+    base = registry["kvzip"].build(Budget(ratio=0.75))
+    assert isinstance(base.scorer, KVzipScorer) and base.budget == Budget(ratio=0.75, granularity="global")
+    paired = registry["hubkv-kvzip"].build(Budget(ratio=0.75))
     assert isinstance(paired.scorer, HubKV) and isinstance(paired.scorer.base, KVzipScorer)
     assert paired.selector == base.selector and paired.budget == base.budget

@@ -16,12 +16,14 @@ from pathlib import Path
 
 import torch
 
-from kvbench.methods import discover
+from kvcore.registry import discover
+
+from kvbench.methods import describe, parse_methods, plan_grid
 from kvbench.report import format_table, plot, write_json
 from kvbench.run import Workload, describe_machine, run_grid
 
-DEFAULT_METHODS = ["streaming_llm", "snapkv", "knorm", "kivi-4", "kivi-2"]
-RATIO_FREE = {"kivi-4", "kivi-2", "full"}  # bit-width methods: evaluated at ratio 0 unless asked otherwise
+DEFAULT_METHODS = "streaming_llm,snapkv,knorm,kivi-4@0,kivi-2@0"
+"""The default run: evictions at every ``--ratios``, plain KIVI (ratio 0; KIVI above 0 adds SnapKV eviction)."""
 
 
 def _floats(text: str) -> list[float]:
@@ -30,7 +32,11 @@ def _floats(text: str) -> list[float]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="kvbench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated registered names")
+    ap.add_argument(
+        "--methods",
+        default=DEFAULT_METHODS,
+        help="comma-separated registered names (see --list); name@r1/r2 runs a method at its own ratios",
+    )
     ap.add_argument("--ratios", type=_floats, default=[0.5, 0.75, 0.9], help="fractions removed, e.g. 0.5,0.9")
     ap.add_argument("--tasks", default="passkey,niah_single")
     ap.add_argument("--lengths", default="1000", help="context lengths in tokens, comma-separated")
@@ -43,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("results"))
-    ap.add_argument("--list", action="store_true", help="list registered methods and exit")
+    ap.add_argument("--list", action="store_true", help="list registered methods (budget kinds, description) and exit")
     ap.add_argument("--no-progress", action="store_true")
     return ap.parse_args(argv)
 
@@ -52,17 +58,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     registry = discover()
     if args.list:
-        print("\n".join(sorted(registry)))
+        print(describe(registry))
         return 0
-    names = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in names if m not in registry]
-    if unknown:
-        print(f"kvbench: unknown method(s) {unknown}; registered: {sorted(registry)}", file=sys.stderr)
-        return 2
     for r in args.ratios:
         if not 0.0 <= r < 1.0:
             print(f"kvbench: --ratios must be in [0, 1) (fraction removed), got {r}", file=sys.stderr)
             return 2
+    try:
+        grid = plan_grid(registry, parse_methods(args.methods), args.ratios)
+    except ValueError as exc:
+        print(f"kvbench: {exc}", file=sys.stderr)
+        return 2
     from kvbench.tasks import continuation_split, lee_background, make_tasks
     from kvbench.models import load_smollm2
 
@@ -73,7 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     samples = make_tasks(args.tasks.split(","), lengths, args.depths, args.samples, tok, seed=args.seed)
     pairs = list(continuation_split(lee_background(), tok, args.kl_context, args.kl_continuation, args.kl_samples,
                                     seed=args.seed)) if args.kl_samples else []
-    grid = [(m, 0.0) if m in RATIO_FREE else (m, r) for m in names for r in (args.ratios if m not in RATIO_FREE else [0.0])]
     rows = run_grid(model, tok, registry, grid, Workload(samples, pairs), progress=not args.no_progress)
     meta = {"command": "kvbench " + " ".join(sys.argv[1:] if argv is None else argv), "model": "SmolLM2-135M-Instruct",
             "dtype": args.dtype, "device": args.device, "machine": describe_machine(), "model_load_s": load_s,

@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from kvcore import Compressor
+from kvcore import Budget, Compressor
+from kvcore.registry import Method
 from kvbench.memory import peak_memory
 from kvbench.report import Row
 from kvbench.tasks import TaskSample, score
@@ -149,28 +150,43 @@ def evaluate(
 def run_grid(
     model,
     tokenizer,
-    methods: dict[str, Callable[[float], Compressor]],
-    grid: list[tuple[str, float]],
+    methods: dict[str, Method],
+    grid: list[tuple[str, Budget]],
     work: Workload,
     progress: bool = True,
 ) -> list[Row]:
-    """Evaluate the full cache first (the reference), then every (method, ratio) of ``grid``."""
+    """Evaluate the full cache first (the reference), then every (method name, budget) of ``grid``.
+
+    Parameters
+    ----------
+    model, tokenizer
+        A causal LM supported by :mod:`kv_hf` and its tokenizer.
+    methods : dict of str to kvcore.registry.Method
+        The registry (:func:`kvcore.registry.discover`); it must hold ``"full"`` (kv-baselines), the reference.
+    grid : list of (str, kvcore.Budget)
+        What to evaluate, e.g. from :func:`kvbench.methods.plan_grid`; ``"full"`` entries are the reference row.
+    work : Workload
+        Task samples and continuation windows.
+    progress : bool
+        Show a progress bar.
+    """
     if "full" not in methods:
         raise ValueError("the registry must provide the 'full' method (kv-baselines) as the reference")
     rows: list[Row] = []
     bar = tqdm(total=len(grid) + 1, desc="kvbench", disable=not progress)
-    ref_row, ref_logits = evaluate(model, tokenizer, methods["full"](0.0), work)
+    ref_row, ref_logits = evaluate(model, tokenizer, methods["full"].build(), work)
     ref_row.kl = 0.0 if work.kl_pairs else None
     rows.append(ref_row)
     bar.update()
-    for name, ratio in grid:
+    for name, budget in grid:
         if name == "full":
             bar.update()
             continue
+        ratio = budget.ratio or 0.0
         bar.set_postfix_str(f"{name}@{ratio:g}")
         try:
-            row, _ = evaluate(model, tokenizer, methods[name](ratio), work, ref_logits)
-        except ValueError as exc:  # a configuration the method refuses (budget below its protected window ...)
+            row, _ = evaluate(model, tokenizer, methods[name].build(budget), work, ref_logits)
+        except (ValueError, LookupError) as exc:  # a configuration refused (budget below the protected window, no base)
             rows.append(Row(method=name, ratio=ratio, error=str(exc)))
             bar.update()
             continue
