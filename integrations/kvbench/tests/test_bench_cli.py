@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from kvcore import Budget, Compressor
-from kvcore.registry import Method, discover
-
 from kvbench import cli
 from kvbench.methods import MethodSpec, describe, parse_methods, plan_grid
 from kvbench.report import Row, format_table, plot, write_json
+from kvcore import Budget, Compressor
+from kvcore.registry import Method, discover
 
 
 def test_discover_finds_every_default_method_and_hubkv():
@@ -48,8 +47,12 @@ def test_pinned_ratios_replace_the_run_ratios():
     assert specs == [MethodSpec("snapkv", (0.5, 0.9)), MethodSpec("knorm")]
     grid = plan_grid(discover(), specs, [0.25])
     assert [(n, b.ratio) for n, b in grid] == [("snapkv", 0.5), ("snapkv", 0.9), ("knorm", 0.25)]
-    for bad, match in [("snapkv@", "followed by ratios"), ("@0.5", "no method name"), ("snapkv@1.0", r"\[0, 1\)"),
-                       ("snapkv@x", "not a number")]:
+    for bad, match in [
+        ("snapkv@", "followed by ratios"),
+        ("@0.5", "no method name"),
+        ("snapkv@1.0", r"\[0, 1\)"),
+        ("snapkv@x", "not a number"),
+    ]:
         with pytest.raises(ValueError, match=match):
             parse_methods(bad)
 
@@ -78,8 +81,10 @@ def test_ratio_outside_range_is_refused():
 
 
 def test_reports(tmp_path):
-    rows = [Row("full", 0.0, {"passkey@1000": 1.0}, kl=0.0, kv_bytes=2**20, kv_fraction=1.0, samples=3),
-            Row("snapkv", 0.5, {"passkey@1000": 0.5}, kl=0.12, kv_bytes=2**19, kv_fraction=0.5, samples=3)]
+    rows = [
+        Row("full", 0.0, {"passkey@1000": 1.0}, kl=0.0, kv_bytes=2**20, kv_fraction=1.0, samples=3),
+        Row("snapkv", 0.5, {"passkey@1000": 0.5}, kl=0.12, kv_bytes=2**19, kv_fraction=0.5, samples=3),
+    ]
     table = format_table(rows)
     assert table.count("\n") == 3 and "| snapkv | 0.5 | 0.50 |" in table
     write_json(rows, tmp_path / "r.json", {"command": "kvbench"})
@@ -90,8 +95,10 @@ def test_reports(tmp_path):
 
 
 def test_refused_configuration_is_reported_not_fatal(tmp_path):
-    rows = [Row("full", 0.0, {"passkey@1000": 1.0}, kv_fraction=1.0),
-            Row("snapkv", 0.95, error="budget below the protected count")]
+    rows = [
+        Row("full", 0.0, {"passkey@1000": 1.0}, kv_fraction=1.0),
+        Row("snapkv", 0.95, error="budget below the protected count"),
+    ]
     table = format_table(rows)
     assert "not run: budget below the protected count" in table
     plot(rows, tmp_path / "r.png")  # the refused row is left out of the plot instead of breaking it
@@ -99,9 +106,8 @@ def test_refused_configuration_is_reported_not_fatal(tmp_path):
 
 
 def test_kvzip_and_hubkv_over_kvzip_are_registered():
-    from kv_hubkv import HubKV
-
     from kv_hf import KVzipScorer
+    from kv_hubkv import HubKV
 
     registry = discover()
     base = registry["kvzip"].build(Budget(ratio=0.75))

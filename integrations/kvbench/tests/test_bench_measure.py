@@ -8,18 +8,25 @@ from pathlib import Path
 import kv_hf
 import pytest
 import torch
-from kvcore import Budget, Compressor, DenseStore, Scorer, Scores, ScoringContext, TopKSelector
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from kvbench.memory import peak_memory, release_free_memory
 from kvbench.run import decode_rate
+from kvcore import Budget, Compressor, DenseStore, Scorer, Scores, ScoringContext, TopKSelector
+from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def tiny_model() -> LlamaForCausalLM:
     """A 2-layer, hidden-64, 4 q / 2 kv heads random Llama in float32 (SDPA, eval mode)."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
     config._attn_implementation = "sdpa"
     return LlamaForCausalLM(config).eval()
 
@@ -37,6 +44,7 @@ class _KeyNorm(Scorer):
 
 def knorm_half() -> Compressor:
     return Compressor(_KeyNorm(), TopKSelector(), DenseStore, Budget(ratio=0.5))
+
 
 MIB = 2**20
 LINUX_PEAK = Path("/proc/self/clear_refs").exists()
@@ -82,9 +90,8 @@ def test_compress_seconds_counts_compression_only_and_nested_blocks_once():
     assert 0.0 < first < wall
     model(prompt(1, seed=3), past_key_values=cache)  # a decode step compresses nothing
     assert cache.compress_seconds == first
-    with cache.timed():
-        with cache.timed():
-            time.sleep(0.05)
+    with cache.timed(), cache.timed():
+        time.sleep(0.05)
     assert 0.05 <= cache.compress_seconds - first < 0.1
 
 

@@ -19,8 +19,21 @@ KEPT = {"ratio": T // 2, "tokens": 100}
 
 
 def test_the_workspace_registers_the_known_methods():
-    expect = {"full", "random", "knorm", "streaming_llm", "snapkv", "h2o", "kivi-4", "kivi-2", "kvzip", "hubkv",
-              "hubkv-snapkv", "hubkv-h2o", "hubkv-kvzip"}
+    expect = {
+        "full",
+        "random",
+        "knorm",
+        "streaming_llm",
+        "snapkv",
+        "h2o",
+        "kivi-4",
+        "kivi-2",
+        "kvzip",
+        "hubkv",
+        "hubkv-snapkv",
+        "hubkv-h2o",
+        "hubkv-kvzip",
+    }
     assert set(REGISTRY) == expect
     assert all(m.description and "\n" not in m.description for m in REGISTRY.values())
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-
 from kvbench.tasks import (
     TASKS,
     TaskSample,
@@ -98,8 +97,14 @@ def test_passkey_format() -> None:
     assert t.context.startswith(INSTRUCTIONS) and t.answers == s.answers and abs(t.length - 300) <= 3
     with pytest.raises(TypeError, match="preamble"):
         passkey(WhitespaceTokenizer(), 300, 0.5, preamble=None)
-    assert s.metadata == {"task": "passkey", "kind": "retrieval", "length": s.length, "target_length": 300,
-                          "depth": 0.5, "seed": 4}
+    assert s.metadata == {
+        "task": "passkey",
+        "kind": "retrieval",
+        "length": s.length,
+        "target_length": 300,
+        "depth": 0.5,
+        "seed": 4,
+    }
 
 
 def test_needle_variants_format() -> None:
@@ -112,7 +117,7 @@ def test_needle_variants_format() -> None:
     assert len(value) == 7 and value.isdigit()
     # the haystack is English corpus text, not repeated filler
     assert "The grass is green" not in s.context
-    assert any(sent in s.context for sent in lee_sentences()[:: 50])
+    assert any(sent in s.context for sent in lee_sentences()[::50])
 
     mk = niah_multikey(tok, 800, 0.2, seed=2, num_keys=5)
     assert len(mk.info["needles"]) == 5 and len(set(mk.info["keys"])) == 5 and len(mk.answers) == 1
@@ -157,7 +162,10 @@ def test_make_tasks_grid_and_seeds() -> None:
     grid = make_tasks(["passkey", "kv_retrieval"], [300, 600], [0.0, 1.0], 2, tok, seed=5)
     assert len(grid) == 2 * 2 * 2 * 2
     assert [(s.task, s.target_length, s.depth) for s in grid[:4]] == [
-        ("passkey", 300, 0.0), ("passkey", 300, 0.0), ("passkey", 300, 1.0), ("passkey", 300, 1.0)
+        ("passkey", 300, 0.0),
+        ("passkey", 300, 0.0),
+        ("passkey", 300, 1.0),
+        ("passkey", 300, 1.0),
     ]
     assert grid[0].answers != grid[1].answers  # different samples within a cell
     assert make_tasks(["passkey", "kv_retrieval"], [300, 600], [0.0, 1.0], 2, tok, seed=5) == grid

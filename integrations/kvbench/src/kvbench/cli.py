@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from kvcore.registry import discover
 
 from kvbench.methods import describe, parse_methods, plan_grid
@@ -31,7 +30,9 @@ def _floats(text: str) -> list[float]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="kvbench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvbench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument(
         "--methods",
         default=DEFAULT_METHODS,
@@ -69,21 +70,38 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"kvbench: {exc}", file=sys.stderr)
         return 2
-    from kvbench.tasks import continuation_split, lee_background, make_tasks
     from kvbench.models import load_smollm2
+    from kvbench.tasks import continuation_split, lee_background, make_tasks
 
     t0 = time.perf_counter()
     model, tok = load_smollm2(dtype=getattr(torch, args.dtype), device=args.device)
     load_s = time.perf_counter() - t0
     lengths = [int(x) for x in args.lengths.split(",") if x]
     samples = make_tasks(args.tasks.split(","), lengths, args.depths, args.samples, tok, seed=args.seed)
-    pairs = list(continuation_split(lee_background(), tok, args.kl_context, args.kl_continuation, args.kl_samples,
-                                    seed=args.seed)) if args.kl_samples else []
+    pairs = (
+        list(
+            continuation_split(
+                lee_background(), tok, args.kl_context, args.kl_continuation, args.kl_samples, seed=args.seed
+            )
+        )
+        if args.kl_samples
+        else []
+    )
     rows = run_grid(model, tok, registry, grid, Workload(samples, pairs), progress=not args.no_progress)
-    meta = {"command": "kvbench " + " ".join(sys.argv[1:] if argv is None else argv), "model": "SmolLM2-135M-Instruct",
-            "dtype": args.dtype, "device": args.device, "machine": describe_machine(), "model_load_s": load_s,
-            "tasks": args.tasks, "lengths": lengths, "depths": args.depths, "samples": len(samples),
-            "kl_pairs": len(pairs), "wall_s": time.perf_counter() - t0}
+    meta = {
+        "command": "kvbench " + " ".join(sys.argv[1:] if argv is None else argv),
+        "model": "SmolLM2-135M-Instruct",
+        "dtype": args.dtype,
+        "device": args.device,
+        "machine": describe_machine(),
+        "model_load_s": load_s,
+        "tasks": args.tasks,
+        "lengths": lengths,
+        "depths": args.depths,
+        "samples": len(samples),
+        "kl_pairs": len(pairs),
+        "wall_s": time.perf_counter() - t0,
+    }
     write_json(rows, args.out / "kvbench.json", meta)
     plot(rows, args.out / "kvbench.png", title=f"SmolLM2-135M, {args.tasks} @ {args.lengths} tokens")
     print(format_table(rows))

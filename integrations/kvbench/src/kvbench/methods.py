@@ -55,7 +55,9 @@ def parse_methods(text: str) -> list[MethodSpec]:
             continue
         ratios = tuple(_ratio(r, item) for r in pin.split("/") if r)
         if not ratios:
-            raise ValueError(f"--methods item {item!r}: '@' must be followed by ratios, e.g. {name}@0 or {name}@0.5/0.9")
+            raise ValueError(
+                f"--methods item {item!r}: '@' must be followed by ratios, e.g. {name}@0 or {name}@0.5/0.9"
+            )
         specs.append(MethodSpec(name, ratios))
     return specs
 
@@ -99,7 +101,11 @@ def describe(registry: dict[str, Method]) -> str:
     rows = []
     for name in sorted(registry):
         m = registry[name]
-        kinds = ",".join(sorted(m.budgets)) if m.budgets else f"default only ({budget_kind(m.default)} {_amount(m.default)})"
+        kinds = (
+            ",".join(sorted(m.budgets))
+            if m.budgets
+            else f"default only ({budget_kind(m.default)} {_amount(m.default)})"
+        )
         rows.append((name, kinds, m.description))
     width = [max(len(r[i]) for r in rows) for i in range(2)] if rows else [0, 0]
     return "\n".join(f"{n:<{width[0]}}  {k:<{width[1]}}  {d}" for n, k, d in rows)

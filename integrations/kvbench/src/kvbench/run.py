@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
-import torch.nn.functional as F
-from tqdm.auto import tqdm
-
-from kvcore import Budget, Compressor
-from kvcore.registry import Method
-from kvbench.memory import peak_memory
-from kvbench.report import Row
-from kvbench.tasks import TaskSample, score
 from kv_hf.cache import compressed_cache
 from kv_hf.prefill import prefill
 from kv_hf.reuse import generate_answer
+from kvcore import Budget, Compressor
+from kvcore.registry import Method
+from tqdm.auto import tqdm
+
+from kvbench.memory import peak_memory
+from kvbench.report import Row
+from kvbench.tasks import TaskSample, score
 
 
 @dataclass
@@ -202,9 +202,13 @@ def describe_machine() -> dict[str, Any]:
     import os
     import platform
 
-    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "torch": torch.__version__, "threads": torch.get_num_threads(),
-                            "cpu_count": os.cpu_count()}
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     try:

@@ -8,7 +8,7 @@ eviction with KIVI quantization of what is kept.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from kvcore import Budget, Compressor
 from kvcore.registry import Method
@@ -47,7 +47,9 @@ METHODS: tuple[Method, ...] = (
         lambda budget: _at(c.snapkv(0.0), budget),
         "observation-window attention, 64 queries, avg-pool 5 (SnapKV, Li et al. 2024)",
     ),
-    Method("h2o", lambda budget: _at(c.h2o(0.0), budget), "heavy hitters by cumulative attention (H2O, Zhang et al. 2023)"),
+    Method(
+        "h2o", lambda budget: _at(c.h2o(0.0), budget), "heavy hitters by cumulative attention (H2O, Zhang et al. 2023)"
+    ),
     Method("kivi-4", _kivi(4), "KIVI 4-bit keys per channel / values per token; ratio > 0 adds SnapKV eviction"),
     Method("kivi-2", _kivi(2), "KIVI 2-bit keys per channel / values per token; ratio > 0 adds SnapKV eviction"),
 )

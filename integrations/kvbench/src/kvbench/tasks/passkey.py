@@ -74,8 +74,13 @@ def passkey(
         key = random_number(rng, digits)
         needle = NEEDLE.format(key=key)
         built = build_context(
-            tokenizer, length, preamble=preamble, question=QUESTION, units=filler_unit,
-            needles=[(depth, needle)], task="passkey",
+            tokenizer,
+            length,
+            preamble=preamble,
+            question=QUESTION,
+            units=filler_unit,
+            needles=[(depth, needle)],
+            task="passkey",
         )
         if answers_only_in_needles(built.context, [key], [needle]):
             break

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from kvbench.tasks.kv_retrieval import kv_retrieval
 from kvbench.tasks.needle import niah_multikey, niah_multivalue, niah_single

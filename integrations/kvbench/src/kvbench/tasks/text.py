@@ -10,8 +10,9 @@ import functools
 import importlib.util
 import random
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from kvbench.tasks.tokens import check_count, check_tokenizer, encode
 

@@ -85,7 +85,12 @@ def variable_tracking(
         answers = names[:n_vars]
         question = QUESTION.format(value=values[0], n=n_vars)
         built = build_context(
-            tokenizer, length, preamble=PREAMBLE, question=question, units=filler_unit, needles=needles,
+            tokenizer,
+            length,
+            preamble=PREAMBLE,
+            question=question,
+            units=filler_unit,
+            needles=needles,
             task="variable_tracking",
         )
         texts = [t for _, t in needles]
