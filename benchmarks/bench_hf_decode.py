@@ -29,8 +29,8 @@ from transformers import DynamicCache
 
 import kv_baselines
 import kv_hf
-from kv_hf.bench.run import decode_rate
-from kv_hf.models import load_smollm2
+from kvbench.run import decode_rate
+from kvbench.models import load_smollm2
 
 
 def _sync(device: torch.device) -> None:

@@ -23,8 +23,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repea
 
 import kv_baselines
 import kv_hf
-from kv_hf.bench.tasks import passkey, score
-from kv_hf.models import load_smollm2
+from kvbench.tasks import passkey, score
+from kvbench.models import load_smollm2
 
 
 @pytest.fixture(scope="module")

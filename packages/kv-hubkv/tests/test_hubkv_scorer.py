@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from kvcore import Budget, Compressor, DenseStore, Protection, Scores, ScoringContext, TopKSelector
+from kvcore import registry as kvregistry
+from kvcore.registry import Method
 from kvcore.testing import CompressorTests, ScorerTests
 
 import kv_hubkv
@@ -225,20 +227,30 @@ def test_decoding_schedule():
 
 
 def test_registry_entries_and_lookup_errors():
-    assert set(registry.METHODS) >= {"hubkv", "hubkv-snapkv", "hubkv-h2o"}
-    with pytest.raises(LookupError, match="no_such_method"):
-        registry.base_factory("no_such_method")
+    names = [m.name for m in registry.METHODS]
+    assert names == ["hubkv", "hubkv-snapkv", "hubkv-h2o", "hubkv-kvzip"]
+    assert all(isinstance(m, Method) and m.budgets == {"ratio", "tokens"} for m in registry.METHODS)
+    missing = registry.over("no_such_method")
+    assert missing.name == "hubkv-no_such_method"
+    with pytest.raises(LookupError, match=r"HubKV over 'no_such_method': .*registered: \[") as info:
+        missing.build(Budget(ratio=0.5))
+    for name in kvregistry.discover():
+        assert repr(name) in str(info.value)
+    with pytest.raises(ValueError, match="base must be"):
+        registry.over("")
 
 
 def test_registry_wraps_the_registered_base_when_installed():
-    try:
-        make = registry.base_factory("snapkv")
-    except LookupError:
+    installed = kvregistry.discover()
+    if "snapkv" not in installed:
         pytest.skip("no installed package registers 'snapkv' (kv-baselines not installed)")
-    c = registry.METHODS["hubkv-snapkv"](0.9)
-    base = make(0.9)
-    assert isinstance(c.scorer, HubKV) and type(c.scorer.base) is type(base.scorer)
-    assert c.budget == base.budget and c.protect == base.protect
+    for budget in [Budget(ratio=0.9), Budget(tokens=48)]:
+        c = kvregistry.build("hubkv-snapkv", budget)
+        base = installed["snapkv"].build(budget)
+        assert isinstance(c.scorer, HubKV) and type(c.scorer.base) is type(base.scorer)
+        assert c.budget == base.budget and c.protect == base.protect and c.selector == base.selector
+    with pytest.raises(ValueError, match="takes budgets by ratio, tokens"):
+        kvregistry.build("hubkv-snapkv", Budget(avg_bits=3.0))
 
 
 def test_package_exports():

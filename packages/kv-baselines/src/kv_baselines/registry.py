@@ -1,32 +1,60 @@
-"""Entry-point registry (group ``kvcompress.methods``): name -> factory(ratio) -> Compressor.
+"""The methods kv-baselines registers (entry-point group ``kvcompress.methods``, see :mod:`kvcore.registry`).
 
-Quantization-only methods take ``ratio`` too: 0 gives plain KIVI, a ratio above 0 composes SnapKV eviction
-with KIVI quantization of what is kept.
+Every factory takes a :class:`kvcore.Budget` and keeps the method's own granularity, protection, scorer and
+store; only how much is kept (``ratio`` / ``tokens``) comes from the budget. Quantization-only KIVI takes a
+ratio too: 0 gives plain KIVI (Liu et al. 2024, §3), a ratio above 0 (or a token budget) composes SnapKV
+eviction with KIVI quantization of what is kept.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvcore import Compressor
+from kvcore import Budget, Compressor
+from kvcore.registry import Method
 
 from kv_baselines import compressors as c
 
+__all__ = ["METHODS"]
 
-def _kivi(bits: int) -> Callable[[float], Compressor]:
-    def make(ratio: float = 0.0) -> Compressor:
-        return c.kivi(bits) if ratio == 0 else c.snapkv_kivi(ratio, bits)
 
+def _at(comp: Compressor, budget: Budget) -> Compressor:
+    """``comp`` keeping ``budget``'s ratio / tokens / avg bits at ``comp``'s own granularity."""
+    return comp.with_budget(ratio=budget.ratio, tokens=budget.tokens, avg_bits=budget.avg_bits)
+
+
+def _kivi(bits: int) -> Callable[[Budget], Compressor]:
+    def make(budget: Budget) -> Compressor:
+        if budget.tokens is None and not budget.ratio:
+            return c.kivi(bits)
+        return _at(c.snapkv_kivi(0.0, bits), budget)
+
+    make.__name__ = f"kivi_{bits}"
     return make
 
 
-METHODS: dict[str, Callable[[float], Compressor]] = {
-    "full": lambda ratio=0.0: c.full(),
-    "random": c.random,
-    "knorm": c.knorm,
-    "streaming_llm": c.streaming_llm,
-    "snapkv": c.snapkv,
-    "h2o": c.h2o,
-    "kivi-4": _kivi(4),
-    "kivi-2": _kivi(2),
-}
+METHODS: tuple[Method, ...] = (
+    Method("full", lambda budget: c.full(), "the uncompressed cache: the reference", budgets=frozenset()),
+    Method("random", lambda budget: _at(c.random(0.0), budget), "evict uniformly at random (kvpress RandomPress)"),
+    Method("knorm", lambda budget: _at(c.knorm(0.0), budget), "evict the keys of largest L2 norm (Devoto et al. 2024)"),
+    Method(
+        "streaming_llm",
+        lambda budget: _at(c.streaming_llm(0.0), budget),
+        "4 attention sinks + the most recent tokens (StreamingLLM, Xiao et al. 2024)",
+    ),
+    Method(
+        "snapkv",
+        lambda budget: _at(c.snapkv(0.0), budget),
+        "observation-window attention, 64 queries, avg-pool 5 (SnapKV, Li et al. 2024)",
+    ),
+    Method(
+        "h2o", lambda budget: _at(c.h2o(0.0), budget), "heavy hitters by cumulative attention (H2O, Zhang et al. 2023)"
+    ),
+    Method("kivi-4", _kivi(4), "KIVI 4-bit keys per channel / values per token; ratio > 0 adds SnapKV eviction"),
+    Method("kivi-2", _kivi(2), "KIVI 2-bit keys per channel / values per token; ratio > 0 adds SnapKV eviction"),
+    Method(
+        "kvzip",
+        lambda budget: _at(c.kvzip(0.0), budget),
+        "KVzip context-reconstruction scores, global top-k (Kim et al. 2025); the adapter supplies the scores",
+    ),
+)

@@ -1,49 +1,64 @@
-"""Entry-point registry (group ``kvcompress.methods``): name -> factory(ratio) -> Compressor.
+"""The methods kv-hubkv registers (entry-point group ``kvcompress.methods``, see :mod:`kvcore.registry`).
 
-Method packages never import each other (DESIGN.md §1), so the HubKV entries find their base method
-through the same entry-point group at call time: ``METHODS["hubkv-snapkv"](0.9)`` is
-``hubkv(<the registered "snapkv" factory>(0.9))``. If no installed package registers the base, the
-factory raises a ``LookupError`` naming it. ``"hubkv"`` is HubKV over SnapKV (the paper's bases,
-KVzip / Fast KVzip, are not available in this workspace yet).
+HubKV refines the scores of a base method (paper §3.3, App. A.1), so each ``hubkv-<base>`` entry looks its base up
+in :mod:`kvcore.registry` when it is built (method packages never import each other): ``hubkv-snapkv`` at a budget
+is ``hubkv(<the registered "snapkv">.build(budget))``, keeping the base's selector, store, protection and
+granularity. A base that no installed package registers is refused with the list of what is registered.
+``"hubkv"`` is HubKV over SnapKV (the paper's KVzip base is ``hubkv-kvzip``, registered by kv-hf).
 """
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
-from typing import Callable
-
-from kvcore import Compressor
+from kvcore import Budget, Compressor
+from kvcore import registry as kvregistry
+from kvcore.registry import Method
 
 from .compressor import hubkv
 
-__all__ = ["METHODS", "base_factory"]
+__all__ = ["METHODS", "over"]
 
-GROUP = "kvcompress.methods"
-
-
-def base_factory(name: str) -> Callable[[float], Compressor]:
-    """The factory registered as ``name`` by any other package of the ``kvcompress.methods`` group."""
-    for ep in entry_points(group=GROUP):
-        if ep.value.startswith(__name__.split(".")[0] + "."):
-            continue  # our own entries
-        methods = ep.load()
-        if name in methods:
-            return methods[name]
-    raise LookupError(f"no installed package registers the base method {name!r} in entry-point group {GROUP!r}")
+BASE_BUDGETS = frozenset({"ratio", "tokens"})
+"""Budget kinds of the registered bases (SnapKV, H2O, KVzip); a test checks they match the bases' own."""
 
 
-def _over(base_name: str) -> Callable[[float], Compressor]:
-    def make(ratio: float) -> Compressor:
-        return hubkv(base_factory(base_name)(ratio), ratio)
+def over(base: str, name: str | None = None) -> Method:
+    """The registry entry ``hubkv-<base>``: HubKV over the method registered as ``base``.
 
-    make.__name__ = f"hubkv_{base_name}"
-    make.__doc__ = f"HubKV over the registered {base_name!r} method at compression ratio ``ratio``."
-    return make
+    Parameters
+    ----------
+    base : str
+        Registered name of the base method (``"snapkv"``, ``"h2o"``, ``"kvzip"``).
+    name : str, optional
+        Registry name; ``"hubkv-<base>"`` if omitted.
+
+    Returns
+    -------
+    kvcore.registry.Method
+        Its factory raises ``LookupError`` listing the registered methods when ``base`` is not registered, and
+        ``ValueError`` when the base does not take the budget.
+    """
+    if not isinstance(base, str) or not base:
+        raise ValueError(f"base must be a non-empty method name, got {base!r}")
+
+    def make(budget: Budget) -> Compressor:
+        try:
+            base_method = kvregistry.get(base)
+        except LookupError as exc:
+            raise LookupError(f"HubKV over {base!r}: {exc}") from None
+        return hubkv(base_method.build(budget))
+
+    make.__name__ = f"hubkv_{base}"
+    return Method(
+        name or f"hubkv-{base}",
+        make,
+        f"HubKV submodular refinement of the registered {base!r} scores (HubKV §3.3)",
+        budgets=BASE_BUDGETS,
+    )
 
 
-METHODS: dict[str, Callable[[float], Compressor]] = {
-    "hubkv": _over("snapkv"),
-    "hubkv-snapkv": _over("snapkv"),
-    "hubkv-h2o": _over("h2o"),
-    "hubkv-kvzip": _over("kvzip"),
-}
+METHODS: tuple[Method, ...] = (
+    over("snapkv", name="hubkv"),
+    over("snapkv"),
+    over("h2o"),
+    over("kvzip"),
+)

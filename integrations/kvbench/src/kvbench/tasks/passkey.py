@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from kv_hf.bench.tasks.haystack import answers_only_in_needles, build_context
-from kv_hf.bench.tasks.sample import TaskSample
-from kv_hf.bench.tasks.tokens import check_count, check_depth, check_length, check_tokenizer, count_tokens
-from kv_hf.bench.tasks.values import random_number
+from kvbench.tasks.haystack import answers_only_in_needles, build_context
+from kvbench.tasks.sample import TaskSample
+from kvbench.tasks.tokens import check_count, check_depth, check_length, check_tokenizer, count_tokens
+from kvbench.tasks.values import random_number
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 FILLER_SENTENCES = tuple(s if s.endswith(".") else s + "." for s in FILLER.split(". "))
@@ -74,8 +74,13 @@ def passkey(
         key = random_number(rng, digits)
         needle = NEEDLE.format(key=key)
         built = build_context(
-            tokenizer, length, preamble=preamble, question=QUESTION, units=filler_unit,
-            needles=[(depth, needle)], task="passkey",
+            tokenizer,
+            length,
+            preamble=preamble,
+            question=QUESTION,
+            units=filler_unit,
+            needles=[(depth, needle)],
+            task="passkey",
         )
         if answers_only_in_needles(built.context, [key], [needle]):
             break

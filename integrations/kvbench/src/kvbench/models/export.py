@@ -1,6 +1,6 @@
 """Export a loaded causal LM to a compact safetensors folder and load it back.
 
-The export is what :func:`kv_hf.models.load_smollm2` caches after the (slow) first GGUF load, but
+The export is what :func:`kvbench.models.load_smollm2` caches after the (slow) first GGUF load, but
 the machinery works for any ``transformers`` causal LM, which is how it is tested (a tiny random
 Llama). An export folder holds
 
@@ -24,8 +24,9 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from kv_hf.bench.tasks.haystack import answers_only_in_needles, build_context
-from kv_hf.bench.tasks.sample import TaskSample
-from kv_hf.bench.tasks.text import lee_sentences
-from kv_hf.bench.tasks.tokens import check_count, check_depth, check_length, check_tokenizer, count_tokens
-from kv_hf.bench.tasks.values import random_key, random_number, unique
+from kvbench.tasks.haystack import answers_only_in_needles, build_context
+from kvbench.tasks.sample import TaskSample
+from kvbench.tasks.text import lee_sentences
+from kvbench.tasks.tokens import check_count, check_depth, check_length, check_tokenizer, count_tokens
+from kvbench.tasks.values import random_key, random_number, unique
 
 PREAMBLE = (
     "Some special magic numbers are hidden within the following text. Make sure to memorize it. "

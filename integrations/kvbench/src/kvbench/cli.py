@@ -15,13 +15,14 @@ import time
 from pathlib import Path
 
 import torch
+from kvcore.registry import discover
 
-from kv_hf.bench.methods import discover
-from kv_hf.bench.report import format_table, plot, write_json
-from kv_hf.bench.run import Workload, describe_machine, run_grid
+from kvbench.methods import describe, parse_methods, plan_grid
+from kvbench.report import format_table, plot, write_json
+from kvbench.run import Workload, describe_machine, run_grid
 
-DEFAULT_METHODS = ["streaming_llm", "snapkv", "knorm", "kivi-4", "kivi-2"]
-RATIO_FREE = {"kivi-4", "kivi-2", "full"}  # bit-width methods: evaluated at ratio 0 unless asked otherwise
+DEFAULT_METHODS = "streaming_llm,snapkv,knorm,kivi-4@0,kivi-2@0"
+"""The default run: evictions at every ``--ratios``, plain KIVI (ratio 0; KIVI above 0 adds SnapKV eviction)."""
 
 
 def _floats(text: str) -> list[float]:
@@ -29,8 +30,14 @@ def _floats(text: str) -> list[float]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="kvbench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated registered names")
+    ap = argparse.ArgumentParser(
+        prog="kvbench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--methods",
+        default=DEFAULT_METHODS,
+        help="comma-separated registered names (see --list); name@r1/r2 runs a method at its own ratios",
+    )
     ap.add_argument("--ratios", type=_floats, default=[0.5, 0.75, 0.9], help="fractions removed, e.g. 0.5,0.9")
     ap.add_argument("--tasks", default="passkey,niah_single")
     ap.add_argument("--lengths", default="1000", help="context lengths in tokens, comma-separated")
@@ -43,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("results"))
-    ap.add_argument("--list", action="store_true", help="list registered methods and exit")
+    ap.add_argument("--list", action="store_true", help="list registered methods (budget kinds, description) and exit")
     ap.add_argument("--no-progress", action="store_true")
     return ap.parse_args(argv)
 
@@ -52,33 +59,49 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     registry = discover()
     if args.list:
-        print("\n".join(sorted(registry)))
+        print(describe(registry))
         return 0
-    names = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in names if m not in registry]
-    if unknown:
-        print(f"kvbench: unknown method(s) {unknown}; registered: {sorted(registry)}", file=sys.stderr)
-        return 2
     for r in args.ratios:
         if not 0.0 <= r < 1.0:
             print(f"kvbench: --ratios must be in [0, 1) (fraction removed), got {r}", file=sys.stderr)
             return 2
-    from kv_hf.bench.tasks import continuation_split, lee_background, make_tasks
-    from kv_hf.models import load_smollm2
+    try:
+        grid = plan_grid(registry, parse_methods(args.methods), args.ratios)
+    except ValueError as exc:
+        print(f"kvbench: {exc}", file=sys.stderr)
+        return 2
+    from kvbench.models import load_smollm2
+    from kvbench.tasks import continuation_split, lee_background, make_tasks
 
     t0 = time.perf_counter()
     model, tok = load_smollm2(dtype=getattr(torch, args.dtype), device=args.device)
     load_s = time.perf_counter() - t0
     lengths = [int(x) for x in args.lengths.split(",") if x]
     samples = make_tasks(args.tasks.split(","), lengths, args.depths, args.samples, tok, seed=args.seed)
-    pairs = list(continuation_split(lee_background(), tok, args.kl_context, args.kl_continuation, args.kl_samples,
-                                    seed=args.seed)) if args.kl_samples else []
-    grid = [(m, 0.0) if m in RATIO_FREE else (m, r) for m in names for r in (args.ratios if m not in RATIO_FREE else [0.0])]
+    pairs = (
+        list(
+            continuation_split(
+                lee_background(), tok, args.kl_context, args.kl_continuation, args.kl_samples, seed=args.seed
+            )
+        )
+        if args.kl_samples
+        else []
+    )
     rows = run_grid(model, tok, registry, grid, Workload(samples, pairs), progress=not args.no_progress)
-    meta = {"command": "kvbench " + " ".join(sys.argv[1:] if argv is None else argv), "model": "SmolLM2-135M-Instruct",
-            "dtype": args.dtype, "device": args.device, "machine": describe_machine(), "model_load_s": load_s,
-            "tasks": args.tasks, "lengths": lengths, "depths": args.depths, "samples": len(samples),
-            "kl_pairs": len(pairs), "wall_s": time.perf_counter() - t0}
+    meta = {
+        "command": "kvbench " + " ".join(sys.argv[1:] if argv is None else argv),
+        "model": "SmolLM2-135M-Instruct",
+        "dtype": args.dtype,
+        "device": args.device,
+        "machine": describe_machine(),
+        "model_load_s": load_s,
+        "tasks": args.tasks,
+        "lengths": lengths,
+        "depths": args.depths,
+        "samples": len(samples),
+        "kl_pairs": len(pairs),
+        "wall_s": time.perf_counter() - t0,
+    }
     write_json(rows, args.out / "kvbench.json", meta)
     plot(rows, args.out / "kvbench.png", title=f"SmolLM2-135M, {args.tasks} @ {args.lengths} tokens")
     print(format_table(rows))

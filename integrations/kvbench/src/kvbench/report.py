@@ -22,7 +22,8 @@ class Row:
     prefill_s: float = 0.0  # mean prefill time including compression
     compress_s: float = 0.0  # mean time of the compression itself within prefill (CompressedCache.compress_seconds)
     peak_bytes: int | None = None  # peak extra memory during prefill + compression
-    decode_tok_s: float | None = None  # single-token decode steps per second over the compressed cache (bench.run.decode_rate)
+    # single-token decode steps per second over the compressed cache (kvbench.run.decode_rate)
+    decode_tok_s: float | None = None
     samples: int = 0
     error: str | None = None  # why this configuration could not run (e.g. budget below the protected count)
 
@@ -40,8 +41,20 @@ def write_json(rows: list[Row], path: Path, meta: dict[str, Any]) -> None:
 def format_table(rows: list[Row]) -> str:
     """A Markdown table (also readable on a terminal)."""
     tasks = sorted({t for r in rows for t in r.accuracy})
-    head = ["method", "ratio", *tasks, "mean acc", "KL", "ppl", "KV MB", "% full", "prefill s", "compress s",
-            "peak MB", "decode tok/s"]
+    head = [
+        "method",
+        "ratio",
+        *tasks,
+        "mean acc",
+        "KL",
+        "ppl",
+        "KV MB",
+        "% full",
+        "prefill s",
+        "compress s",
+        "peak MB",
+        "decode tok/s",
+    ]
 
     def f(x, spec=".3f"):
         return "–" if x is None else format(x, spec)
@@ -51,10 +64,20 @@ def format_table(rows: list[Row]) -> str:
         if r.error:
             lines.append(f"| {r.method} | {r.ratio:g} | not run: {r.error} |" + " |" * (len(head) - 3))
             continue
-        cells = [r.method, f"{r.ratio:g}", *(f(r.accuracy.get(t), ".2f") for t in tasks), f(r.mean_accuracy, ".2f"),
-                 f(r.kl, ".4f"), f(r.ppl, ".2f"), f(r.kv_bytes / 2**20, ".2f"), f(100 * r.kv_fraction, ".1f"),
-                 f(r.prefill_s, ".2f"), f(r.compress_s, ".2f"),
-                 f(None if r.peak_bytes is None else r.peak_bytes / 2**20, ".0f"), f(r.decode_tok_s, ".1f")]
+        cells = [
+            r.method,
+            f"{r.ratio:g}",
+            *(f(r.accuracy.get(t), ".2f") for t in tasks),
+            f(r.mean_accuracy, ".2f"),
+            f(r.kl, ".4f"),
+            f(r.ppl, ".2f"),
+            f(r.kv_bytes / 2**20, ".2f"),
+            f(100 * r.kv_fraction, ".1f"),
+            f(r.prefill_s, ".2f"),
+            f(r.compress_s, ".2f"),
+            f(None if r.peak_bytes is None else r.peak_bytes / 2**20, ".0f"),
+            f(r.decode_tok_s, ".1f"),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

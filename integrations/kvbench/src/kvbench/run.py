@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
-import torch.nn.functional as F
-from tqdm.auto import tqdm
-
-from kvcore import Compressor
-from kv_hf.bench.memory import peak_memory
-from kv_hf.bench.report import Row
-from kv_hf.bench.tasks import TaskSample, score
 from kv_hf.cache import compressed_cache
 from kv_hf.prefill import prefill
 from kv_hf.reuse import generate_answer
+from kvcore import Budget, Compressor
+from kvcore.registry import Method
+from tqdm.auto import tqdm
+
+from kvbench.memory import peak_memory
+from kvbench.report import Row
+from kvbench.tasks import TaskSample, score
 
 
 @dataclass
@@ -149,28 +150,43 @@ def evaluate(
 def run_grid(
     model,
     tokenizer,
-    methods: dict[str, Callable[[float], Compressor]],
-    grid: list[tuple[str, float]],
+    methods: dict[str, Method],
+    grid: list[tuple[str, Budget]],
     work: Workload,
     progress: bool = True,
 ) -> list[Row]:
-    """Evaluate the full cache first (the reference), then every (method, ratio) of ``grid``."""
+    """Evaluate the full cache first (the reference), then every (method name, budget) of ``grid``.
+
+    Parameters
+    ----------
+    model, tokenizer
+        A causal LM supported by :mod:`kv_hf` and its tokenizer.
+    methods : dict of str to kvcore.registry.Method
+        The registry (:func:`kvcore.registry.discover`); it must hold ``"full"`` (kv-baselines), the reference.
+    grid : list of (str, kvcore.Budget)
+        What to evaluate, e.g. from :func:`kvbench.methods.plan_grid`; ``"full"`` entries are the reference row.
+    work : Workload
+        Task samples and continuation windows.
+    progress : bool
+        Show a progress bar.
+    """
     if "full" not in methods:
         raise ValueError("the registry must provide the 'full' method (kv-baselines) as the reference")
     rows: list[Row] = []
     bar = tqdm(total=len(grid) + 1, desc="kvbench", disable=not progress)
-    ref_row, ref_logits = evaluate(model, tokenizer, methods["full"](0.0), work)
+    ref_row, ref_logits = evaluate(model, tokenizer, methods["full"].build(), work)
     ref_row.kl = 0.0 if work.kl_pairs else None
     rows.append(ref_row)
     bar.update()
-    for name, ratio in grid:
+    for name, budget in grid:
         if name == "full":
             bar.update()
             continue
+        ratio = budget.ratio or 0.0
         bar.set_postfix_str(f"{name}@{ratio:g}")
         try:
-            row, _ = evaluate(model, tokenizer, methods[name](ratio), work, ref_logits)
-        except ValueError as exc:  # a configuration the method refuses (budget below its protected window ...)
+            row, _ = evaluate(model, tokenizer, methods[name].build(budget), work, ref_logits)
+        except (ValueError, LookupError) as exc:  # a configuration refused (budget below the protected window, no base)
             rows.append(Row(method=name, ratio=ratio, error=str(exc)))
             bar.update()
             continue
@@ -186,9 +202,13 @@ def describe_machine() -> dict[str, Any]:
     import os
     import platform
 
-    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "torch": torch.__version__, "threads": torch.get_num_threads(),
-                            "cpu_count": os.cpu_count()}
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     try:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from kv_hf.bench.tasks.haystack import answers_only_in_needles, build_context
-from kv_hf.bench.tasks.passkey import filler_unit
-from kv_hf.bench.tasks.sample import TaskSample
-from kv_hf.bench.tasks.tokens import check_count, check_depth, check_length, check_tokenizer, count_tokens
-from kv_hf.bench.tasks.values import random_number, random_var_name, unique
+from kvbench.tasks.haystack import answers_only_in_needles, build_context
+from kvbench.tasks.passkey import filler_unit
+from kvbench.tasks.sample import TaskSample
+from kvbench.tasks.tokens import check_count, check_depth, check_length, check_tokenizer, count_tokens
+from kvbench.tasks.values import random_number, random_var_name, unique
 
 PREAMBLE = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
 QUESTION = (
@@ -85,7 +85,12 @@ def variable_tracking(
         answers = names[:n_vars]
         question = QUESTION.format(value=values[0], n=n_vars)
         built = build_context(
-            tokenizer, length, preamble=PREAMBLE, question=question, units=filler_unit, needles=needles,
+            tokenizer,
+            length,
+            preamble=PREAMBLE,
+            question=question,
+            units=filler_unit,
+            needles=needles,
             task="variable_tracking",
         )
         texts = [t for _, t in needles]

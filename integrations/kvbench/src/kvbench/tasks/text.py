@@ -10,10 +10,11 @@ import functools
 import importlib.util
 import random
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from kv_hf.bench.tasks.tokens import check_count, check_tokenizer, encode
+from kvbench.tasks.tokens import check_count, check_tokenizer, encode
 
 LEE_FILENAME = "lee_background.cor"
 

