@@ -31,6 +31,14 @@ usually means and how to fix it. Every suite runs
 ``pip install kvcore[testing]`` (pytest, hypothesis); ``import kvcore`` alone never imports them.
 """
 
+try:
+    import hypothesis  # noqa: F401
+    import pytest  # noqa: F401
+except ImportError as e:  # tested in a subprocess (test_testing_import.py)
+    raise ImportError(
+        f"kvcore.testing needs pytest and hypothesis ({e.name} is missing): pip install 'kvcore[testing]'"
+    ) from e
+
 from kvcore.testing.base import StandardTests, forall, overridden_standard_tests, reachable_bytes, reachable_tensors
 from kvcore.testing.compressor import CompressorTests
 from kvcore.testing.quantizer import QuantizerTests, pack_codes, unpack_codes
