@@ -29,8 +29,8 @@ from transformers import DynamicCache
 
 import kv_baselines
 import kv_hf
-from kvbench.run import decode_rate
 from kvbench.models import load_smollm2
+from kvbench.run import decode_rate
 
 
 def _sync(device: torch.device) -> None:
@@ -86,13 +86,22 @@ def main(argv: list[str] | None = None) -> None:
         for name, (cache, first, _) in caches.items():
             rates[name].append(decode_rate(model, cache, first, args.steps))
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU"
-    print(f"device: {where}, {torch.get_num_threads()} torch threads; torch {torch.__version__}; "
-          f"prompt {args.tokens} tokens; {args.steps} steps x {args.rounds} rounds (median)")
+    print(
+        f"device: {where}, {torch.get_num_threads()} torch threads; torch {torch.__version__}; "
+        f"prompt {args.tokens} tokens; {args.steps} steps x {args.rounds} rounds (median)"
+    )
     base = statistics.median(rates["DynamicCache"])
     print("| cache | KV MB | steps/s | vs DynamicCache |")
     print("|---|---|---|---|")
-    full_mb = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * (
-        model.config.hidden_size // model.config.num_attention_heads) * args.tokens * next(model.parameters()).element_size() / 2**20
+    full_mb = (
+        2
+        * model.config.num_hidden_layers
+        * model.config.num_key_value_heads
+        * (model.config.hidden_size // model.config.num_attention_heads)
+        * args.tokens
+        * next(model.parameters()).element_size()
+        / 2**20
+    )
     for name, r in rates.items():
         mb = full_mb if name == "DynamicCache" else caches[name][2] / 2**20
         med = statistics.median(r)

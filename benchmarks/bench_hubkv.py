@@ -99,12 +99,18 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--ratio", type=float, default=0.95)
     ap.add_argument("--min-run-time", type=float, default=None, help="seconds per measurement")
-    ap.add_argument("--force-triton", action="store_true",
-                    help="also time the Triton kernel off CUDA (needs TRITON_INTERPRET=1; checks this script only)")
+    ap.add_argument(
+        "--force-triton",
+        action="store_true",
+        help="also time the Triton kernel off CUDA (needs TRITON_INTERPRET=1; checks this script only)",
+    )
     args = ap.parse_args(argv)
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     use_triton = HAS_TRITON and (device.type == "cuda" or args.force_triton)
     L = 4 if args.quick else L_FULL
     ns = (1024, 4096) if args.quick else N_FULL
@@ -115,10 +121,14 @@ def main(argv=None) -> None:
         name = torch.cuda.get_device_name(device)
     else:
         name = f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
-    print(f"# HubKV score-stage benchmark: device={name}, torch {torch.__version__}, "
-          f"triton {'yes' if use_triton else 'not used'}, kv_hubkv from {_where(kv_hubkv)}")
-    print(f"# scores bf16 [L={L}, B, H={H_KV}, N], ratio={ratio}, protected = 4 sinks + floor(0.02 N) recent; "
-          f"median ms (torch.utils.benchmark, min_run_time={min_run}s)")
+    print(
+        f"# HubKV score-stage benchmark: device={name}, torch {torch.__version__}, "
+        f"triton {'yes' if use_triton else 'not used'}, kv_hubkv from {_where(kv_hubkv)}"
+    )
+    print(
+        f"# scores bf16 [L={L}, B, H={H_KV}, N], ratio={ratio}, protected = 4 sinks + floor(0.02 N) recent; "
+        f"median ms (torch.utils.benchmark, min_run_time={min_run}s)"
+    )
     cols = ["N", "B", "select", "refine", "refine+select", "overhead"]
     if use_triton:
         cols += ["ref refine", "ref refine+select", "ref overhead", "ref/triton", "max abs diff", "peak MB"]
@@ -140,10 +150,15 @@ def main(argv=None) -> None:
                 r_both = median_ms(lambda: select(refine_torch(scores, ratio, prot), prot, ratio), min_run)
                 diff = (refine_triton(scores, ratio, prot) - refine_torch(scores, ratio, prot)).abs().max().item()
                 mb = peak_mb(lambda: refine_triton(scores, ratio, prot), device)
-                row += [f"{r_ref:.3f}", f"{r_both:.3f}", f"{r_both / t_sel - 1:+.1%}", f"{r_ref / t_ref:.2f}x",
-                        f"{diff:.1e}", f"{mb:.1f}"]
+                row += [
+                    f"{r_ref:.3f}",
+                    f"{r_both:.3f}",
+                    f"{r_both / t_sel - 1:+.1%}",
+                    f"{r_ref / t_ref:.2f}x",
+                    f"{diff:.1e}",
+                    f"{mb:.1f}",
+                ]
             print("| " + " | ".join(map(str, row)) + " |", flush=True)
-            del scores
 
 
 if __name__ == "__main__":

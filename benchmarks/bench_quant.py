@@ -64,8 +64,15 @@ def anchor_quantize_pack(x: torch.Tensor, bits: int, axis: str, group_size: int)
     return packed.movedim(-1, dim), scale, mn
 
 
-def anchor_unpack_dequantize(packed: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bits: int, axis: str,
-                             group_size: int, shape: tuple[int, ...]):
+def anchor_unpack_dequantize(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    mn: torch.Tensor,
+    bits: int,
+    axis: str,
+    group_size: int,
+    shape: tuple[int, ...],
+):
     """Shift every lane out of the int32 words, then ``code * scale + min`` in the input dtype (KIVI style)."""
     lanes = 32 // bits
     *lead, T, D = shape
@@ -137,8 +144,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (median reported)")
     ap.add_argument("--group-size", type=int, default=32)
-    ap.add_argument("--stat", choices=("median", "min"), default="median",
-                    help="statistic over the timed runs (min is steadier on a shared machine)")
+    ap.add_argument(
+        "--stat",
+        choices=("median", "min"),
+        default="median",
+        help="statistic over the timed runs (min is steadier on a shared machine)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = ap.parse_args()
     if args.threads:
@@ -152,8 +163,11 @@ def main() -> None:
     print(f"device: {device_name(device)}; torch {torch.__version__}; triton path: {triton_path}")
     print(f"shapes: B={B} H={H} D={D} G={G}, T in {lengths}; {args.stat} of {reps} runs, ms\n")
     cols = ["op", "axis", "bits", "dtype", "T"]
-    cols += (["dispatch", "reference", "anchor", "anchor/dispatch", "anchor/reference"] if on_gpu
-             else ["reference", "anchor", "anchor/reference"])
+    cols += (
+        ["dispatch", "reference", "anchor", "anchor/dispatch", "anchor/reference"]
+        if on_gpu
+        else ["reference", "anchor", "anchor/reference"]
+    )
     cols += ["bytes ours", "bytes anchor", "err ours/anchor"]
     rows = []
     for T in lengths:

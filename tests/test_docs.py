@@ -17,8 +17,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted(
-    [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *ROOT.glob("core/*/README.md"),
-     *ROOT.glob("packages/*/README.md"), *ROOT.glob("integrations/*/README.md")]
+    [
+        ROOT / "README.md",
+        *(ROOT / "docs").rglob("*.md"),
+        *ROOT.glob("core/*/README.md"),
+        *ROOT.glob("packages/*/README.md"),
+        *ROOT.glob("integrations/*/README.md"),
+    ]
 )
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
 
@@ -35,10 +40,10 @@ def with_python(path: Path) -> list[Path]:
 def test_python_blocks_run(path: Path, tmp_path: Path) -> None:
     script = "\n\n".join(blocks(path, ("python",)))
     (tmp_path / "doc_blocks.py").write_text(script)
-    run = subprocess.run(
-        [sys.executable, "doc_blocks.py"], cwd=tmp_path, capture_output=True, text=True, timeout=900
+    run = subprocess.run([sys.executable, "doc_blocks.py"], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, (
+        f"{path.relative_to(ROOT)}: a code block failed\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
     )
-    assert run.returncode == 0, f"{path.relative_to(ROOT)}: a code block failed\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
 
 
 def kvbench_lines() -> list[tuple[str, str]]:

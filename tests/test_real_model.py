@@ -23,8 +23,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repea
 
 import kv_baselines
 import kv_hf
-from kvbench.tasks import passkey, score
 from kvbench.models import load_smollm2
+from kvbench.tasks import passkey, score
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_passkey_2k(smollm2, method):
     ids = torch.tensor([tok.encode(sample.context + sample.question)])
     cache = kv_hf.compressed_cache(model, COMPRESSORS[method]())
     out = model.generate(ids, past_key_values=cache, max_new_tokens=sample.max_new_tokens, do_sample=False)
-    answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    answer = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     if method != "full":
         assert cache.nbytes() < 0.6 * cache.get_seq_length() * 2 * 30 * 3 * 64 * 4  # fewer bytes than fp32 full
     assert score(answer, sample) == 1.0, (method, answer, sample.answers)
@@ -73,7 +73,9 @@ def test_snapkv_really_frees_half_the_cache(smollm2):
     assert held["snapkv"] < 0.52 * held["full"]
 
 
-def _kvpress_snapkv_keep(model, ids: torch.Tensor, ratio: float, window: int = 64, kernel: int = 5) -> list[torch.Tensor]:
+def _kvpress_snapkv_keep(
+    model, ids: torch.Tensor, ratio: float, window: int = 64, kernel: int = 5
+) -> list[torch.Tensor]:
     """Per layer, the ``[Hkv, n_kept]`` sorted token indices SnapKV keeps, written from kvpress' SnapKVPress recipe
     with no kv_hf/kvcore code: queries re-projected from each attention module's input hidden states and rotated,
     ``repeat_kv``'d keys, causal softmax of the last ``window`` queries, mean over the window, 1-D average pool
@@ -104,7 +106,7 @@ def _kvpress_snapkv_keep(model, ids: torch.Tensor, ratio: float, window: int = 6
         att = torch.softmax(logits + causal, -1).mean(-2)  # [1, Hq, T]
         pooled = F.avg_pool1d(att, kernel, 1, kernel // 2, count_include_pad=False)
         scores = pooled.view(1, Hkv, G, T).mean(2)[0]
-        scores[:, T - window:] = scores.max()
+        scores[:, T - window :] = scores.max()
         keep.append(scores.topk(int(T * (1 - ratio)), -1).indices.sort(-1).values)
     return keep
 

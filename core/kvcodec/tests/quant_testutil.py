@@ -42,9 +42,9 @@ def group_view(x: torch.Tensor, axis: str, G: int) -> list[tuple[tuple, torch.Te
         if axis == "token":
             for t in range(T):
                 for g in range(0, D, G):
-                    out.append(((m, t, g // G), x[m, t, g: g + G]))
+                    out.append(((m, t, g // G), x[m, t, g : g + G]))
         else:
             for g in range(0, T, G):
                 for d in range(D):
-                    out.append(((m, g // G, d), x[m, g: g + G, d]))
+                    out.append(((m, g // G, d), x[m, g : g + G, d]))
     return out

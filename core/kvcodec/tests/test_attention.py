@@ -3,9 +3,9 @@ the Triton kernel equals the reference (interpreter on CPU, tiny shapes)."""
 
 import pytest
 import torch
+
 from kvcodec import QuantizedSegment, UniformQuantizer, quantized_attention
 from kvcodec.attention import CodeRows
-from kvcodec.kernels.reference import quantized_attention_ref
 from kvcore import KVView, merge_attention, reference_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

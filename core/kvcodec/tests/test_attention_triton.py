@@ -2,12 +2,13 @@
 
 import pytest
 import torch
-from kvcodec.attention import CodeRows, QuantizedSegment
-from kvcodec.kernels.reference import quantized_attention_ref
 from test_attention import DEVICE, _case, _to
 
+from kvcodec.attention import CodeRows, QuantizedSegment
+from kvcodec.kernels.reference import quantized_attention_ref
+
 triton = pytest.importorskip("triton")
-from kvcodec.kernels.triton_attention import quantized_attention_triton  # noqa: E402
+from kvcodec.kernels.triton_attention import quantized_attention_triton
 
 
 @pytest.mark.parametrize("bits", [2, 4])

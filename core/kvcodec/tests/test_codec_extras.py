@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvcodec import CodebookQuantizer, UniformQuantizer, from_bytes, minmax_stats, normal_codebook, to_bytes
 from kvcodec.serialize import FORMAT_VERSION
 from kvcodec.uniform import quantize_minmax

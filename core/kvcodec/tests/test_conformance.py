@@ -1,11 +1,13 @@
 """The kvcore Quantizer conformance suite, adopted for UniformQuantizer (every width x axis) and CodebookQuantizer."""
 
 import pytest
+
 from kvcodec import QUANT_BITS, CodebookQuantizer, UniformQuantizer
 from kvcore.testing import QuantizerTests
 
 QUANTIZERS = [(bits, axis, G) for bits in QUANT_BITS for axis in ("token", "channel") for G in (8,)] + [
-    (2, "channel", 32), (4, "token", 3),  # KIVI's group size, and a group size that is not a power of two
+    (2, "channel", 32),
+    (4, "token", 3),  # KIVI's group size, and a group size that is not a power of two
 ]
 
 
@@ -17,7 +19,9 @@ class TestUniformQuantizer(QuantizerTests):
 
 
 class TestCodebookQuantizer(QuantizerTests):
-    @pytest.fixture(params=[(2, "token", 8), (3, "channel", 4), (4, "token", 3)], ids=lambda p: f"{p[0]}bit-{p[1]}-G{p[2]}")
+    @pytest.fixture(
+        params=[(2, "token", 8), (3, "channel", 4), (4, "token", 3)], ids=lambda p: f"{p[0]}bit-{p[1]}-G{p[2]}"
+    )
     def quantizer(self, request):
         bits, axis, G = request.param
         return CodebookQuantizer(bits, axis, G)

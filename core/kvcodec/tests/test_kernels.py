@@ -4,8 +4,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvcodec import QUANT_BITS, UniformQuantizer, kernels
 from quant_testutil import DTYPES, make_data, ulp
+
+from kvcodec import QUANT_BITS, UniformQuantizer, kernels
 
 triton = pytest.importorskip("triton")
 # Masked padding lanes of a tile may divide by a tiny scale and overflow to -inf before being clamped and
@@ -100,5 +101,5 @@ def test_cuda_dispatch_matches_cpu_reference(bits, axis):
             assert torch.equal(a.cpu(), b)
         _assert_close_1ulp(q.dequantize(q_gpu).cpu(), q.dequantize(q_cpu))
         keep = torch.rand(3, 40) < 0.5
-        flat, lengths = kernels.compact(x.cuda()[None], keep.cuda()[None])
+        flat, _lengths = kernels.compact(x.cuda()[None], keep.cuda()[None])
         assert torch.equal(flat.cpu(), x[None][keep[None]])

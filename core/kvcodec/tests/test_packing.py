@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvcodec import pack_codes, unpack_codes
 from kvcore import packed_width
 
@@ -22,9 +23,7 @@ def _stream_oracle(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.uint8).reshape(*codes.shape[:-1], packed_width(codes.shape[-1], bits))
 
 
-codes_args = st.tuples(
-    st.sampled_from(BITS), st.integers(0, 3), st.integers(0, 37), st.integers(0, 2**31 - 1)
-)
+codes_args = st.tuples(st.sampled_from(BITS), st.integers(0, 3), st.integers(0, 37), st.integers(0, 2**31 - 1))
 
 
 def _codes(bits, rows, d, seed):

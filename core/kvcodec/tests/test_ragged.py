@@ -1,6 +1,7 @@
 """The ragged residual: KIVI's append / pop-oldest policies over flat rows, and evicted entries hold no memory."""
 
 import torch
+
 from kvcodec.ragged import Residual
 from kvcore import storage_bytes
 

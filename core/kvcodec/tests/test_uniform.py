@@ -6,9 +6,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from quant_testutil import DTYPES, group_view, make_data, ulp
+
 from kvcodec import QUANT_BITS, UniformQuantizer, unpack_codes
 from kvcore import QuantizedTensor, Quantizer
-from quant_testutil import DTYPES, group_view, make_data, ulp
 
 AXES = ("token", "channel")
 
@@ -58,7 +59,7 @@ def test_error_within_half_scale(c):
 @settings(max_examples=60, deadline=None)
 @given(cases)
 def test_zero_is_group_min_and_no_code_clamps(c):
-    x, quant, q = _quantize(c)
+    x, _quant, q = _quantize(c)
     levels = 2 ** c["bits"] - 1
     M = math.prod(c["lead"])
     xs = x.reshape(M, *x.shape[-2:])
@@ -80,7 +81,7 @@ def test_zero_is_group_min_and_no_code_clamps(c):
 @settings(max_examples=60, deadline=None)
 @given(cases)
 def test_idempotent(c):
-    x, quant, q = _quantize(c)
+    _x, quant, q = _quantize(c)
     q2 = quant.quantize(quant.dequantize(q))
     assert torch.equal(q2.codes, q.codes)
 
@@ -101,7 +102,7 @@ def test_idempotent_on_many_groups(bits, dtype):
 @settings(max_examples=40, deadline=None)
 @given(cases)
 def test_layout_and_exact_nbytes(c):
-    x, quant, q = _quantize(c)
+    x, _quant, q = _quantize(c)
     bits, G, (T, D) = c["bits"], c["G"], x.shape[-2:]
     lead = c["lead"]
     assert isinstance(q, QuantizedTensor)

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+
 from kvcore import (
     FULL,
     Budget,
@@ -20,8 +21,8 @@ from kvcore import (
     Store,
     TopKSelector,
     merge_attention,
-    registry,
     packed_width,
+    registry,
     storage_bytes,
 )
 from kvcore.attention import check_query, check_scale
@@ -44,7 +45,7 @@ class WindowAttention:
     def score(self, ctx):
         if ctx.queries is None:
             raise ValueError("WindowAttention needs ctx.queries [B, Hq, W, D]")
-        B, H, T, D = ctx.keys.shape
+        _B, H, _T, D = ctx.keys.shape
         q = ctx.queries.float().unflatten(1, (H, -1))  # [B, H, g, W, D]
         logits = q @ ctx.keys.float()[:, :, None].transpose(-1, -2) / math.sqrt(D)
         logits = logits.masked_fill(~ctx.valid[:, None, None, None, :], float("-inf"))
@@ -189,8 +190,10 @@ class ToyTieredStore(Store):
             raise TypeError(f"plan must be a kvcore.Plan, got {type(plan).__name__}")
         if plan.key_bits.shape != held.key_bits.shape:
             raise ValueError(f"plan must be laid out like read(): {tuple(held.key_bits.shape)}")
-        for name, new, old in (("key", plan.key_bits, held.key_bits), ("value", plan.bits_for_values,
-                                                                       held.bits_for_values)):
+        for name, new, old in (
+            ("key", plan.key_bits, held.key_bits),
+            ("value", plan.bits_for_values, held.bits_for_values),
+        ):
             if set(new.unique().tolist()) - self.supported_bits:
                 raise ValueError(f"{name} tiers must be in {sorted(self.supported_bits)}")
             if bool(((new != 0) & (old == 0)).any()):
@@ -284,8 +287,10 @@ class ToyTieredStore(Store):
             return torch.zeros(0, dtype=torch.long), *[torch.zeros(0, self.shape[2], dtype=self.dtype)] * 2
         pos = torch.cat([c[0] for c in chunks])
         order = pos.argsort()
-        deq = [[x if isinstance(x, torch.Tensor) else MinMax(x.bits, "token", 4).dequantize(x) for x in c[1:]]
-               for c in chunks]
+        deq = [
+            [x if isinstance(x, torch.Tensor) else MinMax(x.bits, "token", 4).dequantize(x) for x in c[1:]]
+            for c in chunks
+        ]
         return pos[order], torch.cat([k for k, _ in deq])[order], torch.cat([v for _, v in deq])[order]
 
     def read(self, query=None):
@@ -302,8 +307,13 @@ class ToyTieredStore(Store):
         return KVView(k.view(B, H, T, D), v.view(B, H, T, D), pos.view(B, H, T), bias.view(B, H, T))
 
     def nbytes(self, device=None):
-        parts = [t for chunks in self.heads or [] for c in chunks for x in c
-                 for t in ((x,) if isinstance(x, torch.Tensor) else (x.codes, x.scales, x.zeros))]
+        parts = [
+            t
+            for chunks in self.heads or []
+            for c in chunks
+            for x in c
+            for t in ((x,) if isinstance(x, torch.Tensor) else (x.codes, x.scales, x.zeros))
+        ]
         return storage_bytes(parts, device)
 
     def seq_lengths(self):
@@ -316,7 +326,7 @@ class ToyTieredStore(Store):
             chunks[:] = [tuple(_rows(x, c[0] < position) for x in c) for c in chunks]
 
     def reorder(self, index):
-        B, H, D = self.shape
+        _B, H, D = self.shape
         self.heads = [list(self.heads[int(i) * H + h]) for i in index for h in range(H)]
         self.shape = (len(index), H, D)
 

@@ -104,16 +104,20 @@ def test_merge_needs_a_part():
         merge_attention([])
 
 
-@pytest.mark.parametrize("query, scale", [
-    (torch.randn(1, 4, 2, 6), None),  # another head dim
-    (torch.randn(1, 3, 2, 8), None),  # Hq not a multiple of Hkv = 2
-    (torch.randn(2, 4, 2, 8), None),  # another batch
-    (torch.randn(4, 2, 8), None),  # rank 3
-    (torch.ones(1, 4, 2, 8, dtype=torch.int32), None),
-    (torch.randn(1, 4, 2, 8), 0.0),
-    (torch.randn(1, 4, 2, 8), float("nan")),
-    (torch.randn(1, 4, 2, 8), True),
-], ids=["head-dim", "hq", "batch", "rank", "int", "scale-0", "scale-nan", "scale-bool"])
+@pytest.mark.parametrize(
+    "query, scale",
+    [
+        (torch.randn(1, 4, 2, 6), None),  # another head dim
+        (torch.randn(1, 3, 2, 8), None),  # Hq not a multiple of Hkv = 2
+        (torch.randn(2, 4, 2, 8), None),  # another batch
+        (torch.randn(4, 2, 8), None),  # rank 3
+        (torch.ones(1, 4, 2, 8, dtype=torch.int32), None),
+        (torch.randn(1, 4, 2, 8), 0.0),
+        (torch.randn(1, 4, 2, 8), float("nan")),
+        (torch.randn(1, 4, 2, 8), True),
+    ],
+    ids=["head-dim", "hq", "batch", "rank", "int", "scale-0", "scale-nan", "scale-bool"],
+)
 def test_reference_attention_rejects(query, scale):
     x = torch.randn(1, 2, 5, 8)
     view = KVView(x, x, torch.arange(5).expand(1, 2, 5), torch.zeros(1, 2, 5))

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvcore_toys import KeyNorm
 
 from kvcore import (
     Budget,
@@ -23,7 +24,6 @@ from kvcore import (
     TieredSelector,
     TopKSelector,
 )
-from kvcore_toys import KeyNorm
 
 
 def test_scores_reject_non_finite():
@@ -47,8 +47,14 @@ def test_plan_rejects_widths_outside_the_tiers(width):
 
 def _qt(**kw):
     fields = dict(
-        codes=torch.zeros(2, 4, 2, dtype=torch.uint8), scales=torch.ones(2, 4, 1), zeros=torch.zeros(2, 4, 1),
-        bits=4, axis="token", group_size=4, shape=(2, 4, 4), dtype=torch.float32,
+        codes=torch.zeros(2, 4, 2, dtype=torch.uint8),
+        scales=torch.ones(2, 4, 1),
+        zeros=torch.zeros(2, 4, 1),
+        bits=4,
+        axis="token",
+        group_size=4,
+        shape=(2, 4, 4),
+        dtype=torch.float32,
     )
     return QuantizedTensor(**{**fields, **kw})
 
@@ -56,10 +62,15 @@ def _qt(**kw):
 @pytest.mark.parametrize(
     "kw, err",
     [
-        ({"bits": 0}, ValueError), ({"bits": 9}, ValueError), ({"bits": 2.0}, TypeError),
-        ({"group_size": 0}, ValueError), ({"group_size": "4"}, TypeError),
-        ({"scales": torch.ones(2, 4, 2)}, ValueError), ({"zeros": torch.zeros(2, 1, 4)}, ValueError),
-        ({"scales": [1.0]}, TypeError), ({"shape": (4,)}, ValueError),
+        ({"bits": 0}, ValueError),
+        ({"bits": 9}, ValueError),
+        ({"bits": 2.0}, TypeError),
+        ({"group_size": 0}, ValueError),
+        ({"group_size": "4"}, TypeError),
+        ({"scales": torch.ones(2, 4, 2)}, ValueError),
+        ({"zeros": torch.zeros(2, 1, 4)}, ValueError),
+        ({"scales": [1.0]}, TypeError),
+        ({"shape": (4,)}, ValueError),
     ],
 )
 def test_quantized_tensor_rejects_bad_metadata(kw, err):
@@ -68,7 +79,9 @@ def test_quantized_tensor_rejects_bad_metadata(kw, err):
         _qt(**kw)
 
 
-@pytest.mark.parametrize("avg_bits, err", [("2", TypeError), (True, TypeError), (float("nan"), ValueError), (17, ValueError)])
+@pytest.mark.parametrize(
+    "avg_bits, err", [("2", TypeError), (True, TypeError), (float("nan"), ValueError), (17, ValueError)]
+)
 def test_budget_avg_bits_is_a_number_in_range(avg_bits, err):
     with pytest.raises(err, match="avg_bits"):
         Budget(avg_bits=avg_bits)
@@ -114,8 +127,11 @@ def _floor_holds(selector: TopKSelector, scores: torch.Tensor, budget: Budget) -
 
 @settings(max_examples=30, deadline=None, database=None)
 @given(
-    H=st.integers(2, 4), T=st.integers(4, 40), ratio=st.sampled_from([0.5, 0.75, 0.9]),
-    floor=st.sampled_from([0.2, 0.5, 1.0]), seed=st.integers(0, 2**16),
+    H=st.integers(2, 4),
+    T=st.integers(4, 40),
+    ratio=st.sampled_from([0.5, 0.75, 0.9]),
+    floor=st.sampled_from([0.2, 0.5, 1.0]),
+    seed=st.integers(0, 2**16),
 )
 def test_topk_layer_budget_honours_the_head_floor(H, T, ratio, floor, seed):
     """Under a layer budget each head keeps at least its own top ``floor(head_floor * kept)`` entries, even when

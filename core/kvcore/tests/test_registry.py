@@ -23,13 +23,16 @@ def test_budget_kind():
         registry.budget_kind(0.5)
 
 
-@pytest.mark.parametrize("kwargs, err, words", [
-    ({"name": ""}, ValueError, "name"),
-    ({"name": 3}, ValueError, "name"),
-    ({"factory": "not callable"}, TypeError, "factory"),
-    ({"budgets": {"ratio", "bits"}}, ValueError, "bits"),
-    ({"default": 0.5}, TypeError, "default"),
-])
+@pytest.mark.parametrize(
+    "kwargs, err, words",
+    [
+        ({"name": ""}, ValueError, "name"),
+        ({"name": 3}, ValueError, "name"),
+        ({"factory": "not callable"}, TypeError, "factory"),
+        ({"budgets": {"ratio", "bits"}}, ValueError, "bits"),
+        ({"default": 0.5}, TypeError, "default"),
+    ],
+)
 def test_method_rejects(kwargs, err, words):
     args = {"name": "m", "factory": make, "description": "d", **kwargs}
     with pytest.raises(err, match=words):

@@ -8,6 +8,8 @@ from typing import ClassVar
 
 import pytest
 import torch
+from kvcore_toys import KeyNorm, WindowAttention
+
 from kvcore import (
     EVICT,
     FULL,
@@ -24,7 +26,6 @@ from kvcore import (
     replan,
     retier_store,
 )
-from kvcore_toys import KeyNorm, WindowAttention
 
 B, H, T, D = 2, 2, 12, 8
 
@@ -128,7 +129,10 @@ def test_plan_is_laid_out_like_read_even_when_read_is_not_sorted():
     class Reversed(DenseStore):
         def read(self, query=None):
             v = super().read(query)
-            flip = lambda x: x.flip(2)
+
+            def flip(x):
+                return x.flip(2)
+
             return KVView(flip(v.keys), flip(v.values), flip(v.positions), flip(v.logit_bias))
 
         def tiers(self):

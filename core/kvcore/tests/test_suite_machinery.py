@@ -13,6 +13,8 @@ import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
+from kvcore_toys import KeyNorm, MinMax, ToyTieredStore
+
 from kvcore import (
     DenseStore,
     Plan,
@@ -40,7 +42,6 @@ from kvcore.testing.strategies import (
     kv_samples,
     left_padded_masks,
 )
-from kvcore_toys import KeyNorm, MinMax, ToyTieredStore
 
 FAST = settings(max_examples=20, deadline=None)
 
@@ -111,8 +112,12 @@ def test_retier_suite_exercises_demotion_and_eviction():
     class Recording(ToyTieredStore):
         def retier(self, plan):
             t = self.tiers()
-            seen.append((bool((plan.keep_keys & (plan.key_bits < t.key_bits)).any()),
-                         bool((t.keep_keys & ~plan.keep_keys).any())))
+            seen.append(
+                (
+                    bool((plan.keep_keys & (plan.key_bits < t.key_bits)).any()),
+                    bool((t.keep_keys & ~plan.keep_keys).any()),
+                )
+            )
             super().retier(plan)
 
     StoreTests().test_retier_keeps_untouched_entries(Recording)
@@ -283,8 +288,9 @@ class KeepsEvictedMemory(DenseStore):
         self._old = old
 
     def nbytes(self, device=None):
-        return storage_bytes([self._k, self._v, self._pos, self._start, self._len, self._cap, *(self._old or ())],
-                             device)
+        return storage_bytes(
+            [self._k, self._v, self._pos, self._start, self._len, self._cap, *(self._old or ())], device
+        )
 
 
 class MutatesBeforeRaising(DenseStore):
@@ -319,24 +325,39 @@ class AttendIgnoresBias(DenseStore):
         return reference_attention(unbiased, query, scale)
 
 
-@pytest.mark.parametrize("run", [
-    lambda: ScorerTests().test_pure(Mutating()),
-    lambda: ScorerTests().test_deterministic(Noisy()),
-    lambda: type("T", (SelectorTests,), {})().test_ties_break_by_lower_index(LastFirst()),
-    lambda: StoreTests().test_evicted_entries_hold_no_memory(Hoarder),
-    lambda: StoreTests().test_write_read_roundtrip(Unaccounted),
-    lambda: QuantizerTests().test_packing_bijection(BigEndian(bits=3)),
-    lambda: StoreTests().test_retier_keeps_untouched_entries(PerturbingRetier),
-    lambda: StoreTests().test_retier_identity_is_noop(PerturbingRetier),
-    lambda: StoreTests().test_retier_keeps_untouched_entries(KeepsEvictedMemory),
-    lambda: StoreTests().test_retier_evicted_entries_hold_no_memory(KeepsEvictedMemory),
-    lambda: StoreTests().test_retier_rejects_bad_plans_atomically(MutatesBeforeRaising),
-    lambda: StoreTests().test_tiers_follow_write_and_append(TiersMarkPadding),
-    lambda: StoreTests().test_attend_fused_matches_reference(AttendIgnoresBias),
-], ids=["mutating-scorer", "noisy-scorer", "ties-to-higher-index", "hoarding-store", "unaccounted-store", "big-endian",
-        "retier-perturbs-kept", "retier-identity-perturbs", "retier-keeps-evicted-memory",
-        "retier-keeps-evicted-memory-bytes", "retier-mutates-before-raising", "tiers-mark-padding",
-        "attend-ignores-bias"])
+@pytest.mark.parametrize(
+    "run",
+    [
+        lambda: ScorerTests().test_pure(Mutating()),
+        lambda: ScorerTests().test_deterministic(Noisy()),
+        lambda: type("T", (SelectorTests,), {})().test_ties_break_by_lower_index(LastFirst()),
+        lambda: StoreTests().test_evicted_entries_hold_no_memory(Hoarder),
+        lambda: StoreTests().test_write_read_roundtrip(Unaccounted),
+        lambda: QuantizerTests().test_packing_bijection(BigEndian(bits=3)),
+        lambda: StoreTests().test_retier_keeps_untouched_entries(PerturbingRetier),
+        lambda: StoreTests().test_retier_identity_is_noop(PerturbingRetier),
+        lambda: StoreTests().test_retier_keeps_untouched_entries(KeepsEvictedMemory),
+        lambda: StoreTests().test_retier_evicted_entries_hold_no_memory(KeepsEvictedMemory),
+        lambda: StoreTests().test_retier_rejects_bad_plans_atomically(MutatesBeforeRaising),
+        lambda: StoreTests().test_tiers_follow_write_and_append(TiersMarkPadding),
+        lambda: StoreTests().test_attend_fused_matches_reference(AttendIgnoresBias),
+    ],
+    ids=[
+        "mutating-scorer",
+        "noisy-scorer",
+        "ties-to-higher-index",
+        "hoarding-store",
+        "unaccounted-store",
+        "big-endian",
+        "retier-perturbs-kept",
+        "retier-identity-perturbs",
+        "retier-keeps-evicted-memory",
+        "retier-keeps-evicted-memory-bytes",
+        "retier-mutates-before-raising",
+        "tiers-mark-padding",
+        "attend-ignores-bias",
+    ],
+)
 def test_suites_catch_broken_implementations(run):
     settings.register_profile("no-shrink", phases=[Phase.generate])
     settings.load_profile("no-shrink")

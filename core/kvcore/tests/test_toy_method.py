@@ -1,4 +1,5 @@
 import pytest
+
 from kvcore import Scorer, Scores
 from kvcore.testing import ScorerTests
 

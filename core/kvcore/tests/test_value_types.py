@@ -29,11 +29,20 @@ def test_budget_tokens_kept_is_min(n, tokens):
     assert Budget(tokens=tokens).kept(n) == min(tokens, n)
 
 
-@pytest.mark.parametrize("kwargs, err", [
-    (dict(ratio=0.5, tokens=3), ValueError), (dict(ratio=1.0), ValueError), (dict(ratio=-0.1), ValueError),
-    (dict(ratio="0.5"), TypeError), (dict(ratio=True), TypeError), (dict(tokens=0), ValueError),
-    (dict(tokens=2.0), TypeError), (dict(granularity="token"), ValueError), (dict(avg_bits=17), ValueError),
-])
+@pytest.mark.parametrize(
+    "kwargs, err",
+    [
+        (dict(ratio=0.5, tokens=3), ValueError),
+        (dict(ratio=1.0), ValueError),
+        (dict(ratio=-0.1), ValueError),
+        (dict(ratio="0.5"), TypeError),
+        (dict(ratio=True), TypeError),
+        (dict(tokens=0), ValueError),
+        (dict(tokens=2.0), TypeError),
+        (dict(granularity="token"), ValueError),
+        (dict(avg_bits=17), ValueError),
+    ],
+)
 def test_budget_rejects(kwargs, err):
     with pytest.raises(err):
         Budget(**kwargs)
@@ -53,7 +62,7 @@ def test_protection_mask_matches_a_loop(data, sinks, recent):
     got = Protection(sinks, recent).mask(valid)
     for b in range(B):
         real = valid[b].nonzero().flatten().tolist()
-        want = set(real[:sinks]) | set(real[max(0, len(real) - recent):] if recent else [])
+        want = set(real[:sinks]) | set(real[max(0, len(real) - recent) :] if recent else [])
         assert set(got[b].nonzero().flatten().tolist()) == want
 
 
@@ -123,16 +132,23 @@ def test_scores_validation():
     assert s.for_values is s.keys and s.shape == (1, 2, 3)
 
 
-@pytest.mark.parametrize("change, err", [
-    (dict(keys=torch.zeros(2, 6, 8)), ValueError), (dict(keys=[0.0]), TypeError),
-    (dict(values=torch.zeros(2, 3, 6, 8)), ValueError), (dict(keys=torch.zeros(2, 2, 6, 8).to(torch.int8)), TypeError),
-    (dict(keys=torch.zeros(2, 2, 0, 8), values=torch.zeros(2, 2, 0, 8)), ValueError),
-    (dict(queries=torch.zeros(2, 3, 4, 8)), ValueError), (dict(queries=torch.zeros(2, 4, 4, 6)), ValueError),
-    (dict(positions=torch.zeros(2, 5, dtype=torch.long)), ValueError), (dict(positions=torch.zeros(2, 6)), ValueError),
-    (dict(attention_mask=torch.ones(2, 6, dtype=torch.int64)), TypeError),
-    (dict(attention_mask=torch.ones(3, 6, dtype=torch.bool)), ValueError),
-    (dict(protected=torch.ones(2, 5, dtype=torch.bool)), ValueError),
-])
+@pytest.mark.parametrize(
+    "change, err",
+    [
+        (dict(keys=torch.zeros(2, 6, 8)), ValueError),
+        (dict(keys=[0.0]), TypeError),
+        (dict(values=torch.zeros(2, 3, 6, 8)), ValueError),
+        (dict(keys=torch.zeros(2, 2, 6, 8).to(torch.int8)), TypeError),
+        (dict(keys=torch.zeros(2, 2, 0, 8), values=torch.zeros(2, 2, 0, 8)), ValueError),
+        (dict(queries=torch.zeros(2, 3, 4, 8)), ValueError),
+        (dict(queries=torch.zeros(2, 4, 4, 6)), ValueError),
+        (dict(positions=torch.zeros(2, 5, dtype=torch.long)), ValueError),
+        (dict(positions=torch.zeros(2, 6)), ValueError),
+        (dict(attention_mask=torch.ones(2, 6, dtype=torch.int64)), TypeError),
+        (dict(attention_mask=torch.ones(3, 6, dtype=torch.bool)), ValueError),
+        (dict(protected=torch.ones(2, 5, dtype=torch.bool)), ValueError),
+    ],
+)
 def test_scoring_context_rejects(change, err):
     x = torch.zeros(2, 2, 6, 8)
     with pytest.raises(err):

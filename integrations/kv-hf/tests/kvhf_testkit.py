@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from kvcore import Budget, Compressor, DenseStore, Protection, Scorer, Scores, ScoringContext, TopKSelector
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -19,6 +18,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from kvcore import Budget, Compressor, DenseStore, Protection, Scorer, Scores, ScoringContext, TopKSelector
 
 TINY = dict(
     vocab_size=256,
@@ -57,7 +58,6 @@ def prompt(T: int, B: int = 1, seed: int = 1) -> torch.Tensor:
 # -- scorers -----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ZeroScorer(Scorer):
-
     def score(self, ctx: ScoringContext) -> Scores:
         return Scores(torch.zeros(ctx.keys.shape[:3], dtype=torch.float32, device=ctx.keys.device))
 
@@ -78,7 +78,7 @@ class WindowScorer(Scorer):
     needs_queries: ClassVar[bool] = True
 
     def score(self, ctx: ScoringContext) -> Scores:
-        B, H, T, D = ctx.keys.shape
+        B, H, _T, D = ctx.keys.shape
         q = ctx.queries.float()
         g = q.shape[1] // H
         logits = q.view(B, H, g, -1, D) @ ctx.keys.float()[:, :, None].transpose(-1, -2) / math.sqrt(D)

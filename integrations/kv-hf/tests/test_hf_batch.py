@@ -1,10 +1,11 @@
 """Batch > 1 with left padding: padding is never kept, positions are per row, rows equal unbatched runs."""
 
-import kv_hf
 import pytest
 import torch
-from kvcore import Budget, Protection
 from kvhf_testkit import KnormScorer, WindowScorer, make, prompt, tiny_model
+
+import kv_hf
+from kvcore import Budget, Protection
 
 LENGTHS = (18, 11, 14)
 

@@ -3,13 +3,14 @@
 from dataclasses import dataclass
 from typing import ClassVar
 
-import kv_baselines
-import kv_hf
 import pytest
 import torch
-from kvcore import Scorer, Scores
 from kvhf_testkit import TINY, KnormScorer, WindowScorer, full_compressor, make, prompt, tiny_model
 from transformers import GPT2Config, GPT2LMHeadModel
+
+import kv_baselines
+import kv_hf
+from kvcore import Scorer, Scores
 
 
 @dataclass(frozen=True)

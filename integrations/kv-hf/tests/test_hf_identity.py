@@ -1,10 +1,11 @@
 """Ratio 0 through the compressed path gives the unmodified model's logits."""
 
-import kv_hf
 import pytest
 import torch
 from kvhf_testkit import FAMILIES, full_compressor, prompt, tiny_model
 from transformers import DynamicCache
+
+import kv_hf
 
 
 def _decode_pair(model, ids, cache_a, cache_b, steps, attention_mask=None):

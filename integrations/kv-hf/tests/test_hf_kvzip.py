@@ -2,12 +2,13 @@
 
 import math
 
-import kv_baselines
-import kv_hf
 import pytest
 import torch
-from kvcore import Budget
 from kvhf_testkit import CharTokenizer, Recording, prompt, tiny_model
+
+import kv_baselines
+import kv_hf
+from kvcore import Budget
 
 PREFIX, CTX = 3, 25
 CONFIG = kv_hf.KVzipConfig(chunk_size=10, prev_tokens=3)

@@ -1,10 +1,11 @@
 """Eviction frees real bytes: cache.nbytes() is what the Stores hold."""
 
-import kv_hf
 import torch
-from kvcore import storage_bytes
 from kvhf_testkit import KnormScorer, full_compressor, make, prompt, tiny_model
 from transformers import DynamicCache
+
+import kv_hf
+from kvcore import storage_bytes
 
 
 def _held(store) -> int:

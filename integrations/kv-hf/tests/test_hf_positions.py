@@ -1,13 +1,15 @@
-"""True positions after eviction: the cache length is not a token position (a known pitfall of eviction in transformers caches)."""
+"""True positions after eviction: the cache length is not a token position (a known pitfall of eviction in
+transformers caches)."""
 
-import kv_hf
 import pytest
 import torch
-from kvcore import Budget, Compressor, DenseStore, Scores, TopKSelector
 from kvhf_testkit import KnormScorer, make, prompt, tiny_model
 from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
+
+import kv_hf
+from kvcore import Budget, Compressor, DenseStore, Scores, TopKSelector
 
 
 class ReverseScorer:

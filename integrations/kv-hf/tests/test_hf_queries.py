@@ -2,14 +2,14 @@
 
 from dataclasses import dataclass
 
-import kv_baselines
-import kv_hf
 import pytest
 import torch
-from kvcore import ScoringContext
 from kvhf_testkit import Recording, WindowScorer, make, naive_qk, prompt, tiny_model
 
+import kv_baselines
+import kv_hf
 from kv_hf.support import DEFAULT_QUERY_WINDOW
+from kvcore import ScoringContext
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])

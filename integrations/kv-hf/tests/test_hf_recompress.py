@@ -1,10 +1,11 @@
 """Periodic re-compression while decoding (kvpress DecodingPress, HqeKV re-tiering, decoding-stage HubKV)."""
 
-import kv_hf
 import pytest
 import torch
-from kvcore import Budget, Protection
 from kvhf_testkit import KnormScorer, Recording, WindowScorer, make, prompt, tiny_model
+
+import kv_hf
+from kvcore import Budget, Protection
 
 
 def _lengths(cache):

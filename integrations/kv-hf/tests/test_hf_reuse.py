@@ -1,10 +1,11 @@
 """Query-agnostic reuse: one compressed context, several questions, each answer rolled back (kvpress pipeline)."""
 
-import kv_hf
 import pytest
 import torch
-from kvcore import Protection
 from kvhf_testkit import CharTokenizer, KnormScorer, WindowScorer, make, prompt, tiny_model
+
+import kv_hf
+from kvcore import Protection
 
 QUESTIONS = [prompt(5, seed=40)[0], prompt(9, seed=41)[0], prompt(3, seed=42)[0]]
 

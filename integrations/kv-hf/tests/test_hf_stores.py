@@ -2,12 +2,13 @@
 
 import math
 
-import kv_hf
 import pytest
 import torch
-from kvcore import Budget, Compressor, DenseStore, KVView, TopKSelector
 from kvhf_testkit import ZeroScorer, full_compressor, prompt, tiny_model
 from transformers import DynamicCache
+
+import kv_hf
+from kvcore import Budget, Compressor, DenseStore, KVView, TopKSelector
 
 DOUBLED = 3  # position whose entry carries bias log 2
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import kv_baselines
-import kv_hf
 import pytest
 import torch
-from kvcore import Budget, DenseStore, Plan, Protection, reference_attention
 from kvhf_testkit import CharTokenizer, KnormScorer, make, prompt, tiny_model
+
+import kv_baselines
+import kv_hf
+from kvcore import Budget, DenseStore, Plan, Protection, reference_attention
 
 
 class CountingStore(DenseStore):

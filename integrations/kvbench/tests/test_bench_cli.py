@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from kvbench import cli
 from kvbench.methods import MethodSpec, describe, parse_methods, plan_grid
 from kvbench.report import Row, format_table, plot, write_json

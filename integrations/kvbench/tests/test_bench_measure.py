@@ -5,13 +5,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import kv_hf
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import kv_hf
 from kvbench.memory import peak_memory, release_free_memory
 from kvbench.run import decode_rate
 from kvcore import Budget, Compressor, DenseStore, Scorer, Scores, ScoringContext, TopKSelector
-from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def tiny_model() -> LlamaForCausalLM:

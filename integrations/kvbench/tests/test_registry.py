@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvcore import Budget, Compressor, ScoringContext
 from kvcore.registry import BUDGET_KINDS, budget_kind, discover
 

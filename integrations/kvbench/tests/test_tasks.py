@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 
 import pytest
+
 from kvbench.tasks import (
     TASKS,
     TaskSample,
@@ -140,7 +142,7 @@ def test_kv_retrieval_and_variable_tracking_format() -> None:
     names, value = vt.answers, vt.info["value"]
     assert len(names) == 4 and vt.kind == "tracking"
     assert vt.context.count(f"VAR {names[0]} = {value}.") == 1
-    for prev, cur in zip(names, names[1:]):
+    for prev, cur in itertools.pairwise(names):
         assert vt.context.count(f"VAR {cur} = VAR {prev}.") == 1
         assert vt.context.index(f"VAR {prev} =") < vt.context.index(f"VAR {cur} =")
     assert f"assigned the value {value}" in vt.question

@@ -1,9 +1,9 @@
 """Every baseline scorer and ready-made eviction compressor adopts the kvcore conformance suites."""
 
 import pytest
-from kvcore.testing import CompressorTests, ScorerTests
 
 import kv_baselines as kb
+from kvcore.testing import CompressorTests, ScorerTests
 
 
 class TestRandomScorer(ScorerTests):

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from kv_baselines import KVzipScorer, kvzip
 from kvcore import Budget, ScoringContext, TopKSelector
 

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import kv_baselines as kb
 from kvcore import Budget, Protection, ScoringContext, ShortInputWarning, TopKSelector
@@ -47,7 +46,7 @@ def _naive_pool(x, kernel, how):
     out = torch.empty_like(x)
     T, r = x.shape[-1], kernel // 2
     for t in range(T):
-        win = x[..., max(0, t - r): min(T, t + r + 1)]
+        win = x[..., max(0, t - r) : min(T, t + r + 1)]
         out[..., t] = win.amax(-1) if how == "max" else win.mean(-1)
     return out
 
@@ -62,7 +61,7 @@ def test_snapkv_matches_naive_reference(pooling):
     mean = probs.mean(dim=2)  # over window queries
     pooled = _naive_pool(mean, kernel, pooling).view(2, 2, 2, -1).mean(2)  # GQA mean over the group
     T = ctx.seq_len
-    pooled[..., T - window:] = pooled.amax(-1, keepdim=True)
+    pooled[..., T - window :] = pooled.amax(-1, keepdim=True)
     torch.testing.assert_close(got, pooled, rtol=1e-5, atol=1e-6)
 
 
@@ -101,11 +100,13 @@ def test_streaming_llm_keeps_sinks_and_most_recent(ratio):
     valid = torch.ones(2, 40, dtype=torch.bool)
     valid[1, :7] = False
     ctx = _ctx(T=40, valid=valid)
-    plan = TopKSelector().select(kb.StreamingLLMScorer(4).score(ctx), Budget(ratio=ratio), Protection(4).mask(valid), valid)
+    plan = TopKSelector().select(
+        kb.StreamingLLMScorer(4).score(ctx), Budget(ratio=ratio), Protection(4).mask(valid), valid
+    )
     for b in range(2):
         real = valid[b].nonzero().flatten().tolist()
         k = Budget(ratio=ratio).kept(len(real))
-        expect = sorted(set(real[:4]) | set(real[len(real) - (k - 4):]))
+        expect = sorted(set(real[:4]) | set(real[len(real) - (k - 4) :]))
         for h in range(2):
             assert plan.keep_keys[b, h].nonzero().flatten().tolist() == expect
 

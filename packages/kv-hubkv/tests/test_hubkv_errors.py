@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -101,5 +102,5 @@ def test_config_fields_are_normalised_and_frozen():
     assert isinstance(cfg.tau, float) and isinstance(cfg.p, float)
     assert cfg.half_window == 2
     assert cfg.gate(0.5) == 0.5**3
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.gamma = 0.9  # type: ignore[misc]

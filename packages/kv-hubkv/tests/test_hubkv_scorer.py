@@ -11,26 +11,24 @@ import math
 import pytest
 import torch
 
+import kv_hubkv
+from kv_hubkv import DecodingSchedule, HubKV, HubKVConfig, hubkv, refine, registry
 from kvcore import Budget, Compressor, DenseStore, Protection, Scores, ScoringContext, TopKSelector
 from kvcore import registry as kvregistry
 from kvcore.registry import Method
 from kvcore.testing import CompressorTests, ScorerTests
 
-import kv_hubkv
-from kv_hubkv import DecodingSchedule, HubKV, HubKVConfig, hubkv, refine
-from kv_hubkv import registry
-
 
 class WindowAttention:
     """Toy SnapKV-like base: softmax attention of the query window, mean over GQA group and window."""
 
-    needs_queries, needs_values, needs_extras, query_window = True, False, frozenset(), None
+    needs_queries, needs_values, needs_extras, query_window = True, False, frozenset()
     query_window = 8  # an adapter hint HubKV forwards
 
     def score(self, ctx):
         if ctx.queries is None:
             raise ValueError("WindowAttention needs ctx.queries [B, Hq, W, D]")
-        B, H, T, D = ctx.keys.shape
+        _B, H, _T, D = ctx.keys.shape
         q = ctx.queries.float().unflatten(1, (H, -1))
         logits = q @ ctx.keys.float()[:, :, None].transpose(-1, -2) / math.sqrt(D)
         logits = logits.masked_fill(~ctx.valid[:, None, None, None, :], float("-inf"))
@@ -40,7 +38,7 @@ class WindowAttention:
 class KeyNorm:
     """Negative scores (-‖k‖): needs ``nonnegative='shift'``."""
 
-    needs_queries, needs_values, needs_extras, query_window = False, True, frozenset({"unused"}), None
+    needs_queries, needs_values, needs_extras, query_window = False, True, frozenset({"unused"})
 
     def score(self, ctx):
         if "unused" not in ctx.extras:
@@ -52,7 +50,7 @@ class KeyNorm:
 class Fixed:
     """Returns given scores (for exact expectations)."""
 
-    needs_queries, needs_values, needs_extras, query_window = False, False, frozenset(), None
+    needs_queries, needs_values, needs_extras, query_window = False, False, frozenset()
 
     def __init__(self, s):
         self.s = s
@@ -89,8 +87,14 @@ class TestHubKVShiftedNegativeBase(ScorerTests):
 class TestHubKVCompressor(CompressorTests):
     @pytest.fixture(params=["head", "layer"])
     def compressor(self, request):
-        base = Compressor(WindowAttention(), TopKSelector(), DenseStore, Budget(ratio=0.5, granularity=request.param),
-                          Protection(sinks=1, recent=2), name="window")
+        base = Compressor(
+            WindowAttention(),
+            TopKSelector(),
+            DenseStore,
+            Budget(ratio=0.5, granularity=request.param),
+            Protection(sinks=1, recent=2),
+            name="window",
+        )
         return hubkv(base, 0.75)
 
 
@@ -126,10 +130,10 @@ def test_hubkv_token_budget_gives_per_row_ratio():
 
 def test_hubkv_needs_a_ratio_and_forwards_needs():
     s = HubKV(WindowAttention())
-    assert s.needs_queries and not s.needs_values and s.needs_extras == frozenset(), None
+    assert s.needs_queries and not s.needs_values and s.needs_extras == frozenset()
     assert s.query_window == 8
     k = HubKV(KeyNorm(), nonnegative="shift")
-    assert not k.needs_queries and k.needs_values and k.needs_extras == frozenset({"unused"}), None
+    assert not k.needs_queries and k.needs_values and k.needs_extras == frozenset({"unused"})
     with pytest.raises(ValueError, match="ratio"):
         s.score(_ctx())
     with pytest.raises(AttributeError):
@@ -165,8 +169,14 @@ def test_hubkv_rejects_wrongly_shaped_base_scores():
 
 
 def test_hubkv_compressor_keeps_base_parts():
-    base = Compressor(WindowAttention(), TopKSelector(head_floor=0.5), DenseStore,
-                      Budget(ratio=0.5, granularity="layer"), Protection(sinks=4, recent=8), name="window")
+    base = Compressor(
+        WindowAttention(),
+        TopKSelector(head_floor=0.5),
+        DenseStore,
+        Budget(ratio=0.5, granularity="layer"),
+        Protection(sinks=4, recent=8),
+        name="window",
+    )
     c = hubkv(base, 0.9)
     assert isinstance(c.scorer, HubKV) and c.scorer.base is base.scorer
     assert c.selector is base.selector and c.store is base.store and c.protect is base.protect

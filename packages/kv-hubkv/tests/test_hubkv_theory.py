@@ -115,9 +115,12 @@ plateau_rows = st.lists(st.sampled_from([0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0]), 
 
 
 @settings(max_examples=80, deadline=None)
-@given(row=st.one_of(plateau_rows, st.lists(st.floats(0, 1, width=32), min_size=1, max_size=40)),
-       kernel_size=st.sampled_from([1, 3, 5, 7]), gamma=st.floats(0.01, 0.99),
-       ratio=st.floats(0.0, 0.99))
+@given(
+    row=st.one_of(plateau_rows, st.lists(st.floats(0, 1, width=32), min_size=1, max_size=40)),
+    kernel_size=st.sampled_from([1, 3, 5, 7]),
+    gamma=st.floats(0.01, 0.99),
+    ratio=st.floats(0.0, 0.99),
+)
 def test_thm1_strict_local_hub_stays_above_discounted_neighbours(row, kernel_size, gamma, ratio):
     s = torch.tensor(row, dtype=torch.float32)
     k = kernel_size // 2
@@ -168,8 +171,14 @@ configs = st.builds(
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), cfg=configs, ratio=st.floats(0.0, 0.99),
-       H=st.integers(1, 4), N=st.integers(2, 48), plateau=st.booleans())
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    cfg=configs,
+    ratio=st.floats(0.0, 0.99),
+    H=st.integers(1, 4),
+    N=st.integers(2, 48),
+    plateau=st.booleans(),
+)
 def test_prop3_bounded_perturbation_and_ranking_stability(seed, cfg, ratio, H, N, plateau):
     g = torch.Generator().manual_seed(seed)
     s = torch.randint(0, 5, (2, H, N), generator=g).float() / 4 if plateau else torch.rand(2, H, N, generator=g)

@@ -34,10 +34,12 @@ def _kernel_probe() -> str | None:
         return None
     try:
         tk.refine_triton(torch.ones(1, 1, 2), 0.5)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         if any(m in str(e) for m in _LATE_INTERPRET):
-            return (f"Triton's CPU interpreter is not active (TRITON_INTERPRET="
-                    f"{os.environ.get('TRITON_INTERPRET')!r} must be set before triton is first imported): {e}")
+            return (
+                f"Triton's CPU interpreter is not active (TRITON_INTERPRET="
+                f"{os.environ.get('TRITON_INTERPRET')!r} must be set before triton is first imported): {e}"
+            )
     return None
 
 
@@ -53,10 +55,7 @@ def _close(a, b):
 def _inputs(seed, lead, H, N, plateau, prot_style, dtype):
     g = torch.Generator().manual_seed(seed)
     shape = (*lead, H, N)
-    if plateau:
-        s = torch.randint(0, 3, shape, generator=g).float() / 2
-    else:
-        s = torch.rand(shape, generator=g) * 2
+    s = torch.randint(0, 3, shape, generator=g).float() / 2 if plateau else torch.rand(shape, generator=g) * 2
     s = s.to(dtype).to(DEVICE)
     if prot_style == "none":
         prot = None

@@ -21,13 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kvcodec.kernels.dispatch import use_triton
+from kvcodec.packing import PACK_BITS
 from kvcore import KVView, QuantizedTensor, merge_attention, reference_attention
 from kvcore.attention import check_query, check_scale
 from kvcore.checks import check_tensor
 from kvcore.quantized import AXES
-
-from kvcodec.kernels.dispatch import use_triton
-from kvcodec.packing import PACK_BITS
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ def quantized_attention(
     """
     if not isinstance(segment, QuantizedSegment):
         raise TypeError(f"segment must be a kvcodec.QuantizedSegment, got {type(segment).__name__}")
-    B, H, T, D = segment.shape
+    B, H, _T, D = segment.shape
     q = check_query(query, H, D, B)
     scale = check_scale(scale, D)
     if use_triton(q):

@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from kvcore import QuantizedTensor
-from kvcore.checks import check_finite, check_float, check_tensor
-from kvcore.quantized import AXES, Axis
 
 from kvcodec.packing import PACK_BITS, pack_unchecked, unpack_unchecked
 from kvcodec.stats import expand_groups, resolve_group_size
+from kvcore import QuantizedTensor
+from kvcore.checks import check_finite, check_float, check_tensor
+from kvcore.quantized import AXES, Axis
 
 
 def normal_codebook(bits: int) -> torch.Tensor:

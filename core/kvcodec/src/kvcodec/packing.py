@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from kvcore import packed_width
 
 PACK_BITS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)

@@ -20,10 +20,10 @@ quantization unit, per-segment counts for the full-precision rows.
 from __future__ import annotations
 
 import torch
-from kvcore import QuantizedTensor, Quantizer
 
 import kvcodec.kernels.dispatch as _kernels
 from kvcodec.segments import exclusive_cumsum, offsets_in_segment, segment_ids, segment_take
+from kvcore import QuantizedTensor, Quantizer
 
 Entries = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """``(rows [N, D], seg [N] int64, pos [N] int32)``, sorted by segment."""
@@ -207,12 +207,13 @@ class QuantUnits:
                 setattr(self, name, t.clone())
                 continue
             if n + m > old.shape[0]:
-                grown = torch.zeros((max(n + m, old.shape[0] + old.shape[0] // 2), *old.shape[1:]),
-                                    dtype=old.dtype, device=old.device)
+                grown = torch.zeros(
+                    (max(n + m, old.shape[0] + old.shape[0] // 2), *old.shape[1:]), dtype=old.dtype, device=old.device
+                )
                 grown[:n] = old[:n]
                 setattr(self, name, grown)
                 old = grown
-            old[n: n + m] = t
+            old[n : n + m] = t
         return n + m
 
     # -- reading ----------------------------------------------------------------------------------------
@@ -234,9 +235,15 @@ class QuantUnits:
         codes = torch.zeros(nu * U, self.codes.shape[-1], dtype=torch.uint8, device=self.codes.device)
         codes[cell] = self.codes[: self.nr]
         q = QuantizedTensor(
-            codes=codes.view(nu, U, -1), scales=self.scales[:nu],
-            zeros=None if self.zeros is None else self.zeros[:nu], bits=bits, axis=axis, group_size=group_size,
-            shape=(nu, U, D), dtype=dtype, codebook=self.codebook,
+            codes=codes.view(nu, U, -1),
+            scales=self.scales[:nu],
+            zeros=None if self.zeros is None else self.zeros[:nu],
+            bits=bits,
+            axis=axis,
+            group_size=group_size,
+            shape=(nu, U, D),
+            dtype=dtype,
+            codebook=self.codebook,
         )
         return self.quantizer.dequantize(q).reshape(nu * U, D)[cell]
 

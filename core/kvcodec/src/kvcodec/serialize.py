@@ -21,6 +21,7 @@ import struct
 import zlib
 
 import torch
+
 from kvcore import QuantizedTensor
 
 MAGIC = b"KVQT"

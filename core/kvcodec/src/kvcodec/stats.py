@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from kvcore.checks import check_bool_mask, check_float, check_tensor
 from kvcore.quantized import AXES
 

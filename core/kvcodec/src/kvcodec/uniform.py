@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from kvcore import QuantizedTensor
-from kvcore.checks import check_finite, check_float, check_tensor
-from kvcore.quantized import AXES, Axis
 
 import kvcodec.kernels.dispatch as _kernels
 from kvcodec.packing import pack_unchecked
 from kvcodec.stats import QUANT_BITS, expand_groups, minmax_scale, minmax_stats, resolve_group_size, scale_dtype_for
+from kvcore import QuantizedTensor
+from kvcore.checks import check_finite, check_float, check_tensor
+from kvcore.quantized import AXES, Axis
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,14 @@ class UniformQuantizer:
                 "quantize it in float32"
             )
         return QuantizedTensor(
-            codes=codes, scales=scales, zeros=zeros, bits=self.bits, axis=self.axis, group_size=self.group_size,
-            shape=tuple(x.shape), dtype=x.dtype,
+            codes=codes,
+            scales=scales,
+            zeros=zeros,
+            bits=self.bits,
+            axis=self.axis,
+            group_size=self.group_size,
+            shape=tuple(x.shape),
+            dtype=x.dtype,
         )
 
     def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
@@ -112,13 +118,19 @@ def quantize_minmax(
     stats = minmax_stats(x, axis, G, ignore)
     sdt = scale_dtype_for(x.dtype, bits)
     scale = minmax_scale(stats.span, bits, sdt)
-    *lead, T, D = x.shape
+    *_lead, T, D = x.shape
     zero = stats.lo.to(x.dtype)  # a group minimum: exact in x.dtype
     s, z = (expand_groups(t, axis, G, T, D) for t in (scale, zero.float()))
     codes = torch.round((x.float() - z) / s).clamp_(0, (1 << bits) - 1).to(torch.uint8)
     if not bool(torch.isfinite(scale).all()):
         raise ValueError(f"x has a group range too large for {sdt} scales at bits={bits}; quantize it in float32")
     return QuantizedTensor(
-        codes=pack_unchecked(codes, bits), scales=scale.to(sdt), zeros=zero, bits=bits, axis=axis, group_size=G,
-        shape=tuple(x.shape), dtype=x.dtype,
+        codes=pack_unchecked(codes, bits),
+        scales=scale.to(sdt),
+        zeros=zero,
+        bits=bits,
+        axis=axis,
+        group_size=G,
+        shape=tuple(x.shape),
+        dtype=x.dtype,
     )

@@ -8,7 +8,7 @@ attends to a store and to the step's own new tokens separately and combines them
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -20,7 +20,7 @@ def check_query(query: object, view_heads: int, head_dim: int, batch: int) -> to
     """``query`` ``[B, Hq, Q, D]`` float with ``Hq`` a multiple of the KV heads; raises ValueError/TypeError."""
     q = check_float("query", check_tensor("query", query, ndim=4))
     B, Hq, _, D = q.shape
-    if B != batch or D != head_dim or Hq % view_heads or Hq == 0:
+    if batch != B or head_dim != D or Hq % view_heads or Hq == 0:
         raise ValueError(
             f"query must be [B={batch}, Hq (a multiple of Hkv={view_heads}), Q, D={head_dim}], got {tuple(q.shape)}"
         )

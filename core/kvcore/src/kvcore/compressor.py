@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
@@ -71,7 +71,7 @@ class Compressor:
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
 
-    def with_budget(self, **changes) -> "Compressor":
+    def with_budget(self, **changes) -> Compressor:
         """A copy with budget fields replaced, e.g. ``c.with_budget(ratio=0.75)``."""
         return dataclasses.replace(self, budget=dataclasses.replace(self.budget, **changes))
 
@@ -147,7 +147,9 @@ class Compressor:
         plans = []
         for b in range(valid.shape[0]):
             row = slice(b, b + 1)
-            budget = dataclasses.replace(self.budget, ratio=None, tokens=max(1, n_prot[b])) if b in short else self.budget
+            budget = (
+                dataclasses.replace(self.budget, ratio=None, tokens=max(1, n_prot[b])) if b in short else self.budget
+            )
             part = Scores(*(None if t is None else t.narrow(dim, b, 1) for t in (scores.keys, scores.values)))
             plans.append(self.selector.select(part, budget, protected[row], valid[row]))
         return Plan(

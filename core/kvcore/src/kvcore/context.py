@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,7 +45,7 @@ class ScoringContext:
     attention_mask: torch.Tensor | None = None
     layer_idx: int = 0
     extras: Mapping[str, Any] = field(default_factory=dict)
-    budget: "Budget | None" = None
+    budget: Budget | None = None
     protected: torch.Tensor | None = None
 
     def __post_init__(self) -> None:

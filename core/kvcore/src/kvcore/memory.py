@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 

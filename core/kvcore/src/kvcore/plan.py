@@ -55,7 +55,7 @@ class Plan:
                 raise ValueError("full_precision must be a bool tensor [*key_bits.shape, D]")
 
     @classmethod
-    def from_keep(cls, keep: torch.Tensor, keep_values: torch.Tensor | None = None) -> "Plan":
+    def from_keep(cls, keep: torch.Tensor, keep_values: torch.Tensor | None = None) -> Plan:
         """An eviction-only plan: kept entries at full precision, others evicted."""
         kb = torch.where(keep, FULL, EVICT).to(torch.uint8)
         vb = None if keep_values is None else torch.where(keep_values, FULL, EVICT).to(torch.uint8)

@@ -73,7 +73,9 @@ class QuantizedTensor:
                 continue
             check_tensor(name, t)
             if tuple(t.shape) != groups:
-                raise ValueError(f"{name} must have shape {groups} for {self.axis}-axis groups of {G}, got {tuple(t.shape)}")
+                raise ValueError(
+                    f"{name} must have shape {groups} for {self.axis}-axis groups of {G}, got {tuple(t.shape)}"
+                )
 
     @property
     def nbytes(self) -> int:

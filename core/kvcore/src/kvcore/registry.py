@@ -14,9 +14,10 @@ SnapKV) looks its base up here at build time (:func:`get`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING
 
 from kvcore.budget import Budget
 
@@ -59,7 +60,7 @@ class Method:
     """
 
     name: str
-    factory: Callable[[Budget], "Compressor"]
+    factory: Callable[[Budget], Compressor]
     description: str
     budgets: frozenset[str] = frozenset({"ratio", "tokens"})
     default: Budget = field(default_factory=Budget)
@@ -72,7 +73,9 @@ class Method:
         object.__setattr__(self, "budgets", frozenset(self.budgets))
         unknown = self.budgets - set(BUDGET_KINDS)
         if unknown:
-            raise ValueError(f"budgets of method {self.name!r} must be a subset of {BUDGET_KINDS}, got {sorted(unknown)}")
+            raise ValueError(
+                f"budgets of method {self.name!r} must be a subset of {BUDGET_KINDS}, got {sorted(unknown)}"
+            )
         if not isinstance(self.default, Budget):
             raise TypeError(f"default of method {self.name!r} must be a kvcore.Budget")
 
@@ -80,7 +83,7 @@ class Method:
         """Whether :meth:`build` takes ``budget`` (its kind is in ``budgets``, or it is ``default``)."""
         return budget_kind(budget) in self.budgets or budget == self.default
 
-    def build(self, budget: Budget | None = None) -> "Compressor":
+    def build(self, budget: Budget | None = None) -> Compressor:
         """The method's compressor at ``budget`` (``default`` if ``None``)."""
         from kvcore.compressor import Compressor
 
@@ -93,7 +96,7 @@ class Method:
             raise TypeError(f"method {self.name!r} returned {type(comp).__name__}, not a kvcore.Compressor")
         return comp
 
-    def with_name(self, name: str) -> "Method":
+    def with_name(self, name: str) -> Method:
         return dataclasses.replace(self, name=name)
 
 
@@ -130,6 +133,6 @@ def get(name: str, registry: dict[str, Method] | None = None) -> Method:
     return registry[name]
 
 
-def build(name: str, budget: Budget | None = None, registry: dict[str, Method] | None = None) -> "Compressor":
+def build(name: str, budget: Budget | None = None, registry: dict[str, Method] | None = None) -> Compressor:
     """``get(name).build(budget)``."""
     return get(name, registry).build(budget)

@@ -30,12 +30,12 @@ __version__ = "0.1.0"
 __all__ = [
     "KV_HF_EAGER",
     "KV_HF_SDPA",
+    "PROVIDERS",
     "SUPPORTED_MODEL_TYPES",
     "CacheOptions",
     "CompressedCache",
     "CompressedLayer",
     "KVzipConfig",
-    "PROVIDERS",
     "Provider",
     "answer_questions",
     "check_model",

@@ -31,10 +31,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from kvcore import merge_attention
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
+
+from kvcore import merge_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from kvcore import ScoringContext
 
 
@@ -28,9 +29,7 @@ class Pending:
     def length(self) -> int:
         return self.keys.shape[2]
 
-    def extend(
-        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
-    ) -> Pending:
+    def extend(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> Pending:
         return Pending(
             torch.cat([self.keys, keys], 2),
             torch.cat([self.values, values], 2),

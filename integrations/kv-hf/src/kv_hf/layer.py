@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from kvcore import Compressor, ScoringContext, Store, retier_store, storage_bytes
 from transformers.cache_utils import CacheLayerMixin
 
 from kv_hf.attention import STEP_ATTR
@@ -41,6 +40,7 @@ from kv_hf.entries import Pending
 from kv_hf.options import CacheOptions
 from kv_hf.providers import missing_message
 from kv_hf.support import DEFAULT_QUERY_WINDOW
+from kvcore import Compressor, ScoringContext, Store, retier_store, storage_bytes
 
 COLLECT = "collect"
 STORE = "store"
@@ -135,7 +135,7 @@ class CompressedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         B = key_states.shape[0]
-        if self._batch is not None and B != self._batch:
+        if self._batch is not None and self._batch != B:
             raise ValueError(
                 f"layer {self.layer_idx}: batch size {B} does not match the cached batch size {self._batch}"
             )

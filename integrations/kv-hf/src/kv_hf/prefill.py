@@ -23,9 +23,10 @@ def _check_ids(input_ids: object, attention_mask: object) -> None:
         raise ValueError("input_ids must be an integer tensor [B, T]")
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids must hold at least one token")
-    if attention_mask is not None:
-        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
-            raise ValueError(f"attention_mask must be a tensor of shape {tuple(input_ids.shape)} (the new tokens only)")
+    if attention_mask is not None and (
+        not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape)
+    ):
+        raise ValueError(f"attention_mask must be a tensor of shape {tuple(input_ids.shape)} (the new tokens only)")
 
 
 @torch.no_grad()

@@ -12,7 +12,8 @@ tokens (causal)]``, as in the original) and each chunk key's score is the max ov
 The sink is the prefix before the context (KVzip's system prompt), which is always kept.
 
 Differences from the original: the softmax is computed in float32 (the original uses the model dtype), and the
-queries are processed in blocks of ``query_block`` to bound memory. Batch size 1 only, like the KVzip and Fast KVzip reference code.
+queries are processed in blocks of ``query_block`` to bound memory. Batch size 1 only, like the KVzip and Fast KVzip
+reference code.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ class _Collector:
         if nc == 0:
             return
         keys = torch.cat([p.keys[:, :, sink], p.keys[:, :, chunk], new_keys], 2).float()  # [1, H, n, D]
-        _, H, n, D = keys.shape
+        _, H, _n, D = keys.shape
         Hq, Q = query.shape[1], query.shape[2]
         q = query.float().reshape(1, H, Hq // H, Q, D)
         kt = keys[:, :, None].transpose(-1, -2)  # [1, H, 1, D, n]

@@ -9,7 +9,8 @@ positions).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,13 +18,14 @@ from kv_hf.cache import CompressedCache, compressed_cache
 from kv_hf.prefill import prefill
 
 if TYPE_CHECKING:
-    from kvcore import Compressor
     from transformers import PreTrainedModel
+
+    from kvcore import Compressor
 
 
 @torch.no_grad()
 def generate_answer(
-    model: "PreTrainedModel",
+    model: PreTrainedModel,
     cache: CompressedCache,
     question_ids: torch.Tensor,
     max_new_tokens: int,
@@ -94,11 +96,11 @@ def generate_answer(
 
 @torch.no_grad()
 def answer_questions(
-    model: "PreTrainedModel",
+    model: PreTrainedModel,
     tokenizer: Any,
     context: str,
     questions: Sequence[str],
-    compressor: "Compressor",
+    compressor: Compressor,
     max_new_tokens: int = 32,
     *,
     answer_prefix: str = "",

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvcore import Compressor
-
 from kv_hf import providers
 from kv_hf.attention import KV_HF_IMPLEMENTATIONS
+from kvcore import Compressor
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel

@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 
 import torch
-from kvcore.registry import discover
 
 from kvbench.methods import describe, parse_methods, plan_grid
 from kvbench.report import format_table, plot, write_json
 from kvbench.run import Workload, describe_machine, run_grid
+from kvcore.registry import discover
 
 DEFAULT_METHODS = "streaming_llm,snapkv,knorm,kivi-4@0,kivi-2@0"
 """The default run: evictions at every ``--ratios``, plain KIVI (ratio 0; KIVI above 0 adds SnapKV eviction)."""

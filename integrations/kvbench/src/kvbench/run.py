@@ -9,16 +9,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
+
 from kv_hf.cache import compressed_cache
 from kv_hf.prefill import prefill
 from kv_hf.reuse import generate_answer
-from kvcore import Budget, Compressor
-from kvcore.registry import Method
-from tqdm.auto import tqdm
-
 from kvbench.memory import peak_memory
 from kvbench.report import Row
 from kvbench.tasks import TaskSample, score
+from kvcore import Budget, Compressor
+from kvcore.registry import Method
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """kv_baselines: the baselines users compare against, as kvcore protocol objects and ready-made compressors.
 
-Scorers: Random, Knorm, StreamingLLM, SnapKV, H2O, KVzip (its scores come from an adapter's reconstruction pass). Quantizers: uniform asymmetric min-max (1/2/3/4/8 bits,
-per-channel or per-token groups, KIVI). Store: KIVI's quantized store with a full-precision residual.
+Scorers: Random, Knorm, StreamingLLM, SnapKV, H2O, KVzip (its scores come from an adapter's reconstruction pass).
+Quantizers: uniform asymmetric min-max (1/2/3/4/8 bits, per-channel or per-token groups, KIVI).
+Store: KIVI's quantized store with a full-precision residual.
 """
 
 from kv_baselines.compressors import full, h2o, kivi, knorm, kvzip, random, snapkv, snapkv_kivi, streaming_llm

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from kvcore import Budget, Compressor, DenseStore, Protection, TopKSelector
-
 from kv_baselines.scorers import (
     ConstantScorer,
     H2OScorer,
@@ -13,15 +11,16 @@ from kv_baselines.scorers import (
     SnapKVScorer,
     StreamingLLMScorer,
 )
+from kvcore import Budget, Compressor, DenseStore, Protection, TopKSelector
 
 
-def _evicting(name: str, scorer, ratio: float, protect: Protection = Protection(), **budget) -> Compressor:
+def _evicting(name: str, scorer, ratio: float, protect: Protection | None = None, **budget) -> Compressor:
     return Compressor(
         scorer=scorer,
         selector=TopKSelector(),
         store=DenseStore,
         budget=Budget(ratio=ratio, **budget),
-        protect=protect,
+        protect=Protection() if protect is None else protect,
         name=name,
     )
 
@@ -50,8 +49,9 @@ def snapkv(
     ratio: float, window: int = 64, kernel_size: int = 5, granularity: str = "head", pooling: str = "avg"
 ) -> Compressor:
     """SnapKV: observation-window attention (W = 64, avg-pool 5, GQA mean); the window is always kept."""
-    return _evicting("snapkv", SnapKVScorer(window, kernel_size, pooling), ratio, Protection(recent=window),
-                     granularity=granularity)
+    return _evicting(
+        "snapkv", SnapKVScorer(window, kernel_size, pooling), ratio, Protection(recent=window), granularity=granularity
+    )
 
 
 def h2o(ratio: float, recent: int = 0) -> Compressor:
@@ -83,12 +83,13 @@ def kivi(
     value_bits : int, optional
         Value width; ``None`` = ``bits``.
     """
+    from kv_baselines.quant import KIVIStore, KIVITierSelector
     from kvcodec import UniformQuantizer
 
-    from kv_baselines.quant import KIVIStore, KIVITierSelector
-
     if evict is not None and not isinstance(evict, Compressor):
-        raise TypeError(f"evict must be a kvcore.Compressor (e.g. kv_baselines.snapkv(0.5)), got {type(evict).__name__}")
+        raise TypeError(
+            f"evict must be a kvcore.Compressor (e.g. kv_baselines.snapkv(0.5)), got {type(evict).__name__}"
+        )
     vbits = bits if value_bits is None else value_bits
 
     def store() -> KIVIStore:
@@ -104,8 +105,13 @@ def kivi(
     if evict is None:
         return Compressor(ConstantScorer(), selector, store, Budget(ratio=0.0), Protection(), name=f"kivi-{bits}")
     return Compressor(
-        scorer=evict.scorer, selector=selector, store=store, budget=evict.budget, protect=evict.protect,
-        name=f"{evict.name or 'evict'}+kivi-{bits}", strict=evict.strict,
+        scorer=evict.scorer,
+        selector=selector,
+        store=store,
+        budget=evict.budget,
+        protect=evict.protect,
+        name=f"{evict.name or 'evict'}+kivi-{bits}",
+        strict=evict.strict,
     )
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from kvcore import ScoringContext
 
 from kv_baselines import compressors as c
+from kvcore import ScoringContext
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -26,8 +26,16 @@ def main(argv: list[str] | None = None) -> None:
     q = torch.randn(1, 4 * args.heads, 64, args.head_dim, generator=g).to(torch.float16)
     ctx = ScoringContext(k, v, queries=q)
     raw = 2 * k.numel() * k.element_size()
-    methods = [c.full(), c.random(args.ratio), c.knorm(args.ratio), c.streaming_llm(args.ratio),
-               c.snapkv(args.ratio), c.kivi(4), c.kivi(2), c.snapkv_kivi(args.ratio, 2)]
+    methods = [
+        c.full(),
+        c.random(args.ratio),
+        c.knorm(args.ratio),
+        c.streaming_llm(args.ratio),
+        c.snapkv(args.ratio),
+        c.kivi(4),
+        c.kivi(2),
+        c.snapkv_kivi(args.ratio, 2),
+    ]
     print(f"one layer: {args.heads} KV heads x {args.tokens} tokens x {args.head_dim} dims, fp16 K+V = {raw:,} bytes")
     print(f"{'method':<16}{'kept/head':>10}{'bytes held':>14}{'% of fp16':>11}")
     for m in methods:

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kv_baselines import compressors as c
 from kvcore import Budget, Compressor
 from kvcore.registry import Method
-
-from kv_baselines import compressors as c
 
 __all__ = ["METHODS"]
 

@@ -1,6 +1,7 @@
 """The kvcore Store conformance suite, adopted for KIVIStore."""
 
 import pytest
+
 from kv_baselines.quant import KIVIStore, UniformQuantizer
 from kvcore.testing import StoreTests
 

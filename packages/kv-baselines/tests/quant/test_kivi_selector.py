@@ -4,6 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kv_baselines.quant import KIVIStore, KIVITierSelector, UniformQuantizer
 from kvcore import (
     EVICT,
@@ -29,8 +30,13 @@ class _NormScorer(Scorer):
 
 @settings(max_examples=40, deadline=None)
 @given(
-    B=st.integers(1, 2), H=st.integers(1, 3), T=st.integers(1, 40), ratio=st.sampled_from([0.0, 0.25, 0.6]),
-    R=st.sampled_from([1, 4, 8]), bits=st.sampled_from([2, 4]), seed=st.integers(0, 2**31 - 1),
+    B=st.integers(1, 2),
+    H=st.integers(1, 3),
+    T=st.integers(1, 40),
+    ratio=st.sampled_from([0.0, 0.25, 0.6]),
+    R=st.sampled_from([1, 4, 8]),
+    bits=st.sampled_from([2, 4]),
+    seed=st.integers(0, 2**31 - 1),
 )
 def test_tiers_follow_kivi_prefill_layout(B, H, T, ratio, R, bits, seed):
     g = torch.Generator().manual_seed(seed)
@@ -90,8 +96,13 @@ def test_compressor_with_eviction_then_decoding():
     out = store.read().attend(torch.randn(B, 4, 1, D))
     assert out.shape == (B, 4, 1, D) and bool(torch.isfinite(out).all())
     # a full-precision plan for reference: nothing quantized, so the quantized store is smaller
-    dense = Compressor(scorer=_NormScorer(), selector=TopKSelector(), store=lambda: KIVIStore(residual=R * 4),
-                       budget=Budget(ratio=0.5), protect=Protection(recent=4)).compress(ctx)
+    dense = Compressor(
+        scorer=_NormScorer(),
+        selector=TopKSelector(),
+        store=lambda: KIVIStore(residual=R * 4),
+        budget=Budget(ratio=0.5),
+        protect=Protection(recent=4),
+    ).compress(ctx)
     assert int(dense.entry_counts()["keys_quantized"].sum()) == 0
     assert store.nbytes() < dense.nbytes()
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvcore import EVICT, FULL, DenseStore, KVView, Plan, Store
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -30,7 +31,7 @@ def _expected_head(store, x, tiers, kind):
     qidx = (tiers[kept] == q.bits).nonzero().flatten()
     unit = q.group_size if q.axis == "channel" else 1
     for start in range(0, qidx.numel(), unit):
-        idx = qidx[start: start + unit]
+        idx = qidx[start : start + unit]
         out[idx] = _roundtrip(q, x[kept][idx][None])[0]
     return out
 
@@ -71,7 +72,7 @@ def test_write_follows_the_plan(c):
     store, keys, values, plan, positions = _random_write(c)
     view = store.read()
     assert isinstance(view, KVView)
-    B, H, T = plan.key_bits.shape
+    B, H, _T = plan.key_bits.shape
     keep = plan.keep_keys
     n = keep.sum(-1)
     assert torch.equal(store.seq_lengths(), n)
@@ -112,10 +113,10 @@ def test_quantized_entries_within_half_scale_of_their_group(dtype):
     n_q = 37 - 37 % R
     for h in range(2):
         for g0 in range(0, n_q, G):  # key groups: G tokens of one channel
-            x = keys[0, h, g0: g0 + G].double()
+            x = keys[0, h, g0 : g0 + G].double()
             span = x.max(0).values - x.min(0).values
             half = 0.5 * span / levels * (1 + 2 * eps) + 2.0 ** (bits - 24)
-            err = (view.keys[0, h, g0: g0 + G].double() - x).abs()
+            err = (view.keys[0, h, g0 : g0 + G].double() - x).abs()
             assert bool((err <= half + eps * x.abs()).all())
         for t in range(37 - R):  # value groups: G channels of one token
             x = values[0, h, t].double().view(-1, G)
@@ -137,16 +138,27 @@ def test_evicted_entries_hold_no_memory():
     kb, vb = kivi_tiers(keep, 2, 8, "keys"), kivi_tiers(keep, 2, 8, "values")
     evicting = _store()
     evicting.write(keys, values, Plan(kb, vb), torch.arange(T).expand(B, T))
+
     # the same kept entries written densely, with the same tiers
-    gather = lambda x: x[keep].view(B, H, T // 2, -1)
+    def gather(x):
+        return x[keep].view(B, H, T // 2, -1)
+
     dense = _store()
-    dense.write(gather(keys), gather(values), Plan(gather(kb[..., None])[..., 0], gather(vb[..., None])[..., 0]),
-                torch.arange(T // 2).expand(B, T // 2))
+    dense.write(
+        gather(keys),
+        gather(values),
+        Plan(gather(kb[..., None])[..., 0], gather(vb[..., None])[..., 0]),
+        torch.arange(T // 2).expand(B, T // 2),
+    )
     assert evicting.nbytes() == dense.nbytes()
     everything = _store()
     ones = torch.ones_like(keep)
-    everything.write(keys, values, Plan(kivi_tiers(ones, 2, 8, "keys"), kivi_tiers(ones, 2, 8, "values")),
-                     torch.arange(T).expand(B, T))
+    everything.write(
+        keys,
+        values,
+        Plan(kivi_tiers(ones, 2, 8, "keys"), kivi_tiers(ones, 2, 8, "values")),
+        torch.arange(T).expand(B, T),
+    )
     assert evicting.nbytes() < everything.nbytes()
 
 
@@ -155,8 +167,9 @@ def test_nbytes_is_every_byte_held():
     keys, values = torch.randn(B, H, T, D, dtype=torch.float16), torch.randn(B, H, T, D, dtype=torch.float16)
     keep = torch.ones(B, H, T, dtype=torch.bool)
     store = _store(2, G=G, R=R)
-    store.write(keys, values, Plan(kivi_tiers(keep, 2, R, "keys"), kivi_tiers(keep, 2, R, "values")),
-                torch.arange(T)[None])
+    store.write(
+        keys, values, Plan(kivi_tiers(keep, 2, R, "keys"), kivi_tiers(keep, 2, R, "values")), torch.arange(T)[None]
+    )
     S, pw = B * H, math.ceil(D * 2 / 8)
     i32, f16 = 4, 2
 
@@ -173,8 +186,10 @@ def test_nbytes_is_every_byte_held():
     k_quant = T - T % R  # whole residual blocks are quantized per channel
     v_quant = T - R  # the last R values stay in full precision
     expected = (
-        units(S * k_quant // G, G, D) + residual(T % R)  # keys: [units, 1, D] scales
-        + units(S * v_quant, 1, D // G) + residual(R)  # values: [units, 1, D/G] scales
+        units(S * k_quant // G, G, D)
+        + residual(T % R)  # keys: [units, 1, D] scales
+        + units(S * v_quant, 1, D // G)
+        + residual(R)  # values: [units, 1, D/G] scales
         + 2 * S * 8  # int64 per-head counts of the (here empty) permanent full-precision rows, K and V
         + B * 8  # int64 last position per batch row (append checks)
     )
@@ -184,8 +199,9 @@ def test_nbytes_is_every_byte_held():
     T2 = 1024
     k2, v2 = torch.randn(1, 2, T2, 128, dtype=torch.float16), torch.randn(1, 2, T2, 128, dtype=torch.float16)
     keep2 = torch.ones(1, 2, T2, dtype=torch.bool)
-    long_store.write(k2, v2, Plan(kivi_tiers(keep2, 2, 32, "keys"), kivi_tiers(keep2, 2, 32, "values")),
-                     torch.arange(T2)[None])
+    long_store.write(
+        k2, v2, Plan(kivi_tiers(keep2, 2, 32, "keys"), kivi_tiers(keep2, 2, 32, "values")), torch.arange(T2)[None]
+    )
     dense = DenseStore()
     dense.write(k2, v2, Plan.from_keep(keep2), torch.arange(T2)[None])
     assert long_store.nbytes() < 0.3 * dense.nbytes()
@@ -202,8 +218,12 @@ def _kivi_prefill(n_keep, G=4, R=8, D=6, dtype=torch.float32, seed=0):
             keep[b, h, torch.randperm(T, generator=g)[: n_keep[b][h]]] = True
     keys, values = torch.randn(B, H, T, D, generator=g).to(dtype), torch.randn(B, H, T, D, generator=g).to(dtype)
     store = _store(2, G=G, R=R)
-    store.write(keys, values, Plan(kivi_tiers(keep, 2, R, "keys"), kivi_tiers(keep, 2, R, "values")),
-                torch.arange(T).expand(B, T))
+    store.write(
+        keys,
+        values,
+        Plan(kivi_tiers(keep, 2, R, "keys"), kivi_tiers(keep, 2, R, "values")),
+        torch.arange(T).expand(B, T),
+    )
     return store, T
 
 
@@ -243,9 +263,9 @@ def test_append_follows_kivi_residual_policies():
                 assert torch.equal(view.values[b, h, :nvq], before.values[b, h, :nvq])
                 # a key block that just filled is quantized per channel in one go, from its full-precision rows
                 if m % R == 0:
-                    block = before.keys[b, h, m - R: m - 1]
+                    block = before.keys[b, h, m - R : m - 1]
                     block = torch.cat([block, k[b, h]])
-                    assert torch.equal(view.keys[b, h, m - R: m], _roundtrip(kq, block[None])[0])
+                    assert torch.equal(view.keys[b, h, m - R : m], _roundtrip(kq, block[None])[0])
                 else:  # the residual keys are the full-precision newest entries
                     assert torch.equal(view.keys[b, h, m - 1], k[b, h, 0])
                 # the value that left the FIFO is quantized per token; the newest R stay exact
@@ -265,8 +285,8 @@ def test_append_many_tokens_at_once_and_from_empty():
     view = store.read()
     assert torch.equal(view.positions[0, 0], torch.arange(2 * R + 3))
     for j in range(2):  # two whole key blocks, quantized block by block
-        blk = k[:, :, j * R: (j + 1) * R]
-        assert torch.equal(view.keys[:, :, j * R: (j + 1) * R], _roundtrip(store.key_quantizer, blk))
+        blk = k[:, :, j * R : (j + 1) * R]
+        assert torch.equal(view.keys[:, :, j * R : (j + 1) * R], _roundtrip(store.key_quantizer, blk))
     store.append(k[:, :, :1], v[:, :, :1], torch.tensor([[100]]))
     _check_kivi_counts(store, torch.full((1, 2), 2 * R + 4), R)
 
@@ -337,9 +357,13 @@ def test_attention_over_the_view_ignores_padding():
     out = view.attend(q)
     for h in range(2):  # GQA: query heads 2h, 2h+1 read KV head h
         k = int(view.valid[0, h].sum())
-        sub = KVView(view.keys[:, h:h + 1, :k], view.values[:, h:h + 1, :k], view.positions[:, h:h + 1, :k],
-                     view.logit_bias[:, h:h + 1, :k])
-        assert torch.allclose(out[:, 2 * h: 2 * h + 2], sub.attend(q[:, 2 * h: 2 * h + 2]), atol=1e-6)
+        sub = KVView(
+            view.keys[:, h : h + 1, :k],
+            view.values[:, h : h + 1, :k],
+            view.positions[:, h : h + 1, :k],
+            view.logit_bias[:, h : h + 1, :k],
+        )
+        assert torch.allclose(out[:, 2 * h : 2 * h + 2], sub.attend(q[:, 2 * h : 2 * h + 2]), atol=1e-6)
 
 
 def test_is_a_kvcore_store():

@@ -3,11 +3,12 @@ attend, the unquantized-plan warning, and kivi(evict=...)."""
 
 import warnings
 
-import kv_baselines as kb
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import kv_baselines as kb
 from kv_baselines.quant import KIVIStore, KIVIUnquantizedWarning, UniformQuantizer, kivi_tiers
 from kvcore import EVICT, FULL, DenseStore, Plan, ScoringContext, reference_attention
 
@@ -39,9 +40,7 @@ def _held_bytes(store):
                 for i, (s, p, u) in enumerate(zip(seg, pos, units.row_unit()))
             },
             "full": {(int(s), int(p)): r.clone() for (s, p), r in zip(zip(*full.positions()), full.rows)},
-            "resid": {
-                (int(s), int(p)): r.clone() for (s, p), r in zip(zip(*resid.positions()), resid.rows)
-            },
+            "resid": {(int(s), int(p)): r.clone() for (s, p), r in zip(zip(*resid.positions()), resid.rows)},
         }
     return out
 

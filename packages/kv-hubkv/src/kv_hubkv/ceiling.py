@@ -35,8 +35,10 @@ def retention_ceiling(max_unprotected: torch.Tensor) -> torch.Tensor:
     torch.Tensor
         0-d float32 tensor on the same device (no host synchronisation).
     """
-    m = max_unprotected.float().max() if max_unprotected.numel() else torch.tensor(
-        float("-inf"), device=max_unprotected.device
+    m = (
+        max_unprotected.float().max()
+        if max_unprotected.numel()
+        else torch.tensor(float("-inf"), device=max_unprotected.device)
     )
     one = torch.ones((), dtype=torch.float32, device=m.device)
     above = torch.nextafter(m, torch.full_like(m, float("inf")))

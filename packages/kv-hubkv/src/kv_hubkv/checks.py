@@ -17,7 +17,7 @@ NEGATIVE_MSG = (
     "(paper §3.1, Prop. 3); shift the base scores first (see HubKV(nonnegative='shift'))"
 )
 
-__all__ = ["NEGATIVE_MSG", "NONFINITE_MSG", "check_ratio", "check_scores", "check_protected", "check_values", "prepare"]
+__all__ = ["NEGATIVE_MSG", "NONFINITE_MSG", "check_protected", "check_ratio", "check_scores", "check_values", "prepare"]
 
 
 def check_ratio(ratio: object) -> float:
@@ -50,9 +50,7 @@ def check_scores(scores: object) -> torch.Tensor:
     if not isinstance(scores, torch.Tensor):
         raise TypeError(f"scores must be a torch.Tensor, got {type(scores).__name__}")
     if not scores.dtype.is_floating_point:
-        raise TypeError(
-            f"scores must have a floating dtype (float32, float16, bfloat16, float64), got {scores.dtype}"
-        )
+        raise TypeError(f"scores must have a floating dtype (float32, float16, bfloat16, float64), got {scores.dtype}")
     if scores.dim() < 2:
         raise ValueError(f"scores must have shape [..., H, N] (at least 2 dims), got {tuple(scores.shape)}")
     return scores

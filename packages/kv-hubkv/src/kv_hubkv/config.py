@@ -90,8 +90,7 @@ class HubKVConfig:
         eps = _real("eps", self.eps)
         if eps <= 0.0:
             raise ValueError(f"eps must be > 0, got {eps}")
-        for name, v in (("gamma", gamma), ("tau", tau), ("beta_min", bmin),
-                        ("beta_max", bmax), ("p", p), ("eps", eps)):
+        for name, v in (("gamma", gamma), ("tau", tau), ("beta_min", bmin), ("beta_max", bmax), ("p", p), ("eps", eps)):
             object.__setattr__(self, name, v)
 
     @property

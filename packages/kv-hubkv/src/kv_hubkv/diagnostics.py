@@ -20,15 +20,15 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "content_region",
-    "token_importance",
-    "segment_ids",
-    "ranking",
-    "marginal_coverage",
-    "coverage_curve",
     "autocorrelation",
-    "nms_scores",
+    "content_region",
+    "coverage_curve",
+    "marginal_coverage",
     "nms_coverage",
+    "nms_scores",
+    "ranking",
+    "segment_ids",
+    "token_importance",
 ]
 
 
@@ -203,8 +203,11 @@ def nms_scores(importance, window: int = 7, discount: float = 0.3) -> torch.Tens
 
 
 def nms_coverage(
-    importance, budgets: Iterable[int] = range(1, 81), n_segments: int = 64,
-    window: int = 7, discount: float = 0.3,
+    importance,
+    budgets: Iterable[int] = range(1, 81),
+    n_segments: int = 64,
+    window: int = 7,
+    discount: float = 0.3,
 ) -> dict[str, torch.Tensor]:
     """Observation 3: segment coverage of Top-K vs 1D-NMS-adjusted Top-K (Fig. 1c).
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["local_hubs", "smd_discount", "one_sided_window_max", "hub_mask_from_masked"]
+__all__ = ["hub_mask_from_masked", "local_hubs", "one_sided_window_max", "smd_discount"]
 
 
 def one_sided_window_max(masked: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

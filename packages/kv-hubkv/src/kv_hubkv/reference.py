@@ -19,7 +19,7 @@ from .config import HubKVConfig
 from .hubs import hub_mask_from_masked
 from .selectivity import head_statistics, weights_from_statistics
 
-__all__ = ["refine_torch", "refine_torch_config", "mixing_factors"]
+__all__ = ["mixing_factors", "refine_torch", "refine_torch_config"]
 
 
 def mixing_factors(beta: torch.Tensor, lam: float, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,8 +41,9 @@ def refine_torch_config(
     masked = x if small is None else x.masked_fill(small, float("-inf"))
     hub = hub_mask_from_masked(x, masked, config.half_window)
     n, mean, std = head_statistics(x, small, neg_masked=masked if small is not None else None)
-    beta = weights_from_statistics(n, mean, std, tau=config.tau, beta_min=config.beta_min,
-                                   beta_max=config.beta_max, eps=config.eps)
+    beta = weights_from_statistics(
+        n, mean, std, tau=config.tau, beta_min=config.beta_min, beta_max=config.beta_max, eps=config.eps
+    )
     a, b = mixing_factors(beta, lam, config.gamma)
     z = x * torch.where(hub, a.unsqueeze(-1), b.unsqueeze(-1))
     if prot is None:
@@ -83,6 +84,7 @@ def refine_torch(
         float32, same shape as ``scores``: ``z = (1 - λ)s + λβs̃`` on unprotected tokens and the
         retention ceiling (:func:`kv_hubkv.ceiling.retention_ceiling`) on protected ones.
     """
-    config = HubKVConfig(kernel_size=kernel_size, gamma=gamma, tau=tau, beta_min=beta_min,
-                         beta_max=beta_max, p=p, eps=eps)
+    config = HubKVConfig(
+        kernel_size=kernel_size, gamma=gamma, tau=tau, beta_min=beta_min, beta_max=beta_max, p=p, eps=eps
+    )
     return refine_torch_config(scores, ratio, protected, config)

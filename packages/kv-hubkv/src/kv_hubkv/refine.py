@@ -16,7 +16,9 @@ __all__ = ["refine", "refine_config"]
 
 
 def refine_config(
-    scores: torch.Tensor, ratio: float, protected: torch.Tensor | None = None,
+    scores: torch.Tensor,
+    ratio: float,
+    protected: torch.Tensor | None = None,
     config: HubKVConfig | None = None,
 ) -> torch.Tensor:
     """:func:`refine` with a :class:`HubKVConfig` object (``None`` = paper defaults)."""
@@ -98,6 +100,7 @@ def refine(
     >>> kv_hubkv.refine(s, ratio=0.0).equal(s)   # r = 0: gate closed
     True
     """
-    config = HubKVConfig(kernel_size=kernel_size, gamma=gamma, tau=tau, beta_min=beta_min,
-                         beta_max=beta_max, p=p, eps=eps)
+    config = HubKVConfig(
+        kernel_size=kernel_size, gamma=gamma, tau=tau, beta_min=beta_min, beta_max=beta_max, p=p, eps=eps
+    )
     return refine_config(scores, ratio, protected, config)

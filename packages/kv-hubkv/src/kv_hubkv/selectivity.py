@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["head_weights", "head_statistics", "weights_from_statistics"]
+__all__ = ["head_statistics", "head_weights", "weights_from_statistics"]
 
 
 def head_statistics(
@@ -83,7 +83,13 @@ def head_statistics(
 
 
 def weights_from_statistics(
-    n: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, *, tau: float, beta_min: float, beta_max: float,
+    n: torch.Tensor,
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    *,
+    tau: float,
+    beta_min: float,
+    beta_max: float,
     eps: float,
 ) -> torch.Tensor:
     """``β = clip((c / c̄)^τ, β_min, β_max)`` from per-head statistics ``[..., H]`` (Eqs. 8–9)."""

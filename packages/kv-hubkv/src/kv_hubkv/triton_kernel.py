@@ -55,10 +55,19 @@ if HAS_TRITON:
 
     @triton.jit
     def _hubkv_stats_kernel(
-        s_ptr, p_ptr, st_ptr,
-        H, N, C, RC,
-        s_sr, s_sh, s_sn,
-        p_sr, p_sh, p_sn,
+        s_ptr,
+        p_ptr,
+        st_ptr,
+        H,
+        N,
+        C,
+        RC,
+        s_sr,
+        s_sh,
+        s_sn,
+        p_sr,
+        p_sh,
+        p_sn,
         HAS_PROT: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -71,11 +80,11 @@ if HAS_TRITON:
         offs_n = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
         hmask = offs_h < H
         valid = hmask[:, None] & (offs_n[None, :] < N)
-        x = tl.load(s_ptr + row * s_sr + offs_h[:, None] * s_sh + offs_n[None, :] * s_sn,
-                    mask=valid, other=0.0).to(tl.float32)
+        x = tl.load(s_ptr + row * s_sr + offs_h[:, None] * s_sh + offs_n[None, :] * s_sn, mask=valid, other=0.0).to(
+            tl.float32
+        )
         if HAS_PROT:
-            pr = tl.load(p_ptr + row * p_sr + offs_h[:, None] * p_sh + offs_n[None, :] * p_sn,
-                         mask=valid, other=1)
+            pr = tl.load(p_ptr + row * p_sr + offs_h[:, None] * p_sh + offs_n[None, :] * p_sn, mask=valid, other=1)
             u = valid & (pr == 0)
         else:
             u = valid
@@ -97,9 +106,21 @@ if HAS_TRITON:
 
     @triton.jit
     def _hubkv_head_kernel(
-        st_ptr, fac_ptr, rowmax_ptr, flag_ptr,
-        H, C, RC,
-        gamma, tau, zero_pow, beta_min, beta_max, lam, one_minus_lam, eps,
+        st_ptr,
+        fac_ptr,
+        rowmax_ptr,
+        flag_ptr,
+        H,
+        C,
+        RC,
+        gamma,
+        tau,
+        zero_pow,
+        beta_min,
+        beta_max,
+        lam,
+        one_minus_lam,
+        eps,
         BLOCK_H: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):
@@ -147,14 +168,25 @@ if HAS_TRITON:
         # nextafter(v, +inf) for finite v >= 1 (positive normal float32): add one ulp to the bit pattern
         return (v.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True)
 
-
     @triton.jit
     def _hubkv_mix_kernel(
-        s_ptr, p_ptr, out_ptr, fac_ptr, rowmax_ptr,
-        H, N, C, R,
-        s_sr, s_sh, s_sn,
-        p_sr, p_sh, p_sn,
-        o_sr, o_sh,
+        s_ptr,
+        p_ptr,
+        out_ptr,
+        fac_ptr,
+        rowmax_ptr,
+        H,
+        N,
+        C,
+        R,
+        s_sr,
+        s_sh,
+        s_sn,
+        p_sr,
+        p_sh,
+        p_sn,
+        o_sr,
+        o_sh,
         K: tl.constexpr,
         HAS_PROT: tl.constexpr,
         BLOCK_H: tl.constexpr,
@@ -203,8 +235,8 @@ if HAS_TRITON:
         offs_r = tl.arange(0, BLOCK_R)
         zmax = tl.max(tl.load(rowmax_ptr + offs_r, mask=offs_r < R, other=float("-inf")), axis=0)
         ceiling = tl.where(zmax >= 1.0, _next_up(zmax), 1.0)
-        tl.store(out_ptr + row * o_sr + offs_h[:, None] * o_sh + offs_n[None, :], tl.where(u, z, ceiling),
-                 mask=valid)
+        tl.store(out_ptr + row * o_sr + offs_h[:, None] * o_sh + offs_n[None, :], tl.where(u, z, ceiling), mask=valid)
+
 
 def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
@@ -270,19 +302,60 @@ def refine_triton_config(
         p_strides = (0, 0, 0)
     lam = config.gate(r)
     _hubkv_stats_kernel[(R * C,)](
-        s3, p3, stats, H, N, C, R * C, *s3.stride(), *p_strides,
-        HAS_PROT=prot is not None, BLOCK_H=block_h, BLOCK_N=bn, num_warps=num_warps,
+        s3,
+        p3,
+        stats,
+        H,
+        N,
+        C,
+        R * C,
+        *s3.stride(),
+        *p_strides,
+        HAS_PROT=prot is not None,
+        BLOCK_H=block_h,
+        BLOCK_N=bn,
+        num_warps=num_warps,
     )
     _hubkv_head_kernel[(R,)](
-        stats, fac, rowmax, flags, H, C, R * C,
-        config.gamma, config.tau, 1.0 if config.tau == 0 else 0.0,
-        config.beta_min, config.beta_max, lam, 1.0 - lam, config.eps,
-        BLOCK_H=block_h, BLOCK_C=_next_pow2(C), num_warps=1 if dev.type != "cuda" else 4,
+        stats,
+        fac,
+        rowmax,
+        flags,
+        H,
+        C,
+        R * C,
+        config.gamma,
+        config.tau,
+        1.0 if config.tau == 0 else 0.0,
+        config.beta_min,
+        config.beta_max,
+        lam,
+        1.0 - lam,
+        config.eps,
+        BLOCK_H=block_h,
+        BLOCK_C=_next_pow2(C),
+        num_warps=1 if dev.type != "cuda" else 4,
     )
     _hubkv_mix_kernel[(R * C,)](
-        s3, p3, out, fac, rowmax, H, N, C, R, *s3.stride(), *p_strides, out.stride(0), out.stride(1),
-        K=config.half_window, HAS_PROT=prot is not None, BLOCK_H=block_h, BLOCK_N=bn,
-        BLOCK_R=_next_pow2(R), num_warps=num_warps,
+        s3,
+        p3,
+        out,
+        fac,
+        rowmax,
+        H,
+        N,
+        C,
+        R,
+        *s3.stride(),
+        *p_strides,
+        out.stride(0),
+        out.stride(1),
+        K=config.half_window,
+        HAS_PROT=prot is not None,
+        BLOCK_H=block_h,
+        BLOCK_N=bn,
+        BLOCK_R=_next_pow2(R),
+        num_warps=num_warps,
     )
     flag = int(flags.max())  # the one host synchronisation
     if flag:
@@ -322,6 +395,7 @@ def refine_triton(
     RuntimeError
         If triton is not installed.
     """
-    config = HubKVConfig(kernel_size=kernel_size, gamma=gamma, tau=tau, beta_min=beta_min,
-                         beta_max=beta_max, p=p, eps=eps)
+    config = HubKVConfig(
+        kernel_size=kernel_size, gamma=gamma, tau=tau, beta_min=beta_min, beta_max=beta_max, p=p, eps=eps
+    )
     return refine_triton_config(scores, ratio, protected, config)

@@ -9,6 +9,12 @@ from kvcodec.kernels.dispatch import compact, quantize_pack, triton_available, u
 from kvcodec.kernels.reference import compact_ref, quantize_pack_ref, unpack_dequantize_ref
 
 __all__ = [
-    "compact", "compact_ref", "quantize_pack", "quantize_pack_ref", "triton_available", "unpack_dequantize",
-    "unpack_dequantize_ref", "use_triton",
+    "compact",
+    "compact_ref",
+    "quantize_pack",
+    "quantize_pack_ref",
+    "triton_available",
+    "unpack_dequantize",
+    "unpack_dequantize_ref",
+    "use_triton",
 ]

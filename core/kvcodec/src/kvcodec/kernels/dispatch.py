@@ -9,9 +9,9 @@ from __future__ import annotations
 import functools
 
 import torch
-from kvcore.checks import check_tensor
 
 from kvcodec.kernels.reference import compact_ref, quantize_pack_ref, unpack_dequantize_ref
+from kvcore.checks import check_tensor
 
 
 @functools.cache

@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 
 import torch
-from kvcore import packed_width
 
 from kvcodec.packing import pack_unchecked, unpack_unchecked
 from kvcodec.stats import minmax_scale, scale_dtype_for
+from kvcore import packed_width
 
 
 def _pad_groups(x: torch.Tensor, axis: str, group_size: int, replicate: bool) -> tuple[torch.Tensor, int]:
@@ -57,8 +57,11 @@ def quantize_pack_ref(
     sdt = scale_dtype_for(x.dtype, bits)
     gshape = (*lead, T, -(-D // G)) if axis == "token" else (*lead, -(-T // G), D)
     if x.numel() == 0:
-        return (torch.zeros(*lead, T, packed_width(D, bits), dtype=torch.uint8, device=x.device),
-                torch.zeros(gshape, dtype=sdt, device=x.device), torch.zeros(gshape, dtype=x.dtype, device=x.device))
+        return (
+            torch.zeros(*lead, T, packed_width(D, bits), dtype=torch.uint8, device=x.device),
+            torch.zeros(gshape, dtype=sdt, device=x.device),
+            torch.zeros(gshape, dtype=x.dtype, device=x.device),
+        )
     M = math.prod(lead)
     xg, _ = _pad_groups(x.reshape(M, T, D).float(), axis, G, replicate=True)
     rdim = -1 if axis == "token" else -2

@@ -5,8 +5,9 @@ and walks the head's ``T`` entries in ``NUM_T_BLOCKS`` (a compile-time count) bl
 softmax (FlashAttention, Dao et al. 2022, §3.1). Each entry's key and value are read through the index maps: a packed
 code row (two bytes per code read and shifted, which covers every width 1-8 including 3) dequantized as
 ``zero + code * scale`` in float32 and rounded to the cache dtype (``CodeRows.full.dtype``) exactly as the unpack +
-dequantize kernel of :mod:`kvcodec.kernels.triton_quant` does (no FMA contraction), or a full-precision row. Products are broadcast-and-sum in float32 (no ``tl.dot``:
-decode has a handful of query rows, and the interpreter's ``tl.dot`` is wrong for bf16).
+dequantize kernel of :mod:`kvcodec.kernels.triton_quant` does (no FMA contraction), or a full-precision row.
+Products are broadcast-and-sum in float32 (no ``tl.dot``: decode has a handful of query rows, and the interpreter's
+``tl.dot`` is wrong for bf16).
 
 This module needs ``triton``; :func:`kvcodec.quantized_attention` imports it lazily for CUDA queries.
 """
@@ -21,9 +22,23 @@ from kvcodec.kernels.triton_quant import _bf16_rtne
 
 
 @triton.jit
-def _load_side(codes_ptr, scales_ptr, zeros_ptr, full_ptr, row, grp, tmask, d, PW, C,
-               BITS: tl.constexpr, GCOL: tl.constexpr, D: tl.constexpr, FMAX: tl.constexpr,
-               OUT: tl.constexpr):
+def _load_side(
+    codes_ptr,
+    scales_ptr,
+    zeros_ptr,
+    full_ptr,
+    row,
+    grp,
+    tmask,
+    d,
+    PW,
+    C,
+    BITS: tl.constexpr,
+    GCOL: tl.constexpr,
+    D: tl.constexpr,
+    FMAX: tl.constexpr,
+    OUT: tl.constexpr,
+):
     quant = (row >= 0) & tmask
     isfull = (row < 0) & tmask
     r = tl.where(quant, row, 0).to(tl.int64)
@@ -53,13 +68,48 @@ def _load_side(codes_ptr, scales_ptr, zeros_ptr, full_ptr, row, grp, tmask, d, P
 
 @triton.jit
 def _quantized_attention_kernel(
-    q_ptr, out_ptr, lse_ptr,
-    kc_ptr, ks_ptr, kz_ptr, kf_ptr, vc_ptr, vs_ptr, vz_ptr, vf_ptr,
-    krow_ptr, kgrp_ptr, vrow_ptr, vgrp_ptr, bias_ptr,
-    sqb, sqh, sqq, sqd, H, T, Q, KPW, KC, VPW, VC, scale,
-    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_T_BLOCKS: tl.constexpr, KBITS: tl.constexpr, KGCOL: tl.constexpr, VBITS: tl.constexpr,
-    VGCOL: tl.constexpr, KFMAX: tl.constexpr, KOUT: tl.constexpr, VFMAX: tl.constexpr, VOUT: tl.constexpr,
+    q_ptr,
+    out_ptr,
+    lse_ptr,
+    kc_ptr,
+    ks_ptr,
+    kz_ptr,
+    kf_ptr,
+    vc_ptr,
+    vs_ptr,
+    vz_ptr,
+    vf_ptr,
+    krow_ptr,
+    kgrp_ptr,
+    vrow_ptr,
+    vgrp_ptr,
+    bias_ptr,
+    sqb,
+    sqh,
+    sqq,
+    sqd,
+    H,
+    T,
+    Q,
+    KPW,
+    KC,
+    VPW,
+    VC,
+    scale,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_T_BLOCKS: tl.constexpr,
+    KBITS: tl.constexpr,
+    KGCOL: tl.constexpr,
+    VBITS: tl.constexpr,
+    VGCOL: tl.constexpr,
+    KFMAX: tl.constexpr,
+    KOUT: tl.constexpr,
+    VFMAX: tl.constexpr,
+    VOUT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // H
@@ -112,10 +162,16 @@ _OUT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def _params(side) -> tuple:
-    codes = side.codes.contiguous() if side.codes.shape[0] else torch.zeros(1, side.codes.shape[1] or 1,
-                                                                             dtype=torch.uint8, device=side.codes.device)
-    scales = side.scales.contiguous() if side.scales.shape[0] else torch.zeros(1, max(side.scales.shape[1], 1),
-                                                                               device=side.codes.device)
+    codes = (
+        side.codes.contiguous()
+        if side.codes.shape[0]
+        else torch.zeros(1, side.codes.shape[1] or 1, dtype=torch.uint8, device=side.codes.device)
+    )
+    scales = (
+        side.scales.contiguous()
+        if side.scales.shape[0]
+        else torch.zeros(1, max(side.scales.shape[1], 1), device=side.codes.device)
+    )
     zeros = side.zeros.contiguous() if side.zeros.shape[0] else torch.zeros_like(scales)
     gcol = 1 if side.axis == "channel" else side.group_size
     rounding = (float(torch.finfo(side.full.dtype).max), _OUT[side.full.dtype])
@@ -138,13 +194,46 @@ def quantized_attention_triton(
     bt = block_t if block_t is not None else min(64, max(1, 1 << max(T - 1, 0).bit_length()))
     bt = 1 << (bt - 1).bit_length()
     _quantized_attention_kernel[(B * H,)](
-        query, out, lse, kc, ks, kz, kf, vc, vs, vz, vf,
-        segment.key_row.contiguous(), segment.key_group.contiguous(), segment.value_row.contiguous(),
-        segment.value_group.contiguous(), segment.bias.float().contiguous(),
-        *query.stride(), H, T, Q, kpw, kC, vpw, vC, float(scale),
-        GROUP=group, D=D, BLOCK_M=max(1, 1 << (group * Q - 1).bit_length()), BLOCK_T=bt,
-        BLOCK_D=max(1, 1 << (D - 1).bit_length()), NUM_T_BLOCKS=triton.cdiv(T, bt), KBITS=segment.keys.bits,
-        KGCOL=kg, VBITS=segment.values.bits, VGCOL=vg, KFMAX=kfmax, KOUT=kout, VFMAX=vfmax, VOUT=vout,
-        num_warps=num_warps, enable_fp_fusion=False,  # dequantize bit-exactly like the unpack + dequantize kernel
+        query,
+        out,
+        lse,
+        kc,
+        ks,
+        kz,
+        kf,
+        vc,
+        vs,
+        vz,
+        vf,
+        segment.key_row.contiguous(),
+        segment.key_group.contiguous(),
+        segment.value_row.contiguous(),
+        segment.value_group.contiguous(),
+        segment.bias.float().contiguous(),
+        *query.stride(),
+        H,
+        T,
+        Q,
+        kpw,
+        kC,
+        vpw,
+        vC,
+        float(scale),
+        GROUP=group,
+        D=D,
+        BLOCK_M=max(1, 1 << (group * Q - 1).bit_length()),
+        BLOCK_T=bt,
+        BLOCK_D=max(1, 1 << (D - 1).bit_length()),
+        NUM_T_BLOCKS=triton.cdiv(T, bt),
+        KBITS=segment.keys.bits,
+        KGCOL=kg,
+        VBITS=segment.values.bits,
+        VGCOL=vg,
+        KFMAX=kfmax,
+        KOUT=kout,
+        VFMAX=vfmax,
+        VOUT=vout,
+        num_warps=num_warps,
+        enable_fp_fusion=False,  # dequantize bit-exactly like the unpack + dequantize kernel
     )
     return out, lse

@@ -17,8 +17,20 @@ import triton.language as tl
 
 @triton.jit
 def _compact_kernel(
-    x_ptr, keep_ptr, dst_ptr, out_ptr, R, H, T, sb, sh, st, sd,
-    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr,
+    keep_ptr,
+    dst_ptr,
+    out_ptr,
+    R,
+    H,
+    T,
+    sb,
+    sh,
+    st,
+    sd,
+    D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = (pid * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -54,7 +66,20 @@ def compact_triton(
     br = 1 << (br - 1).bit_length()
     sb, sh, st, sd = x.stride()
     _compact_kernel[(triton.cdiv(R, br),)](
-        x, flat_keep.view(torch.uint8), dst, out, R, H, T, sb, sh, st, sd, D=D, BLOCK_R=br, BLOCK_D=block_d,
+        x,
+        flat_keep.view(torch.uint8),
+        dst,
+        out,
+        R,
+        H,
+        T,
+        sb,
+        sh,
+        st,
+        sd,
+        D=D,
+        BLOCK_R=br,
+        BLOCK_D=block_d,
         num_warps=num_warps,
     )
     return out, lengths

@@ -28,9 +28,9 @@ import math
 import torch
 import triton
 import triton.language as tl
-from kvcore import packed_width
 
 from kvcodec.stats import scale_dtype_for, scale_floor
+from kvcore import packed_width
 
 _SDT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -63,10 +63,7 @@ def _to_scale_dtype(s, SDT: tl.constexpr):
 @triton.jit
 def _cast_out(y, OUT_BF16: tl.constexpr, out_ty: tl.constexpr):
     """Round-to-nearest-even cast of float32 ``y`` to the output element type."""
-    if OUT_BF16:
-        r = _bf16_rtne(y)
-    else:
-        r = y.to(out_ty)
+    r = _bf16_rtne(y) if OUT_BF16 else y.to(out_ty)
     return r
 
 
@@ -107,13 +104,15 @@ def _codes(x, lo, s, LEVELS: tl.constexpr):
 
 
 @triton.jit
-def _pack_store(codes_ptr, row_off, row_mask, c, PW: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr,
-                BLOCK_D: tl.constexpr):
+def _pack_store(
+    codes_ptr, row_off, row_mask, c, PW: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr
+):
     """Pack int32 codes ``c [ROWS, BLOCK_D]`` (zero past D) along the last dim and store ``PW`` bytes per row."""
     if BITS == 8:
         cols = tl.arange(0, BLOCK_D)
-        tl.store(codes_ptr + row_off[:, None] + cols[None, :], c.to(tl.uint8),
-                 mask=row_mask[:, None] & (cols[None, :] < PW))
+        tl.store(
+            codes_ptr + row_off[:, None] + cols[None, :], c.to(tl.uint8), mask=row_mask[:, None] & (cols[None, :] < PW)
+        )
     elif BITS == 3:
         NC: tl.constexpr = BLOCK_D // 8
         shifts = tl.arange(0, 8) * BITS
@@ -122,8 +121,7 @@ def _pack_store(codes_ptr, row_off, row_mask, c, PW: tl.constexpr, BITS: tl.cons
         for k in tl.static_range(BITS):
             byte = ((word >> (8 * k)) & 0xFF).to(tl.uint8)
             off = chunk * BITS + k
-            tl.store(codes_ptr + row_off[:, None] + off[None, :], byte,
-                     mask=row_mask[:, None] & (off[None, :] < PW))
+            tl.store(codes_ptr + row_off[:, None] + off[None, :], byte, mask=row_mask[:, None] & (off[None, :] < PW))
     else:
         CPB: tl.constexpr = 8 // BITS
         NB: tl.constexpr = BLOCK_D // CPB
@@ -134,22 +132,25 @@ def _pack_store(codes_ptr, row_off, row_mask, c, PW: tl.constexpr, BITS: tl.cons
 
 
 @triton.jit
-def _load_unpack(codes_ptr, row_off, row_mask, PW: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
+def _load_unpack(
+    codes_ptr, row_off, row_mask, PW: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr
+):
     """Load ``PW`` packed bytes per row and return the int32 codes ``[ROWS, BLOCK_D]`` (garbage past D)."""
     MASK: tl.constexpr = (1 << BITS) - 1
     if BITS == 8:
         cols = tl.arange(0, BLOCK_D)
-        c = tl.load(codes_ptr + row_off[:, None] + cols[None, :], mask=row_mask[:, None] & (cols[None, :] < PW),
-                    other=0).to(tl.int32)
+        c = tl.load(
+            codes_ptr + row_off[:, None] + cols[None, :], mask=row_mask[:, None] & (cols[None, :] < PW), other=0
+        ).to(tl.int32)
     elif BITS == 3:
         NC: tl.constexpr = BLOCK_D // 8
         chunk = tl.arange(0, NC)
         word = tl.zeros((ROWS, NC), dtype=tl.int32)
         for k in tl.static_range(BITS):
             off = chunk * BITS + k
-            byte = tl.load(codes_ptr + row_off[:, None] + off[None, :],
-                           mask=row_mask[:, None] & (off[None, :] < PW), other=0).to(tl.int32)
+            byte = tl.load(
+                codes_ptr + row_off[:, None] + off[None, :], mask=row_mask[:, None] & (off[None, :] < PW), other=0
+            ).to(tl.int32)
             word = word | (byte << (8 * k))
         shifts = tl.arange(0, 8) * BITS
         c = tl.reshape((word[:, :, None] >> shifts[None, None, :]) & MASK, (ROWS, BLOCK_D))
@@ -157,8 +158,9 @@ def _load_unpack(codes_ptr, row_off, row_mask, PW: tl.constexpr, BITS: tl.conste
         CPB: tl.constexpr = 8 // BITS
         NB: tl.constexpr = BLOCK_D // CPB
         nb = tl.arange(0, NB)
-        byte = tl.load(codes_ptr + row_off[:, None] + nb[None, :], mask=row_mask[:, None] & (nb[None, :] < PW),
-                       other=0).to(tl.int32)
+        byte = tl.load(
+            codes_ptr + row_off[:, None] + nb[None, :], mask=row_mask[:, None] & (nb[None, :] < PW), other=0
+        ).to(tl.int32)
         shifts = tl.arange(0, CPB) * BITS
         c = tl.reshape((byte[:, :, None] >> shifts[None, None, :]) & MASK, (ROWS, BLOCK_D))
     return c
@@ -169,11 +171,25 @@ def _load_unpack(codes_ptr, row_off, row_mask, PW: tl.constexpr, BITS: tl.conste
 # --------------------------------------------------------------------------------------------------------
 @triton.jit
 def _quant_token_kernel(
-    x_ptr, codes_ptr, scales_ptr, zeros_ptr, R,
-    D: tl.constexpr, PW: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, GB: tl.constexpr,
-    NGP: tl.constexpr, GP: tl.constexpr, RESHAPE: tl.constexpr,
-    BITS: tl.constexpr, LEVELS: tl.constexpr, SDT: tl.constexpr, FLOOR: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    zeros_ptr,
+    R,
+    D: tl.constexpr,
+    PW: tl.constexpr,
+    NG: tl.constexpr,
+    G: tl.constexpr,
+    GB: tl.constexpr,
+    NGP: tl.constexpr,
+    GP: tl.constexpr,
+    RESHAPE: tl.constexpr,
+    BITS: tl.constexpr,
+    LEVELS: tl.constexpr,
+    SDT: tl.constexpr,
+    FLOOR: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -227,9 +243,20 @@ def _quant_token_kernel(
 
 @triton.jit
 def _quant_channel_kernel(
-    x_ptr, codes_ptr, scales_ptr, zeros_ptr, T, NGT,
-    D: tl.constexpr, PW: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-    BITS: tl.constexpr, LEVELS: tl.constexpr, SDT: tl.constexpr, FLOOR: tl.constexpr,
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    zeros_ptr,
+    T,
+    NGT,
+    D: tl.constexpr,
+    PW: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    BITS: tl.constexpr,
+    LEVELS: tl.constexpr,
+    SDT: tl.constexpr,
+    FLOOR: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -256,9 +283,22 @@ def _quant_channel_kernel(
 
 @triton.jit
 def _dequant_token_kernel(
-    codes_ptr, scales_ptr, zeros_ptr, out_ptr, R,
-    D: tl.constexpr, PW: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, RESHAPE: tl.constexpr,
-    BITS: tl.constexpr, FMAX: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    codes_ptr,
+    scales_ptr,
+    zeros_ptr,
+    out_ptr,
+    R,
+    D: tl.constexpr,
+    PW: tl.constexpr,
+    NG: tl.constexpr,
+    G: tl.constexpr,
+    GB: tl.constexpr,
+    RESHAPE: tl.constexpr,
+    BITS: tl.constexpr,
+    FMAX: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -287,9 +327,20 @@ def _dequant_token_kernel(
 
 @triton.jit
 def _dequant_channel_kernel(
-    codes_ptr, scales_ptr, zeros_ptr, out_ptr, T, NGT,
-    D: tl.constexpr, PW: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-    BITS: tl.constexpr, FMAX: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_D: tl.constexpr,
+    codes_ptr,
+    scales_ptr,
+    zeros_ptr,
+    out_ptr,
+    T,
+    NGT,
+    D: tl.constexpr,
+    PW: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    BITS: tl.constexpr,
+    FMAX: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     mi = (pid // NGT).to(tl.int64)
@@ -306,8 +357,11 @@ def _dequant_channel_kernel(
     c = _load_unpack(codes_ptr, rows64 * PW, rmask, PW, BITS, GP, BLOCK_D).to(tl.float32)
     y = z[None, :] + c * s[None, :]
     y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
-    tl.store(out_ptr + rows64[:, None] * D + cols[None, :], _cast_out(y, OUT_BF16, out_ptr.dtype.element_ty),
-             mask=rmask[:, None] & cmask[None, :])
+    tl.store(
+        out_ptr + rows64[:, None] * D + cols[None, :],
+        _cast_out(y, OUT_BF16, out_ptr.dtype.element_ty),
+        mask=rmask[:, None] & cmask[None, :],
+    )
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -359,14 +413,40 @@ def quantize_pack_triton(
         block_d, reshape, gb, ngp, gp = _token_layout(D, G)
         br = _block_rows(R, block_d, block_rows)
         _quant_token_kernel[(triton.cdiv(R, br),)](
-            x, codes, scales, zeros, R, D=D, PW=PW, NG=gshape[1], G=G, GB=gb, NGP=ngp, GP=gp, RESHAPE=reshape,
-            BLOCK_R=br, BLOCK_D=block_d, **common, **launch,
+            x,
+            codes,
+            scales,
+            zeros,
+            R,
+            D=D,
+            PW=PW,
+            NG=gshape[1],
+            G=G,
+            GB=gb,
+            NGP=ngp,
+            GP=gp,
+            RESHAPE=reshape,
+            BLOCK_R=br,
+            BLOCK_D=block_d,
+            **common,
+            **launch,
         )
     else:
         NGT = gshape[0]
         _quant_channel_kernel[(M * NGT,)](
-            x, codes, scales, zeros, T, NGT, D=D, PW=PW, G=G, GP=_pow2(min(G, T)), BLOCK_D=max(8, _pow2(D)),
-            **common, **launch,
+            x,
+            codes,
+            scales,
+            zeros,
+            T,
+            NGT,
+            D=D,
+            PW=PW,
+            G=G,
+            GP=_pow2(min(G, T)),
+            BLOCK_D=max(8, _pow2(D)),
+            **common,
+            **launch,
         )
     return codes, scales, zeros
 
@@ -400,13 +480,39 @@ def unpack_dequantize_triton(
         block_d, reshape, gb, _, _ = _token_layout(D, G)
         br = _block_rows(R, block_d, block_rows)
         _dequant_token_kernel[(triton.cdiv(R, br),)](
-            codes, scales, zeros, out, R, D=D, PW=PW, NG=-(-D // G), G=G, GB=gb, RESHAPE=reshape, BITS=bits,
-            FMAX=fmax, BLOCK_R=br, BLOCK_D=block_d, **launch,
+            codes,
+            scales,
+            zeros,
+            out,
+            R,
+            D=D,
+            PW=PW,
+            NG=-(-D // G),
+            G=G,
+            GB=gb,
+            RESHAPE=reshape,
+            BITS=bits,
+            FMAX=fmax,
+            BLOCK_R=br,
+            BLOCK_D=block_d,
+            **launch,
         )
     else:
         NGT = -(-T // G)
         _dequant_channel_kernel[(M * NGT,)](
-            codes, scales, zeros, out, T, NGT, D=D, PW=PW, G=G, GP=_pow2(min(G, T)), BITS=bits, FMAX=fmax,
-            BLOCK_D=max(8, _pow2(D)), **launch,
+            codes,
+            scales,
+            zeros,
+            out,
+            T,
+            NGT,
+            D=D,
+            PW=PW,
+            G=G,
+            GP=_pow2(min(G, T)),
+            BITS=bits,
+            FMAX=fmax,
+            BLOCK_D=max(8, _pow2(D)),
+            **launch,
         )
     return out

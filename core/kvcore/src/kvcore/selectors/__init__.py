@@ -3,4 +3,4 @@
 from kvcore.selectors.tiered import TieredSelector, solve_shares, tier_counts
 from kvcore.selectors.topk import TopKSelector
 
-__all__ = ["TopKSelector", "TieredSelector", "solve_shares", "tier_counts"]
+__all__ = ["TieredSelector", "TopKSelector", "solve_shares", "tier_counts"]

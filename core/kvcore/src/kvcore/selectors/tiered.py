@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import torch
 
@@ -125,7 +125,7 @@ class TieredSelector:
 
     def _bits(self, s, budget, shares, protected, valid) -> torch.Tensor:
         key, prot, valid_m, n_valid = prepare(s, protected, valid)
-        B, H, T = key.shape
+        B, H, _T = key.shape
         per_layer = budget.granularity == "layer"
         rank = stable_rank(key.flatten(1)).view_as(key) if per_layer else stable_rank(key)
         bits = torch.full_like(key, EVICT, dtype=torch.uint8)

@@ -10,7 +10,6 @@ from kvcore.plan import EVICT, FULL, Plan
 from kvcore.protocols import Store
 from kvcore.view import KVView
 
-
 _MAX_POSITION = torch.iinfo(torch.int32).max
 
 
@@ -55,7 +54,9 @@ class DenseStore(Store):
         check_float("keys", check_tensor("keys", keys, ndim=4))
         check_tensor("values", values, ndim=4)
         if values.shape != keys.shape or values.dtype != keys.dtype:
-            raise ValueError(f"values {values.dtype} {tuple(values.shape)} must match keys {keys.dtype} {tuple(keys.shape)}")
+            raise ValueError(
+                f"values {values.dtype} {tuple(values.shape)} must match keys {keys.dtype} {tuple(keys.shape)}"
+            )
         if self._k is not None:
             B, H = self._shape
             if keys.shape[:2] != (B, H) or keys.shape[-1] != self._k.shape[-1] or keys.dtype != self._k.dtype:
@@ -68,7 +69,9 @@ class DenseStore(Store):
     def _check_positions(positions: torch.Tensor, B: int, T: int) -> torch.Tensor:
         check_tensor("positions", positions, ndim=2)
         if tuple(positions.shape) != (B, T) or positions.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"positions must be an integer tensor [B={B}, T={T}], got {positions.dtype} {tuple(positions.shape)}")
+            raise ValueError(
+                f"positions must be an integer tensor [B={B}, T={T}], got {positions.dtype} {tuple(positions.shape)}"
+            )
         return positions
 
     @staticmethod
@@ -91,7 +94,7 @@ class DenseStore(Store):
     def write(self, keys: torch.Tensor, values: torch.Tensor, plan: Plan, positions: torch.Tensor) -> None:
         self.reset()
         self._check_kv(keys, values)
-        B, H, T, D = keys.shape
+        B, H, T, _D = keys.shape
         self._check_positions(positions, B, T)
         if not isinstance(plan, Plan) or tuple(plan.key_bits.shape) != (B, H, T):
             raise ValueError(f"plan must be a kvcore.Plan of shape [B={B}, H={H}, T={T}]")
@@ -114,7 +117,9 @@ class DenseStore(Store):
         B, H, n, D = keys.shape
         self._check_positions(positions, B, n)
         if self._k is None:
-            self.write(keys, values, Plan.from_keep(torch.ones(B, H, n, dtype=torch.bool, device=keys.device)), positions)
+            self.write(
+                keys, values, Plan.from_keep(torch.ones(B, H, n, dtype=torch.bool, device=keys.device)), positions
+            )
             return
         self._check_order(positions, torch.ones(B, H, n, dtype=torch.bool, device=keys.device), self._last_positions())
         if bool((self._len + n > self._cap).any()):
@@ -169,7 +174,8 @@ class DenseStore(Store):
             raise ValueError(f"plan must be a kvcore.Plan laid out like read(): shape {tuple(valid.shape)}")
         if plan.tiers() - self.supported_bits:
             raise ValueError(
-                f"DenseStore re-tiers to {sorted(self.supported_bits)} (evict or keep); plan uses {sorted(plan.tiers())}"
+                f"DenseStore re-tiers to {sorted(self.supported_bits)} (evict or keep); "
+                f"plan uses {sorted(plan.tiers())}"
             )
         keep = plan.keep_keys.to(valid.device)
         if not torch.equal(keep, plan.keep_values.to(valid.device)):

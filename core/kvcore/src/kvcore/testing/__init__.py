@@ -46,5 +46,17 @@ from kvcore.testing.scorer import ScorerTests
 from kvcore.testing.selector import SelectorTests
 from kvcore.testing.store import StoreTests
 
-__all__ = ["CompressorTests", "QuantizerTests", "ScorerTests", "SelectorTests", "StandardTests", "StoreTests",
-           "forall", "overridden_standard_tests", "pack_codes", "reachable_bytes", "reachable_tensors", "unpack_codes"]
+__all__ = [
+    "CompressorTests",
+    "QuantizerTests",
+    "ScorerTests",
+    "SelectorTests",
+    "StandardTests",
+    "StoreTests",
+    "forall",
+    "overridden_standard_tests",
+    "pack_codes",
+    "reachable_bytes",
+    "reachable_tensors",
+    "unpack_codes",
+]

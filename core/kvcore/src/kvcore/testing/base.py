@@ -4,11 +4,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, Iterator
+from collections.abc import Callable
+from typing import Any
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,8 +21,14 @@ MAX_EXAMPLES = 15
 def forall(strategy: st.SearchStrategy, check: Callable[[Any], None], max_examples: int = MAX_EXAMPLES) -> None:
     """Run ``check(example)`` over ``strategy``: few examples, no deadline, no database, one reported failure.
     Other settings come from the loaded hypothesis profile."""
-    @settings(max_examples=max_examples, deadline=None, database=None, suppress_health_check=list(HealthCheck),
-              report_multiple_bugs=False)
+
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        report_multiple_bugs=False,
+    )
     @given(example=strategy)
     def run(example: Any) -> None:
         check(example)
@@ -73,8 +78,9 @@ class ContextTests(StandardTests):
         ``B, Hkv, Hq, T, W, D`` (ints), ``dtype`` and ``seed`` (seed a ``torch.Generator`` with it)."""
         return {}
 
-    def make_context(self, scorer: Any, x: KVSample, queries: bool | None = None, extras: bool = True,
-                     **kw: Any) -> ScoringContext:
+    def make_context(
+        self, scorer: Any, x: KVSample, queries: bool | None = None, extras: bool = True, **kw: Any
+    ) -> ScoringContext:
         """A context over ``x`` with queries (default: if ``scorer.needs_queries``) and the declared extras."""
         needs, ex = frozenset(scorer.needs_extras), {}
         if extras and needs:

@@ -49,6 +49,7 @@ class CompressorTests(ContextTests):
         Troubleshooting: a count off by one usually means ``ratio`` was read as the fraction kept (it is the fraction
         removed) or rounded instead of floored (``Budget.kept``); lengths that differ from the plan mean the store
         drops or duplicates entries in ``write``. Set ``evicts = False`` for a method whose budget does not evict."""
+
         def check(x):
             store, b = self.compress(compressor, x), compressor.budget
             assert isinstance(store, Store), f"compress() must return a kvcore.Store, got {type(store).__name__}"
@@ -111,6 +112,7 @@ class CompressorTests(ContextTests):
 
         Troubleshooting: pass the Compressor a store factory (a class or ``lambda: MyStore(...)``) or an empty
         prototype; a prototype holding shared tensors (class-level buffers) leaks content between layers."""
+
         def check(x):
             a, b = compressor.new_store(), compressor.new_store()
             assert a is not b and isinstance(a, Store) and b.nbytes() == 0

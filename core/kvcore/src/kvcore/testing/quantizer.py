@@ -80,6 +80,7 @@ class QuantizerTests(StandardTests):
         Troubleshooting: scales/zeros must be ``[..., T, ceil(D/G)]`` for ``axis="token"`` and
         ``[..., ceil(T/G), D]`` for ``axis="channel"`` (a last partial group is allowed); store the input dtype and
         cast back in ``dequantize``."""
+
         def check(x):
             q, (*lead, T, D), G = quantizer.quantize(x), x.shape, quantizer.group_size
             assert isinstance(q, QuantizedTensor), f"quantize() must return a QuantizedTensor, got {type(q).__name__}"
@@ -113,6 +114,7 @@ class QuantizerTests(StandardTests):
 
         Troubleshooting: the group min/max must be reproduced exactly by dequantization (code 0 maps to ``zero``,
         the top code to ``max``); rounding scales to the input dtype before computing codes usually breaks this."""
+
         def check(x):
             q = quantizer.quantize(x)
             assert torch.equal(quantizer.quantize(quantizer.dequantize(q)).codes, q.codes), "requantizing changed codes"
@@ -125,6 +127,7 @@ class QuantizerTests(StandardTests):
 
         Troubleshooting: ``.clone()`` / ``.contiguous()`` slices of padded or shared buffers before returning them, so
         the storage held equals the bytes counted."""
+
         def check(x):
             q = quantizer.quantize(x)
             parts = (q.codes, q.scales, q.zeros, q.codebook)
@@ -139,6 +142,7 @@ class QuantizerTests(StandardTests):
 
         Troubleshooting: use :func:`kvcore.testing.pack_codes` / ``unpack_codes`` as the reference layout; a
         big-endian bit order or one code per byte fails here even if the round trip through your own pair works."""
+
         def check(args):
             (x, seed), fi = args, torch.finfo(args[0].dtype)
             q = quantizer.quantize(x)

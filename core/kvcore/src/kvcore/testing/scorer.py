@@ -87,6 +87,7 @@ class ScorerTests(ContextTests):
 
         Troubleshooting: draw randomness from a ``torch.Generator`` seeded from the context (or the config), not the
         global RNG; avoid non-deterministic reductions; set ``stochastic = True`` for scorers random by design."""
+
         def check(args):
             ctx, seed = self.ctx(scorer, args[0]), args[1]
             with torch.random.fork_rng():
@@ -103,6 +104,7 @@ class ScorerTests(ContextTests):
 
         Troubleshooting: replace in-place ops on context tensors (``mul_``, ``masked_fill_``, ``+=``) by out-of-place
         ones, or clone first."""
+
         def check(x):
             ctx = self.ctx(scorer, x, protected=x.keys[:, 0, :, 0] > 0)
             before = {k: v.clone() for k, v in _tensors(ctx).items()}
@@ -120,9 +122,13 @@ class ScorerTests(ContextTests):
         x, q = torch.randn(2, 2, 6, 8), torch.randn(2, 4, 3, 8)
         shapes = dict(B=2, Hkv=2, Hq=4, T=6, W=3, D=8, dtype=torch.float32, seed=0)
         ex = self.make_extras(shapes) if scorer.needs_extras else {}
-        bad = {"keys of rank 3": dict(keys=x[0], values=x[0]), "T == 0": dict(keys=x[:, :, :0], values=x[:, :, :0]),
-               "values with other heads": dict(values=torch.randn(2, 3, 6, 8)), "integer keys": dict(keys=x.int()),
-               "Hq not a multiple of Hkv": dict(queries=q[:, :3])}
+        bad = {
+            "keys of rank 3": dict(keys=x[0], values=x[0]),
+            "T == 0": dict(keys=x[:, :, :0], values=x[:, :, :0]),
+            "values with other heads": dict(values=torch.randn(2, 3, 6, 8)),
+            "integer keys": dict(keys=x.int()),
+            "Hq not a multiple of Hkv": dict(queries=q[:, :3]),
+        }
         for what, change in bad.items():
             with pytest.raises((ValueError, TypeError)):
                 scorer.score(ScoringContext(**{"keys": x, "values": x, "queries": q, "extras": ex, **change}))
@@ -134,8 +140,12 @@ class ScorerTests(ContextTests):
         Troubleshooting: check ``ctx.queries is None`` first and raise naming ``queries`` instead of failing with an
         ``AttributeError`` deep inside; declare ``needs_queries = True``."""
         self.require(self.flag("requires_queries", scorer.needs_queries), "requires_queries=False")
-        forall(kv_samples(), lambda x: pytest.raises((ValueError, TypeError), scorer.score,
-                                                     self.make_context(scorer, x, queries=False)), 5)
+
+        def check(x):
+            with pytest.raises((ValueError, TypeError)):
+                scorer.score(self.make_context(scorer, x, queries=False))
+
+        forall(kv_samples(), check, 5)
 
     def test_missing_extras_raise(self, scorer) -> None:
         """A scorer that needs extras raises naming the missing extra.

@@ -68,8 +68,12 @@ class SelectorTests(StandardTests):
 
     def select(self, selector, scores, budget, protected=None, valid=None, values=None) -> Plan:
         """``selector.select``; an example whose protected entries exceed the budget is discarded."""
-        fits = self.tiered or valid is None or protected is None or bool(
-            (protected.sum(-1) <= torch.tensor([budget.kept(int(n)) for n in valid.sum(-1)])).all())
+        fits = (
+            self.tiered
+            or valid is None
+            or protected is None
+            or bool((protected.sum(-1) <= torch.tensor([budget.kept(int(n)) for n in valid.sum(-1)])).all())
+        )
         assume(fits)
         try:
             plan = selector.select(Scores(scores, values), budget, protected, valid)
@@ -81,6 +85,7 @@ class SelectorTests(StandardTests):
 
     def each(self, selector, check, kinds=KINDS, granularities=None) -> None:
         """``check(granularity, budget, protected, plan, (scores, valid, protection))`` on drawn cases."""
+
         def run(g, a):
             (scores, valid, protect), data = a
             budget, prot = data.draw(self.budget(selector, g, scores.shape[-1])), protect.mask(valid)
@@ -117,9 +122,11 @@ class SelectorTests(StandardTests):
         ranking."""
         self.require(not self.tiered, "tiered=True (ratio does not budget it)")
         for g in self.supports_granularities:
+
             def check(case, g=g):
                 plan = self.select(selector, case[0], Budget(ratio=0.0, granularity=g), case[2].mask(case[1]), case[1])
                 assert torch.equal(heads(plan.keep_keys), case[1][:, None, :].expand_as(heads(plan.keep_keys)))
+
             forall(cases(g), check, 8)
 
     def test_protected_always_kept(self, selector) -> None:
@@ -127,11 +134,13 @@ class SelectorTests(StandardTests):
 
         Troubleshooting: force protected entries to the top of the ranking (``+inf`` score after masking), then fill the
         rest of the budget; a tiered selector gives them its highest width."""
+
         def check(g, budget, prot, plan, case):
             bits, p = heads(plan.key_bits), prot[:, None, :].expand_as(heads(plan.key_bits))
             assert bool((bits[p] > 0).all()), "a protected entry was evicted"
             assert all(int(bits[b][p[b]].min()) == int(bits[b].max()) for b in range(len(p)) if p[b].any()), (
-                "protected entries must take the top tier")
+                "protected entries must take the top tier"
+            )
 
         self.each(selector, check)
 
@@ -140,6 +149,7 @@ class SelectorTests(StandardTests):
 
         Troubleshooting: mask invalid entries out (``-inf``) before ranking and cap the kept count at the number of
         valid tokens of each row."""
+
         def check(g, budget, prot, plan, case):
             pad = ~case[1][:, None, :].expand_as(heads(plan.keep_keys))
             assert not bool(heads(plan.keep_keys)[pad].any() | heads(plan.keep_values)[pad].any()), "padding kept"
@@ -151,6 +161,7 @@ class SelectorTests(StandardTests):
 
         Troubleshooting: use a stable sort (``torch.sort(..., stable=True, descending=True)``) rather than
         ``torch.topk``, whose tie order is unspecified; mark a deliberate deviation with ``xfail(reason=...)``."""
+
         def check(g, budget, prot, plan, case):
             free = (case[1] & ~prot)[:, None, :].expand_as(heads(plan.key_bits))
             for b, row in zip(*torch.nonzero(free.any(-1), as_tuple=True)):
@@ -166,6 +177,7 @@ class SelectorTests(StandardTests):
 
         Troubleshooting: rank by score within each head (or layer / all layers for coarser granularities), not
         per batch row; separate key and value scores rank keys and values separately."""
+
         def check(g, budget, prot, plan, case):
             s, bits = heads(case[0]), heads(plan.key_bits).long()
             free = (case[1] & ~prot)[:, None, :].expand_as(s)
@@ -179,6 +191,7 @@ class SelectorTests(StandardTests):
 
         Troubleshooting: read ``scores.for_values`` for the value plan and return ``Plan(key_bits, value_bits)``; a
         selector ignoring value scores returns the key plan for both."""
+
         def check(g, budget, prot, plan, case):
             ks, valid, _ = case
             vs = fill(tuple(ks.shape), torch.float32, "normal", int(ks.abs().sum()) % 1000)
@@ -218,6 +231,7 @@ class SelectorTests(StandardTests):
         Troubleshooting: compare ``budget.kept(n)`` with the protected count per row before selecting, and raise naming
         both numbers (the Compressor's ``strict=False`` policy handles short inputs above the selector)."""
         for g in self.supports_granularities:
+
             def check(args, g=g):
                 (T, protect, budget), seed = args
                 scores = fill(((2,) if g == "global" else ()) + (2, 3, T), seed=seed)
@@ -227,6 +241,7 @@ class SelectorTests(StandardTests):
                     prot, budget = valid, Budget(avg_bits=min(self.avg_bits(selector)), granularity=g)
                 with pytest.raises(ValueError, match="protected"):
                     selector.select(Scores(scores), budget, prot, valid)
+
             forall(st.tuples(budgets_below_protected(g, self.supports_token_budget), SEEDS), check, 8)
 
     def _valid_call(self, selector):

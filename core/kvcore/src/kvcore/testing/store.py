@@ -36,8 +36,13 @@ SIZES = st.sampled_from((4, 8, 16))  # head dims
 
 
 @st.composite
-def cases(draw, widths: tuple[tuple[int, ...], tuple[int, ...] | None], min_keep: int = 0,
-          kinds=("normal", "plateau", "huge"), empty_head: bool = False):
+def cases(
+    draw,
+    widths: tuple[tuple[int, ...], tuple[int, ...] | None],
+    min_keep: int = 0,
+    kinds=("normal", "plateau", "huge"),
+    empty_head: bool = False,
+):
     """``(keys, values, plan, positions)``: a left-padded batch, a third of the real entries evicted, the others
     at ``FULL`` or a width of ``widths = (key widths, value widths or None for "same as the keys")``. With
     ``empty_head`` (and ``min_keep == 0``), some examples evict every entry of head ``(0, 0)``."""
@@ -49,8 +54,11 @@ def cases(draw, widths: tuple[tuple[int, ...], tuple[int, ...] | None], min_keep
         keep[..., -1] |= keep.sum(-1) < min_keep
     elif empty_head and draw(st.booleans()):
         keep[0, 0] = False
-    tier = [torch.tensor((FULL, FULL, *w), dtype=torch.uint8)[torch.randint(len(w) + 2, (B, H, T), generator=g)]
-            for w in widths if w is not None]
+    tier = [
+        torch.tensor((FULL, FULL, *w), dtype=torch.uint8)[torch.randint(len(w) + 2, (B, H, T), generator=g)]
+        for w in widths
+        if w is not None
+    ]
     kb, vb = (t.masked_fill(~keep, EVICT) for t in (tier[0], tier[-1]))
     positions = torch.where(valid, valid.long().cumsum(-1) - 1 + draw(st.integers(0, 5)), 0)
     keys, values = fill((B, H, T, D), dtype, kind, seed), fill((B, H, T, D), dtype, kind, seed + 1)
@@ -60,8 +68,11 @@ def cases(draw, widths: tuple[tuple[int, ...], tuple[int, ...] | None], min_keep
 def entries(pos: torch.Tensor, *per_entry: torch.Tensor) -> dict:
     """``{(b, h): (positions, *per_entry)}`` of the entries with ``pos >= 0`` (``pos`` ``[B, H, T]``; each tensor of
     ``per_entry`` is ``[B, H, T, ...]``: keys, values, tiers, logit bias ...)."""
-    return {(b, h): tuple(t[b, h][pos[b, h] >= 0] for t in (pos, *per_entry))
-            for b in range(pos.shape[0]) for h in range(pos.shape[1])}
+    return {
+        (b, h): tuple(t[b, h][pos[b, h] >= 0] for t in (pos, *per_entry))
+        for b in range(pos.shape[0])
+        for h in range(pos.shape[1])
+    }
 
 
 def written(keys, values, plan: Plan, positions) -> dict:
@@ -162,6 +173,7 @@ class StoreTests(StandardTests):
         entries in position order; pad ragged heads with position -1, bias ``-inf`` and finite zeros. Declare the
         widths the store holds in ``supported_bits`` (or the ``quantized_*_bits`` flags) and override
         ``max_quantization_error`` for a non-min-max quantizer."""
+
         def check(case):
             self.check_view(self.written_store(store_factory, case), written(*case))
 
@@ -173,6 +185,7 @@ class StoreTests(StandardTests):
 
         Troubleshooting: the view's padding is not masked (bias must be ``-inf`` there) or positions/entries are
         misaligned between keys and values."""
+
         def check(args):
             case, group, seed = args
             view = self.written_store(store_factory, case).read()
@@ -194,6 +207,7 @@ class StoreTests(StandardTests):
 
         Troubleshooting: gather the kept entries into new buffers (``keys[keep]``) instead of keeping the full tensor
         with a mask; drop references to the previous content in ``write``."""
+
         def check(args):
             (B, H, D, k, seed), T = args, 48
             x, pos, ones = fill((B, H, T, D), seed=seed), torch.arange(T).expand(B, T), torch.ones(B, H, T).bool()
@@ -214,6 +228,7 @@ class StoreTests(StandardTests):
 
         Troubleshooting: append per head at each head's own length (heads are ragged after eviction); positions are
         the appended ones, not ``len(cache)``. A store that quantizes on append sets ``lossless_append = False``."""
+
         def check(args):
             case, n, seed = args
             store = self.written_store(store_factory, case)
@@ -273,6 +288,7 @@ class StoreTests(StandardTests):
 
         Troubleshooting: set every buffer attribute to ``None`` (or re-run ``__init__`` state), including caches and
         scratch tensors."""
+
         def check(case):
             store = self.written_store(store_factory, case)
             store.reset()
@@ -349,7 +365,8 @@ class StoreTests(StandardTests):
         view, t = store.read(), store.tiers()
         assert isinstance(t, Plan), f"tiers() must return a kvcore.Plan, got {type(t).__name__}"
         assert tuple(t.key_bits.shape) == tuple(view.positions.shape), (
-            f"tiers() {tuple(t.key_bits.shape)} must be laid out like read() {tuple(view.positions.shape)}")
+            f"tiers() {tuple(t.key_bits.shape)} must be laid out like read() {tuple(view.positions.shape)}"
+        )
         pad = (view.positions < 0).to(t.key_bits.device)
         for name, bits in (("key", t.key_bits), ("value", t.bits_for_values)):
             assert torch.equal(bits == EVICT, pad), f"tiers(): {name} tiers must be EVICT exactly on read()'s padding"
@@ -396,8 +413,10 @@ class StoreTests(StandardTests):
             ap, ak, av, akt, avt = after[b, h]
             assert torch.equal(ap, p[keep]), f"head {(b, h)}: positions {ap.tolist()}, want {p[keep].tolist()}"
             assert torch.equal(akt, nk[keep]) and torch.equal(avt, nv[keep]), f"head {(b, h)}: tiers() != the plan"
-            for got, held, old, new, what in ((ak, k[keep], kt[keep], nk[keep], "keys"),
-                                              (av, v[keep], vt[keep], nv[keep], "values")):
+            for got, held, old, new, what in (
+                (ak, k[keep], kt[keep], nk[keep], "keys"),
+                (av, v[keep], vt[keep], nv[keep], "values"),
+            ):
                 same = old == new
                 assert torch.equal(got[same], held[same]), f"head {(b, h)}: untouched {what} changed by retier"
                 for bits in set(new[~same].tolist()):
@@ -462,7 +481,8 @@ class StoreTests(StandardTests):
             self.check_retiered(store, before, view, plan)
             evicted = bool((t.keep_keys.cpu() & ~plan.keep_keys.cpu()).any())
             demoted = bool((plan.keep_keys.cpu() & (plan.key_bits.cpu() != t.key_bits.cpu())).any()) or bool(
-                (plan.keep_values.cpu() & (plan.bits_for_values.cpu() != t.bits_for_values.cpu())).any())
+                (plan.keep_values.cpu() & (plan.bits_for_values.cpu() != t.bits_for_values.cpu())).any()
+            )
             if not demoted:  # a demotion may add metadata (scales) worth more than the bits it saves on tiny heads
                 if evicted:
                     assert store.nbytes() < size, f"retier evicted entries but nbytes() went {size} -> {store.nbytes()}"
@@ -483,8 +503,9 @@ class StoreTests(StandardTests):
             if n:
                 self.append(store, case[0], case[3].max(-1).values, n, seed)
             v0, t0, size = store.read(), store.tiers(), store.nbytes()
-            snap = [x.clone() for x in (v0.keys, v0.values, v0.positions, v0.logit_bias, t0.key_bits,
-                                        t0.bits_for_values)]
+            snap = [
+                x.clone() for x in (v0.keys, v0.values, v0.positions, v0.logit_bias, t0.key_bits, t0.bits_for_values)
+            ]
             store.retier(t0)
             v1, t1 = store.read(), store.tiers()
             now = (v1.keys, v1.values, v1.positions, v1.logit_bias, t1.key_bits, t1.bits_for_values)
@@ -512,10 +533,12 @@ class StoreTests(StandardTests):
             store = self.written_store(store_factory, (x, x, Plan.from_keep(ones), pos))
             keep = torch.rand(B, H, T, generator=torch.Generator().manual_seed(seed)).argsort(-1).argsort(-1) < k
             store.retier(Plan.from_keep(keep))
-            prefix = self.written_store(store_factory, (x[:, :, :k], x[:, :, :k], Plan.from_keep(ones[..., :k]),
-                                                        pos[:, :k]))
+            prefix = self.written_store(
+                store_factory, (x[:, :, :k], x[:, :, :k], Plan.from_keep(ones[..., :k]), pos[:, :k])
+            )
             assert store.nbytes() == prefix.nbytes(), (
-                f"{k} entries per head hold {store.nbytes()} bytes after retier, {prefix.nbytes()} when written")
+                f"{k} entries per head hold {store.nbytes()} bytes after retier, {prefix.nbytes()} when written"
+            )
             assert store.nbytes() == reachable_bytes(store), "nbytes() != bytes of the tensors the store holds"
 
         forall(st.tuples(st.integers(1, 2), st.integers(1, 3), SIZES, st.integers(1, 24), SEEDS), check, 10)
@@ -589,8 +612,9 @@ class StoreTests(StandardTests):
         bad = {
             "moves an entry up": plan_with(first_held(kb < FULL), FULL),
             "an unsupported width": plan_with(first_held(held), odd[0]) if odd else None,
-            "demotes without can_demote": None if can_demote or not low else plan_with(first_held(kb > min(low)),
-                                                                                        min(low)),
+            "demotes without can_demote": None
+            if can_demote or not low
+            else plan_with(first_held(kb > min(low)), min(low)),
             "keeps padding": plan_with(tuple(pad[0].tolist()) if len(pad) else None, FULL, FULL),
             "a plan one entry longer": Plan(torch.cat([kb, torch.full_like(kb[..., :1], FULL)], -1)),
             "a plan of another batch": Plan(torch.cat([kb, kb[:1]])),
@@ -612,16 +636,34 @@ class StoreTests(StandardTests):
             for what, plan in bad.items():
                 store = self.written_store(store_factory, case)
                 v0, t0, size = store.read(), store.tiers(), store.nbytes()
-                snap = [x.clone() for x in (v0.keys, v0.values, v0.positions, v0.logit_bias, t0.key_bits,
-                                            t0.bits_for_values, store.seq_lengths())]
+                snap = [
+                    x.clone()
+                    for x in (
+                        v0.keys,
+                        v0.values,
+                        v0.positions,
+                        v0.logit_bias,
+                        t0.key_bits,
+                        t0.bits_for_values,
+                        store.seq_lengths(),
+                    )
+                ]
                 with pytest.raises((ValueError, TypeError)):
                     store.retier(plan)
                     pytest.fail(f"retier accepted {what}")
                 v1, t1 = store.read(), store.tiers()
-                now = (v1.keys, v1.values, v1.positions, v1.logit_bias, t1.key_bits, t1.bits_for_values,
-                       store.seq_lengths())
-                for name, a, b in zip(("keys", "values", "positions", "bias", "key tiers", "value tiers", "lengths"),
-                                      snap, now):
+                now = (
+                    v1.keys,
+                    v1.values,
+                    v1.positions,
+                    v1.logit_bias,
+                    t1.key_bits,
+                    t1.bits_for_values,
+                    store.seq_lengths(),
+                )
+                for name, a, b in zip(
+                    ("keys", "values", "positions", "bias", "key tiers", "value tiers", "lengths"), snap, now
+                ):
                     assert a.shape == b.shape and torch.equal(a, b), f"retier with {what} raised but changed {name}"
                 assert store.nbytes() == size, f"retier with {what} raised but changed nbytes()"
 
@@ -644,7 +686,8 @@ class StoreTests(StandardTests):
             out, lse = store.attend(q, scale)
             want_out, want_lse = reference_attention(store.read(q), q, scale)
             assert tuple(out.shape) == (B, H * group, nq, D) and tuple(lse.shape) == (B, H * group, nq), (
-                f"attend gave out {tuple(out.shape)}, lse {tuple(lse.shape)}")
+                f"attend gave out {tuple(out.shape)}, lse {tuple(lse.shape)}"
+            )
             torch.testing.assert_close(lse.float(), want_lse, rtol=1e-4, atol=1e-4, msg="attend: lse != reference")
             torch.testing.assert_close(out.float(), want_out, rtol=1e-4, atol=1e-4, msg="attend: out != reference")
 
@@ -662,8 +705,9 @@ class StoreTests(StandardTests):
         self.require(self.flag("can_attend", store_factory().can_attend), "can_attend=False")
         B, H, T, D = 2, 2, 6, 8
         x = fill((B, H, T, D), seed=1)
-        store = self.written_store(store_factory, (x, x, Plan.from_keep(torch.ones(B, H, T, dtype=torch.bool)),
-                                                   torch.arange(T).expand(B, T)))
+        store = self.written_store(
+            store_factory, (x, x, Plan.from_keep(torch.ones(B, H, T, dtype=torch.bool)), torch.arange(T).expand(B, T))
+        )
         q = fill((B, 2 * H, 1, D), seed=2)
         bad = {
             "another head dim": (q[..., :4], None),

@@ -64,14 +64,23 @@ class KVSample:
 
 @st.composite
 def kv_samples(draw, dtype=None, kinds=KINDS, groups=(1, 2, 4), min_t=1, max_t=48, padding=True) -> KVSample:
-    B, H, T, D = (draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(min_t, max_t)),
-                  draw(st.sampled_from((4, 8, 16))))
+    B, H, T, D = (
+        draw(st.integers(1, 3)),
+        draw(st.integers(1, 4)),
+        draw(st.integers(min_t, max_t)),
+        draw(st.sampled_from((4, 8, 16))),
+    )
     group, W = draw(st.sampled_from(groups)), draw(st.integers(1, min(T, 8)))
     kind, seed = draw(st.sampled_from(kinds)), draw(SEEDS)
     dtype = draw(dtypes()) if dtype is None else dtype
     mask = draw(left_padded_masks(B, T)) if padding and draw(st.booleans()) else None
-    return KVSample(fill((B, H, T, D), dtype, kind, seed), fill((B, H, T, D), dtype, kind, seed + 1),
-                    fill((B, H * group, W, D), dtype, kind, seed + 2), mask, seed)
+    return KVSample(
+        fill((B, H, T, D), dtype, kind, seed),
+        fill((B, H, T, D), dtype, kind, seed + 1),
+        fill((B, H * group, W, D), dtype, kind, seed + 2),
+        mask,
+        seed,
+    )
 
 
 def ratios() -> st.SearchStrategy[float]:

@@ -8,10 +8,9 @@
 :mod:`kvcodec` for existing imports; new code imports them from ``kvcodec``.
 """
 
-from kvcodec import QUANT_BITS, UniformQuantizer, pack_codes, scale_dtype_for, unpack_codes
-
 from kv_baselines.quant.kivi_selector import KIVITierSelector, kivi_tiers
 from kv_baselines.quant.kivi_store import KIVIStore, KIVIUnquantizedWarning
+from kvcodec import QUANT_BITS, UniformQuantizer, pack_codes, scale_dtype_for, unpack_codes
 
 __all__ = [
     "QUANT_BITS",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from kvcore import EVICT, FULL, Budget, Plan, Scores, Selector, TopKSelector
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import warnings
 
 import torch
+
 from kvcodec import CodeRows, QuantizedSegment, UniformQuantizer, quantized_attention
 from kvcodec.ragged import Entries, FullRows, QuantUnits, Residual, compact_entries
 from kvcodec.segments import rank_in_segment
@@ -134,7 +135,7 @@ class KIVIStore(Store):
         out, start = [], 0
         for sg, _ in held:
             n = sg.numel()
-            out.append((seg[start: start + n], slot[start: start + n]))
+            out.append((seg[start : start + n], slot[start : start + n]))
             start += n
         return out
 
@@ -349,8 +350,11 @@ class KIVIStore(Store):
         marked = torch.where(kept_any, positions, -1).sort(-1).values
         if bool(((marked[:, 1:] == marked[:, :-1]) & (marked[:, 1:] >= 0)).any()):
             raise ValueError("positions of the kept entries of a batch row must be distinct")
-        if bool((keep.sum(-1) > self.residual).any()) and not bool(((kb != EVICT) & (kb != FULL)).any()) \
-                and not bool(((vb != EVICT) & (vb != FULL)).any()):
+        if (
+            bool((keep.sum(-1) > self.residual).any())
+            and not bool(((kb != EVICT) & (kb != FULL)).any())
+            and not bool(((vb != EVICT) & (vb != FULL)).any())
+        ):
             warnings.warn(
                 f"KIVIStore.write: the plan keeps more than residual={self.residual} entries of a head but quantizes "
                 "none of them, so this store holds a full-precision cache. Pair KIVIStore with KIVITierSelector "
@@ -503,4 +507,3 @@ class KIVIStore(Store):
                 part.take_segments(take, B * H)
         self._last_pos = self._last_pos[index.to(device).long()]
         self._shape = (index.numel(), H, D)
-

@@ -5,4 +5,13 @@ from kv_baselines.scorers.kvzip import KVZIP_EXTRA, KVzipScorer
 from kv_baselines.scorers.simple import ConstantScorer, KnormScorer, RandomScorer, StreamingLLMScorer
 from kv_baselines.scorers.snapkv import SnapKVScorer
 
-__all__ = ["ConstantScorer", "H2OScorer", "KnormScorer", "KVZIP_EXTRA", "KVzipScorer", "RandomScorer", "SnapKVScorer", "StreamingLLMScorer"]
+__all__ = [
+    "KVZIP_EXTRA",
+    "ConstantScorer",
+    "H2OScorer",
+    "KVzipScorer",
+    "KnormScorer",
+    "RandomScorer",
+    "SnapKVScorer",
+    "StreamingLLMScorer",
+]

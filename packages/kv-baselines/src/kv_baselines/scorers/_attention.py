@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterator
 
 import torch
+
 from kvcore import ScoringContext
 
 

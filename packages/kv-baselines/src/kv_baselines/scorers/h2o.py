@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from kvcore import Scorer, Scores, ScoringContext
 
 from kv_baselines.scorers._attention import window_attention
+from kvcore import Scorer, Scores, ScoringContext
 
 
 @dataclass(frozen=True)

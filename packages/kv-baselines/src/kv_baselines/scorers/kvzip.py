@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+
 from kvcore import Scorer, Scores, ScoringContext
 
 KVZIP_EXTRA = "kvzip_scores"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from kvcore import Scorer, Scores, ScoringContext
 
 
@@ -12,7 +13,6 @@ from kvcore import Scorer, Scores, ScoringContext
 class ConstantScorer(Scorer):
     """Every entry scores 0: with ties broken by lower index, a budget keeps the earliest tokens. Used by
     ``full()`` and quantization-only methods, where the budget keeps everything."""
-
 
     def score(self, ctx: ScoringContext) -> Scores:
         return Scores(torch.zeros(ctx.batch_size, ctx.num_kv_heads, ctx.seq_len, device=ctx.keys.device))
@@ -34,7 +34,6 @@ class RandomScorer(Scorer):
 class KnormScorer(Scorer):
     """``-‖k‖₂``: keys with small norms draw the most attention (Devoto et al. 2024, "A Simple and Effective
     L2 Norm-Based Strategy for KV Cache Compression", §3; kvpress KnormPress)."""
-
 
     def score(self, ctx: ScoringContext) -> Scores:
         return Scores(-ctx.keys.float().norm(dim=-1))

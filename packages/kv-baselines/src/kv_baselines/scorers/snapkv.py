@@ -8,9 +8,9 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from kvcore import Scorer, Scores, ScoringContext
 
 from kv_baselines.scorers._attention import window_attention
+from kvcore import Scorer, Scores, ScoringContext
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["CoverageObjective", "window_kernel", "gaussian_kernel"]
+__all__ = ["CoverageObjective", "gaussian_kernel", "window_kernel"]
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 

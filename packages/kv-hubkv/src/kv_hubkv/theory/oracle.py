@@ -10,7 +10,7 @@ import itertools
 
 from .coverage import CoverageObjective
 
-__all__ = ["greedy_select", "brute_force_select"]
+__all__ = ["brute_force_select", "greedy_select"]
 
 
 def _check_budget(budget: int) -> int:
