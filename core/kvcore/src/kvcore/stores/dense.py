@@ -10,6 +10,7 @@ from kvcore.plan import EVICT, FULL, Plan
 from kvcore.protocols import Store
 from kvcore.view import KVView
 
+
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, 0) - x
 
