@@ -104,3 +104,18 @@ def test_config_fields_are_normalised_and_frozen():
     assert cfg.gate(0.5) == 0.5**3
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.gamma = 0.9  # type: ignore[misc]
+
+
+def test_scoring_a_batch_of_zero_rows_is_refused_by_name():
+    import kv_baselines
+    from kv_hubkv import hubkv
+    from kvcore import Budget, ScoringContext
+
+    compressor = hubkv(kv_baselines.knorm(0.5))
+    k = torch.randn(0, 2, 16, 8)
+    with pytest.raises(ValueError, match="batch size 0"):  # was an IndexError from inside the refinement
+        compressor.scorer.score(ScoringContext(keys=k, values=k, budget=Budget(0.5)))
+    with pytest.raises(ValueError, match="batch size 0"):
+        compressor.compress(ScoringContext(keys=k, values=k))
+    with pytest.raises(TypeError, match="ctx"):
+        compressor.scorer.score(k)
