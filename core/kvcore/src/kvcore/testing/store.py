@@ -1,7 +1,8 @@
 """``StoreTests``: nothing is lost that the plan did not drop (the 16 tier bit-exact, quantized tiers within a
 min-max bound), true positions in ascending order, ``-inf`` bias exactly on padding, attention over the view =
 attention over the kept entries, ``nbytes`` = storage reachable from the store and nothing held for evicted
-entries, append after compression, crop, reorder, reset, clear errors. Re-tiering (``tiers()`` / ``retier(plan)``):
+entries, append after compression, crop, reorder, reset, clear errors (bad input to every mutation raises
+``ValueError``/``TypeError`` and changes nothing). Re-tiering (``tiers()`` / ``retier(plan)``):
 ``tiers()`` laid out like ``read()``; entries a new plan keeps at their tier are untouched (bit-identical), evicted
 ones free their memory, demoted ones (``can_demote``) are within the bound of their new width; a bad plan raises
 and changes nothing (all-or-nothing). With ``can_attend``, the fused ``attend(query, scale) -> (out, lse)`` equals
