@@ -22,7 +22,7 @@ from kvcore.testing import CompressorTests, ScorerTests
 class WindowAttention:
     """Toy SnapKV-like base: softmax attention of the query window, mean over GQA group and window."""
 
-    needs_queries, needs_values, needs_extras, query_window = True, False, frozenset()
+    needs_queries, needs_values, needs_extras, query_window = True, False, frozenset(), None
     query_window = 8  # an adapter hint HubKV forwards
 
     def score(self, ctx):
@@ -38,7 +38,7 @@ class WindowAttention:
 class KeyNorm:
     """Negative scores (-‖k‖): needs ``nonnegative='shift'``."""
 
-    needs_queries, needs_values, needs_extras, query_window = False, True, frozenset({"unused"})
+    needs_queries, needs_values, needs_extras, query_window = False, True, frozenset({"unused"}), None
 
     def score(self, ctx):
         if "unused" not in ctx.extras:
@@ -50,7 +50,7 @@ class KeyNorm:
 class Fixed:
     """Returns given scores (for exact expectations)."""
 
-    needs_queries, needs_values, needs_extras, query_window = False, False, frozenset()
+    needs_queries, needs_values, needs_extras, query_window = False, False, frozenset(), None
 
     def __init__(self, s):
         self.s = s
