@@ -88,6 +88,12 @@ class KIVIStore(Store):
     other entry's bytes are untouched; there is no demotion (``can_demote = False``). ``attend(query, scale)``
     runs :func:`kvcodec.quantized_attention` on the held codes and full-precision rows (the Triton kernel on CUDA)
     and equals ``kvcore.reference_attention(self.read(), query, scale)``.
+
+    Every mutation (``write``, ``append``, ``retier``, ``crop``, ``reorder``) is all-or-nothing: arguments are
+    validated first (finite entries, positions as :func:`kvcore.checks.check_positions`), then the new state is built
+    on copies of the parts (:meth:`kvcodec.ragged.FullRows.copy`) and committed last, so a call that raises -- e.g.
+    a residual flush whose group range overflows the quantizer's scale dtype -- leaves ``read()`` and ``nbytes()``
+    unchanged.
     """
 
     can_attend = True
