@@ -483,6 +483,7 @@ def test_a_failing_residual_flush_loses_nothing():
     assert store.read().positions[0, 0].tolist() == [0, 1, 2, 3]
 
 
+@pytest.mark.filterwarnings("ignore::kv_baselines.quant.KIVIUnquantizedWarning")  # eviction-only plans on purpose
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("what", ["keys", "values"])
 def test_non_finite_entries_are_rejected_by_the_call_that_brings_them(bad, what):
@@ -507,6 +508,7 @@ def test_non_finite_entries_are_rejected_by_the_call_that_brings_them(bad, what)
     assert bool(torch.isfinite(store.read().keys).all() & torch.isfinite(store.read().values).all())
 
 
+@pytest.mark.filterwarnings("ignore::kv_baselines.quant.KIVIUnquantizedWarning")  # eviction-only plans on purpose
 def test_failing_mutations_leave_the_store_unchanged():
     store = _store(2, G=4, R=4)
     k = torch.randn(2, 2, 9, 4)
