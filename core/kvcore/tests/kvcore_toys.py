@@ -26,6 +26,7 @@ from kvcore import (
     storage_bytes,
 )
 from kvcore.attention import check_query, check_scale
+from kvcore.checks import check_finite, check_int, check_integer_tensor, check_positions
 
 
 class KeyNorm:
@@ -241,27 +242,35 @@ class ToyTieredStore(Store):
         self.heads: list[list[tuple]] | None = None  # per (b, h): chunks (positions, keys, values)
         self.shape = (0, 0, 0)
 
-    def _check(self, keys, values, positions, n):
+    def _check(self, keys, values, held: bool):
         if not (isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)) or not keys.is_floating_point():
             raise TypeError("keys and values must be float tensors")
         if keys.ndim != 4 or values.shape != keys.shape or values.dtype != keys.dtype:
             raise ValueError("keys and values must be matching [B, H, T, D] tensors")
-        if self.heads is not None and ((*keys.shape[:2], keys.shape[-1]) != self.shape or keys.dtype != self.dtype):
+        if (
+            held
+            and self.heads is not None
+            and ((*keys.shape[:2], keys.shape[-1]) != self.shape or keys.dtype != self.dtype)
+        ):
             raise ValueError(f"entries must match the stored [B, H, *, D] = {self.shape} of {self.dtype}")
-        if not isinstance(positions, torch.Tensor) or positions.dtype != torch.int64:
-            raise TypeError("positions must be an int64 tensor")
-        if positions.shape != (len(keys), n):
-            raise ValueError("positions must be int64 [B, T]")
+
+    def _last(self):
+        """``[B]`` the last position held per batch row (``-1``: none)."""
+        B, H, _ = self.shape
+        last = [max((int(c[0].max()) for c in chunks if len(c[0])), default=-1) for chunks in self.heads]
+        return torch.tensor(last).view(B, H).amax(-1)
 
     def write(self, keys, values, plan, positions):
-        self.reset()
-        self._check(keys, values, positions, keys.shape[2])
+        self._check(keys, values, held=False)
         B, H, T, D = keys.shape
         if not isinstance(plan, Plan) or plan.key_bits.shape != (B, H, T) or plan.tiers() - self.supported_bits:
             raise ValueError(f"plan must be [B, H, T] over tiers {sorted(self.supported_bits)}")
         if not torch.equal(plan.keep_keys, plan.keep_values):
             raise ValueError("keys and values must keep the same entries")
-        self.heads, self.shape, self.dtype = [], (B, H, D), keys.dtype
+        positions = check_positions("positions", positions, (B, T), keep=plan.keep_keys)
+        check_finite("keys (kept entries)", keys[plan.keep_keys])
+        check_finite("values (kept entries)", values[plan.keep_keys])
+        heads = []
         for b in range(B):
             for h in range(H):
                 chunks, kb, vb = [], plan.key_bits[b, h], plan.bits_for_values[b, h]
@@ -271,13 +280,17 @@ class ToyTieredStore(Store):
                     k = k if wk == 16 else MinMax(wk, "token", 4).quantize(k)
                     v = v if wv == 16 else MinMax(wv, "token", 4).quantize(v)
                     chunks.append((positions[b][m], k, v))
-                self.heads.append(chunks)
+                heads.append(chunks)
+        self.heads, self.shape, self.dtype = heads, (B, H, D), keys.dtype
 
     def append(self, keys, values, positions):
-        self._check(keys, values, positions, keys.shape[2])
+        self._check(keys, values, held=True)
+        B, H, n, _ = keys.shape
         if self.heads is None:
-            B, H, n, _ = keys.shape
             return self.write(keys, values, Plan.from_keep(torch.ones(B, H, n, dtype=torch.bool)), positions)
+        positions = check_positions("positions", positions, (B, n), after=self._last())
+        check_finite("keys", keys)
+        check_finite("values", values)
         for i, chunks in enumerate(self.heads):
             b, h = divmod(i, self.shape[1])
             chunks.append((positions[b].clone(), keys[b, h].clone(), values[b, h].clone()))
@@ -322,11 +335,15 @@ class ToyTieredStore(Store):
         return torch.tensor(lengths, dtype=torch.long).view(B, H)
 
     def crop(self, position):
+        check_int("position", position)
         for chunks in self.heads or []:
             chunks[:] = [tuple(_rows(x, c[0] < position) for x in c) for c in chunks]
 
     def reorder(self, index):
-        _B, H, D = self.shape
+        B, H, D = self.shape
+        check_integer_tensor("index", index, ndim=1)
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= B):
+            raise ValueError(f"index must hold batch rows in [0, {B}), got {index.tolist()}")
         self.heads = [list(self.heads[int(i) * H + h]) for i in index for h in range(H)]
         self.shape = (len(index), H, D)
 

@@ -325,6 +325,48 @@ class AttendIgnoresBias(DenseStore):
         return reference_attention(unbiased, query, scale)
 
 
+class UncheckedReorder(DenseStore):
+    """Reorders without validating the index: an out-of-range row escapes as an IndexError from the gather."""
+
+    def reorder(self, index):
+        _B, H = self._shape
+        segs = (index[:, None] * H + torch.arange(H)).flatten()
+        self._relayout(segs, self._len[segs])
+        self._shape = (index.numel(), H)
+
+
+class ResetsBeforeChecking(DenseStore):
+    """Drops the held content first, then validates the new one (a rejected write loses the cache)."""
+
+    def write(self, keys, values, plan, positions):
+        self.reset()
+        super().write(keys, values, plan, positions)
+
+
+class GrowsBeforeChecking(DenseStore):
+    """Makes room for an append before validating it (a rejected append leaves grown buffers: nbytes changes)."""
+
+    def append(self, keys, values, positions):
+        if self._k is not None and isinstance(keys, torch.Tensor) and keys.ndim == 4:
+            B, H = self._shape
+            self._relayout(torch.arange(B * H), self._len + keys.shape[2] + self.growth + 1)
+        super().append(keys, values, positions)
+
+
+@pytest.mark.parametrize(
+    ("store", "message"),
+    [
+        (UncheckedReorder, "raised IndexError"),
+        (ResetsBeforeChecking, "raised but left the store unreadable"),
+        (GrowsBeforeChecking, r"raised but changed nbytes\(\)"),
+    ],
+    ids=["index-error-escapes", "resets-before-checking", "grows-before-checking"],
+)
+def test_bad_input_suite_catches_unclear_errors_and_partial_mutations(store, message):
+    with pytest.raises(AssertionError, match=message):
+        StoreTests().test_rejects_bad_input_atomically(store)
+
+
 @pytest.mark.parametrize(
     "run",
     [

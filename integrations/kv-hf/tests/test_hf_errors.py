@@ -120,3 +120,33 @@ def test_rollback_refused_when_recompression_may_prune_the_context():
 
 def test_tiny_config_is_what_the_tests_claim():
     assert TINY["num_hidden_layers"] == 2 and TINY["num_attention_heads"] == 4 and TINY["num_key_value_heads"] == 2
+
+
+def test_bad_beam_indices_are_refused_and_change_nothing():
+    model = tiny_model("llama")
+    cache = kv_hf.compressed_cache(model, full_compressor())
+    with torch.no_grad():
+        model(prompt(6, B=2), past_key_values=cache, use_cache=True)
+    layer = cache.layers[0]
+    view = layer.store.read()
+    sizes = [lay.nbytes() for lay in cache.layers]
+    bad = {
+        "a float index (used to be truncated)": (
+            TypeError,
+            "beam_idx",
+            lambda: cache.reorder_cache(torch.tensor([1.7, 0.2])),
+        ),
+        "a row out of range": (ValueError, "beam_idx", lambda: cache.reorder_cache(torch.tensor([0, 2]))),
+        "a negative row": (ValueError, "beam_idx", lambda: cache.reorder_cache(torch.tensor([-1, 0]))),
+        "float indices": (TypeError, "indices", lambda: cache.batch_select_indices(torch.tensor([0.5]))),
+        "a str": (TypeError, "indices", lambda: cache.batch_select_indices("0")),
+    }
+    for what, (error, name, call) in bad.items():
+        with pytest.raises(error, match=name):
+            call()
+            pytest.fail(f"accepted {what}")
+        assert [lay.nbytes() for lay in cache.layers] == sizes, f"{what} changed the cache"
+        now = layer.store.read()
+        assert torch.equal(now.keys, view.keys) and torch.equal(now.positions, view.positions), what
+    cache.reorder_cache(torch.tensor([1, 1]))  # a valid beam reorder still works
+    assert torch.equal(layer.store.read().keys[0], view.keys[1])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kv_hubkv import HubKVConfig, refine
+from kvcore import Budget, Compressor, DenseStore, Scorer, Scores, ScoringContext, TopKSelector
 
 S = torch.rand(2, 3, 16)
 
@@ -104,3 +105,21 @@ def test_config_fields_are_normalised_and_frozen():
     assert cfg.gate(0.5) == 0.5**3
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.gamma = 0.9  # type: ignore[misc]
+
+
+class _NegNorm(Scorer):
+    def score(self, ctx):
+        return Scores(-ctx.keys.float().norm(dim=-1))
+
+
+def test_scoring_a_batch_of_zero_rows_is_refused_by_name():
+    from kv_hubkv import hubkv
+
+    compressor = hubkv(Compressor(_NegNorm(), TopKSelector(), DenseStore, Budget(0.5)))
+    k = torch.randn(0, 2, 16, 8)
+    with pytest.raises(ValueError, match="batch size 0"):  # was an IndexError from inside the refinement
+        compressor.scorer.score(ScoringContext(keys=k, values=k, budget=Budget(0.5)))
+    with pytest.raises(ValueError, match="batch size 0"):
+        compressor.compress(ScoringContext(keys=k, values=k))
+    with pytest.raises(TypeError, match="ctx"):
+        compressor.scorer.score(k)

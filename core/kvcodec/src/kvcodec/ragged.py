@@ -11,6 +11,11 @@
 Every part can drop any subset of its entries (:meth:`keep`, in the order of ``positions()``) without touching
 the others' bytes.
 
+Edits never write into the rows a part already uses: they rebind its buffers to new tensors or (``QuantUnits``)
+fill spare capacity past the rows in use. So :meth:`FullRows.copy` / :meth:`QuantUnits.copy` (shallow copies
+sharing the buffers) are transactions: a store edits copies of its parts and keeps them only when every step
+succeeded, and a failing step leaves the originals exactly as they were.
+
 A *segment* is one (batch row, KV head). Every entry keeps its true position (int32); positions are unique
 inside a segment, so ``(segment, position)`` orders keys and values of different tiers identically on read.
 Metadata is kept small because it is memory too: 4 bytes of position per entry, a 4-byte segment id per
@@ -18,6 +23,8 @@ quantization unit, per-segment counts for the full-precision rows.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -48,6 +55,10 @@ class FullRows:
         """Entries of ``x [B, H, T, D]`` where ``mask [B, H, T]``; ``pos`` ``[B, H, T]``."""
         (rows, _, p), counts = compact_entries(x, mask, pos)
         return cls(rows, p, counts)
+
+    def copy(self) -> FullRows:
+        """A shallow copy sharing the buffers; editing it leaves this part unchanged (module doc)."""
+        return copy.copy(self)
 
     def _seg(self) -> torch.Tensor:
         return segment_ids(self.counts)
@@ -160,6 +171,10 @@ class QuantUnits:
         self.pos: torch.Tensor | None = None
         self.rows: torch.Tensor | None = None
         self._meta: tuple | None = None  # (bits, axis, group_size, D, dtype) of the stored QuantizedTensor
+
+    def copy(self) -> QuantUnits:
+        """A shallow copy sharing the buffers; editing it leaves this part unchanged (module doc)."""
+        return copy.copy(self)
 
     # -- building ---------------------------------------------------------------------------------------
     @staticmethod

@@ -88,3 +88,50 @@ def check_integer_tensor(name: str, x: object, *, ndim: int | tuple[int, ...] | 
     if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
     return x
+
+
+MAX_POSITION = torch.iinfo(torch.int32).max
+"""Largest true position a store holds (positions are stored as int32)."""
+
+
+def check_positions(
+    name: str,
+    positions: object,
+    shape: tuple[int, int],
+    *,
+    keep: torch.Tensor | None = None,
+    after: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """True positions of the entries a ``Store`` receives, returned as int64.
+
+    ``positions`` must be an int32/int64 tensor of ``shape`` ``(B, T)`` (one position per token of a batch row,
+    shared by the KV heads). The positions of kept entries (``keep`` ``[B, H, T]``, default every entry) must be in
+    ``[0, MAX_POSITION]`` and strictly increasing along ``T`` in every head (so a head's entries are identified and
+    ordered by position), and when ``after`` ``[B]`` (the last position held per batch row, ``-1`` for none) is
+    given, beyond it (appends come after what is held). Entries that are not kept (left padding, evicted tokens)
+    may hold any position.
+    """
+    positions = check_tensor(name, positions, ndim=2)
+    if positions.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be an int32 or int64 tensor, got {positions.dtype}")
+    if tuple(positions.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape [B={shape[0]}, T={shape[1]}], got {tuple(positions.shape)}")
+    B, T = shape
+    p = positions.long()
+    if keep is None:
+        keep = torch.ones(B, 1, T, dtype=torch.bool, device=p.device)
+    keep = keep.to(p.device)
+    H = keep.shape[1]
+    ph = p[:, None, :].expand(B, H, T)
+    if bool(((ph < 0) | (ph > MAX_POSITION))[keep].any()):
+        raise ValueError(f"{name} of kept entries must be >= 0 and fit int32 (in [0, {MAX_POSITION}])")
+    start = torch.full((B, H, 1), -1, dtype=torch.long, device=p.device)
+    if after is not None:
+        start = after.to(p.device).long()[:, None, None].expand(B, H, 1)
+    prev = torch.cummax(torch.cat([start, torch.where(keep, ph, -1)], -1), -1).values[..., :-1]
+    if bool((keep & (ph <= prev)).any()):
+        where = " and come after every position held in their row" if after is not None else ""
+        raise ValueError(
+            f"{name} of kept entries must be distinct and strictly increasing per head{where} (true token positions)"
+        )
+    return p

@@ -41,6 +41,7 @@ from kv_hf.options import CacheOptions
 from kv_hf.providers import missing_message
 from kv_hf.support import DEFAULT_QUERY_WINDOW
 from kvcore import Compressor, ScoringContext, Store, retier_store, storage_bytes
+from kvcore.checks import check_integer_tensor
 
 COLLECT = "collect"
 STORE = "store"
@@ -183,14 +184,17 @@ class CompressedLayer(CacheLayerMixin):
         self.truncate(max(self.seen + tokens_to_remove, 0))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select_rows(beam_idx)
+        """Beam search: row ``i`` becomes old row ``beam_idx[i]`` (an integer tensor of batch rows)."""
+        self._select_rows(beam_idx, "beam_idx")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self._batch:
-            self._select_rows(torch.arange(self._batch).repeat_interleave(repeats))
+            self._select_rows(torch.arange(self._batch).repeat_interleave(repeats), "repeats")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select_rows(torch.as_tensor(indices).flatten())
+        if not isinstance(indices, (torch.Tensor, list, tuple)):
+            raise TypeError(f"indices must be an integer tensor or a list of ints, got {type(indices).__name__}")
+        self._select_rows(torch.as_tensor(indices).flatten(), "indices")
 
     # -- attention hand-off ----------------------------------------------------------------------------
     def pending_part(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -414,7 +418,13 @@ class CompressedLayer(CacheLayerMixin):
         self.seen = length
         self.next_positions = torch.minimum(self.next_positions, torch.full_like(self.next_positions, limit))
 
-    def _select_rows(self, index: torch.Tensor) -> None:
+    def _select_rows(self, index: object, name: str) -> None:
+        """Keep batch rows ``index`` (validated first: an integer tensor of rows in ``[0, batch)``, never truncated
+        from floats), in every part of the layer."""
+        index = check_integer_tensor(name, index, ndim=1)
+        B = self._batch
+        if B is not None and index.numel() and (int(index.min()) < 0 or int(index.max()) >= B):
+            raise ValueError(f"{name} must hold batch rows in [0, {B}), got {index.tolist()}")
         index = index.long()
         if self.held():
             self.store.reorder(index)

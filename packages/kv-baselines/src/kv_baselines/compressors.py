@@ -99,6 +99,7 @@ def kivi(
             residual=residual,
         )
 
+    store()  # validates bits / group_size / residual now, not at the first compress
     selector = KIVITierSelector(
         TopKSelector() if evict is None else evict.selector, bits=bits, residual=residual, value_bits=value_bits
     )

@@ -399,7 +399,7 @@ def test_bad_writes_and_appends():
         store.write(k, k, Plan(Plan.from_keep(keep).key_bits, None, torch.zeros(1, 2, 5, 4, dtype=torch.bool)), pos)
     with pytest.raises(ValueError, match="plan"):
         store.write(k, k, Plan.from_keep(keep[..., :4]), pos)
-    with pytest.raises(ValueError, match="positions"):
+    with pytest.raises(TypeError, match="positions"):
         store.write(k, k, Plan.from_keep(keep), pos.float())
     with pytest.raises(ValueError, match="values"):
         store.write(k, k[..., :3], Plan.from_keep(keep), pos)
@@ -448,9 +448,82 @@ def test_positions_must_identify_entries():
     assert torch.equal(store.read().positions[0, 0], torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="after every position held"):
         store.append(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4), torch.tensor([[2]]))
-    with pytest.raises(ValueError, match="increase"):
+    with pytest.raises(ValueError, match="increasing"):
         store.append(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4), torch.tensor([[5, 4]]))
     store.append(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4), torch.tensor([[3, 7]]))
     store.crop(4)  # drops position 7: 4..6 may be appended again
     store.append(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4), torch.tensor([[4]]))
     assert store.read().positions[0, 1].tolist() == [0, 1, 2, 3, 4]
+
+
+def _snapshot(store):
+    v = store.read()
+    return [t.clone() for t in (v.keys, v.values, v.positions, v.logit_bias, store.seq_lengths())], store.nbytes()
+
+
+def _assert_unchanged(store, snap):
+    (before, size), (now, now_size) = snap, _snapshot(store)
+    for name, a, b in zip(("keys", "values", "positions", "bias", "lengths"), before, now):
+        assert a.shape == b.shape and torch.equal(a, b), f"the failed call changed {name}"
+    assert now_size == size, f"the failed call changed nbytes() {size} -> {now_size}"
+
+
+def test_a_failing_residual_flush_loses_nothing():
+    # a finite fp16 key whose channel range overflows the fp16 scale at 1 bit: the key block flush fails inside
+    # the quantizer, after the residual took the new entry; the held entries must survive (they were emptied)
+    store = KIVIStore(UniformQuantizer(1, "channel", 4), UniformQuantizer(1, "token", 4), residual=4)
+    x = torch.full((1, 1, 3, 8), -65504.0, dtype=torch.float16)
+    store.write(x, x, Plan.from_keep(torch.ones(1, 1, 3, dtype=torch.bool)), torch.arange(3)[None])
+    snap = _snapshot(store)
+    big = torch.full((1, 1, 1, 8), 65504.0, dtype=torch.float16)
+    with pytest.raises(ValueError, match="range"):
+        store.append(big, big, torch.tensor([[3]]))
+    _assert_unchanged(store, snap)
+    store.append(x[:, :, :1], x[:, :, :1], torch.tensor([[3]]))  # still usable: the failed append left no trace
+    assert store.read().positions[0, 0].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.filterwarnings("ignore::kv_baselines.quant.KIVIUnquantizedWarning")  # eviction-only plans on purpose
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("what", ["keys", "values"])
+def test_non_finite_entries_are_rejected_by_the_call_that_brings_them(bad, what):
+    # a NaN value used to be accepted and to break a flush R appends later (and then read() as well)
+    store = _store(2, G=4, R=4)
+    k = torch.randn(1, 2, 6, 4)
+    keep = torch.ones(1, 2, 6, dtype=torch.bool)
+    store.write(k, k, Plan.from_keep(keep), torch.arange(6)[None])
+    snap = _snapshot(store)
+    new = {"keys": torch.randn(1, 2, 1, 4), "values": torch.randn(1, 2, 1, 4)}
+    new[what][0, 1, 0, 2] = bad
+    with pytest.raises(ValueError, match=f"{what} must be finite"):
+        store.append(new["keys"], new["values"], torch.tensor([[6]]))
+    _assert_unchanged(store, snap)
+    kk, vv = k.clone(), k.clone()
+    (kk if what == "keys" else vv)[0, 0, 3, 1] = bad
+    with pytest.raises(ValueError, match=f"{what} \\(kept entries\\) must be finite"):
+        store.write(kk, vv, Plan.from_keep(keep), torch.arange(6)[None])
+    _assert_unchanged(store, snap)
+    keep[0, :, 3] = False  # a non-finite entry the plan evicts is never held
+    store.write(kk, vv, Plan.from_keep(keep), torch.arange(6)[None])
+    assert bool(torch.isfinite(store.read().keys).all() & torch.isfinite(store.read().values).all())
+
+
+@pytest.mark.filterwarnings("ignore::kv_baselines.quant.KIVIUnquantizedWarning")  # eviction-only plans on purpose
+def test_failing_mutations_leave_the_store_unchanged():
+    store = _store(2, G=4, R=4)
+    k = torch.randn(2, 2, 9, 4)
+    store.write(k, k, Plan.from_keep(torch.ones(2, 2, 9, dtype=torch.bool)), torch.arange(9).expand(2, 9))
+    store.append(k[:, :, :3], k[:, :, :3], torch.arange(9, 12).expand(2, 3))  # quantized units + residuals held
+    snap = _snapshot(store)
+    bad = [
+        lambda: store.append(k[:, :, :1], k[:, :, :1], torch.tensor([[12], [11]])),  # not after the held row 1
+        lambda: store.write(k, k, Plan.from_keep(torch.ones(2, 2, 9, dtype=torch.bool)), torch.zeros(2, 9).long()),
+        lambda: store.reorder(torch.tensor([0.0, 1.0])),
+        lambda: store.reorder(torch.tensor([0, 2])),
+        lambda: store.crop(2.5),
+        lambda: store.retier(Plan(torch.full_like(store.tiers().key_bits, FULL))),
+    ]
+    for call in bad:
+        with pytest.raises((ValueError, TypeError)):
+            call()
+        _assert_unchanged(store, snap)

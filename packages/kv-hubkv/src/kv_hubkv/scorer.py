@@ -118,6 +118,12 @@ class HubKV:
 
     def score(self, ctx: ScoringContext) -> Scores:
         """Base scores refined by HubKV: float32 ``[B, Hkv, T]``, higher = keep."""
+        if not isinstance(ctx, ScoringContext):
+            raise TypeError(f"ctx must be a kvcore.ScoringContext, got {type(ctx).__name__}")
+        if ctx.batch_size == 0:
+            raise ValueError(
+                f"ctx.keys {tuple(ctx.keys.shape)} has batch size 0; HubKV refines the scores of at least one row"
+            )
         base = self.base.score(ctx)
         if not isinstance(base, Scores):
             raise TypeError(f"base scorer {type(self.base).__name__} returned {type(base).__name__}, not kvcore.Scores")

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.checks import check_float, check_int, check_integer_tensor, check_tensor
+from kvcore.checks import check_finite, check_float, check_int, check_integer_tensor, check_positions, check_tensor
 from kvcore.memory import storage_bytes
 from kvcore.plan import EVICT, FULL, Plan
 from kvcore.protocols import Store
 from kvcore.view import KVView
-
-_MAX_POSITION = torch.iinfo(torch.int32).max
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -50,14 +48,15 @@ class DenseStore(Store):
         self._shape: tuple[int, int] = (0, 0)
         self._uniform: bool | None = None  # every segment has the same length and capacity (None: not known)
 
-    def _check_kv(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _check_kv(self, keys: torch.Tensor, values: torch.Tensor, *, held: bool) -> None:
+        """Float ``[B, H, T, D]`` keys and values of one dtype and shape; with ``held``, matching the held cache."""
         check_float("keys", check_tensor("keys", keys, ndim=4))
         check_tensor("values", values, ndim=4)
-        if values.shape != keys.shape or values.dtype != keys.dtype:
+        if values.shape != keys.shape or values.dtype != keys.dtype or values.device != keys.device:
             raise ValueError(
                 f"values {values.dtype} {tuple(values.shape)} must match keys {keys.dtype} {tuple(keys.shape)}"
             )
-        if self._k is not None:
+        if held and self._k is not None:
             B, H = self._shape
             if keys.shape[:2] != (B, H) or keys.shape[-1] != self._k.shape[-1] or keys.dtype != self._k.dtype:
                 raise ValueError(
@@ -65,46 +64,23 @@ class DenseStore(Store):
                     f"[B={B}, H={H}, *, D={self._k.shape[-1]}] {self._k.dtype}"
                 )
 
-    @staticmethod
-    def _check_positions(positions: torch.Tensor, B: int, T: int) -> torch.Tensor:
-        check_tensor("positions", positions, ndim=2)
-        if tuple(positions.shape) != (B, T) or positions.dtype not in (torch.int32, torch.int64):
-            raise ValueError(
-                f"positions must be an integer tensor [B={B}, T={T}], got {positions.dtype} {tuple(positions.shape)}"
-            )
-        return positions
-
-    @staticmethod
-    def _check_order(positions: torch.Tensor, keep: torch.Tensor, after: torch.Tensor | None = None) -> None:
-        """Kept positions (``keep`` ``[B, H, T]`` over ``positions`` ``[B, T]``) must be in ``[0, 2**31)`` and strictly
-        increasing per head, and beyond ``after`` (``[B]``, the last position held per row) when given."""
-        B, H, T = keep.shape
-        p = positions[:, None, :].expand(B, H, T).long()
-        if bool(((p < 0) | (p > _MAX_POSITION))[keep].any()):
-            raise ValueError(f"positions of kept entries must be in [0, {_MAX_POSITION}] (int32 storage)")
-        start = torch.full((B, H, 1), -1, dtype=torch.long, device=p.device)
-        if after is not None:
-            start = after.to(p.device).long()[:, None, None].expand(B, H, 1)
-        prev = torch.cummax(torch.cat([start, torch.where(keep, p, -1)], -1), -1).values[..., :-1]
-        if bool((keep & (p <= prev)).any()):
-            what = "and beyond every position held in their row " if after is not None else ""
-            raise ValueError(f"positions of kept entries must be strictly increasing per head {what}(true positions)")
-
     # -- protocol --------------------------------------------------------------------------------------
     def write(self, keys: torch.Tensor, values: torch.Tensor, plan: Plan, positions: torch.Tensor) -> None:
-        self.reset()
-        self._check_kv(keys, values)
+        """Replace the content with the entries ``plan`` keeps. Validates everything (finite kept keys/values,
+        positions) before changing anything: a rejected call leaves the store as it was."""
+        self._check_kv(keys, values, held=False)
         B, H, T, _D = keys.shape
-        self._check_positions(positions, B, T)
         if not isinstance(plan, Plan) or tuple(plan.key_bits.shape) != (B, H, T):
             raise ValueError(f"plan must be a kvcore.Plan of shape [B={B}, H={H}, T={T}]")
         if plan.tiers() - self.supported_bits:
             raise ValueError(f"DenseStore holds tiers {sorted(self.supported_bits)}; plan uses {sorted(plan.tiers())}")
-        keep = plan.keep_keys
-        if not torch.equal(keep, plan.keep_values):
+        keep = plan.keep_keys.to(keys.device)
+        if not torch.equal(keep, plan.keep_values.to(keys.device)):
             raise ValueError("DenseStore needs the same kept set for keys and values")
-        self._check_order(positions, keep)
-        self._k, self._v = keys[keep], values[keep]
+        check_positions("positions", positions, (B, T), keep=keep)
+        k, v = check_finite("keys", keys[keep]), check_finite("values", values[keep])
+        self.reset()
+        self._k, self._v = k, v
         self._pos = positions[:, None, :].expand(B, H, T)[keep].to(torch.int32)
         self._len = keep.sum(-1).flatten()
         self._cap = self._len.clone()
@@ -113,15 +89,18 @@ class DenseStore(Store):
         self._uniform = None
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        self._check_kv(keys, values)
+        """Add ``[B, H, n, D]`` entries after every held one (positions ``[B, n]`` beyond those held in their row);
+        validated first, so a rejected call changes nothing."""
+        self._check_kv(keys, values, held=True)
         B, H, n, D = keys.shape
-        self._check_positions(positions, B, n)
         if self._k is None:
             self.write(
                 keys, values, Plan.from_keep(torch.ones(B, H, n, dtype=torch.bool, device=keys.device)), positions
             )
             return
-        self._check_order(positions, torch.ones(B, H, n, dtype=torch.bool, device=keys.device), self._last_positions())
+        check_positions("positions", positions, (B, n), after=self._last_positions())
+        check_finite("keys", keys)
+        check_finite("values", values)
         if bool((self._len + n > self._cap).any()):
             self._relayout(torch.arange(B * H, device=keys.device), self._len + n + self.growth)
         idx = ((self._start + self._len)[:, None] + torch.arange(n, device=keys.device)).flatten()

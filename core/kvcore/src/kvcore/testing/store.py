@@ -1,7 +1,8 @@
 """``StoreTests``: nothing is lost that the plan did not drop (the 16 tier bit-exact, quantized tiers within a
 min-max bound), true positions in ascending order, ``-inf`` bias exactly on padding, attention over the view =
 attention over the kept entries, ``nbytes`` = storage reachable from the store and nothing held for evicted
-entries, append after compression, crop, reorder, reset, clear errors. Re-tiering (``tiers()`` / ``retier(plan)``):
+entries, append after compression, crop, reorder, reset, clear errors (bad input to every mutation raises
+``ValueError``/``TypeError`` and changes nothing). Re-tiering (``tiers()`` / ``retier(plan)``):
 ``tiers()`` laid out like ``read()``; entries a new plan keeps at their tier are untouched (bit-identical), evicted
 ones free their memory, demoted ones (``can_demote``) are within the bound of their new width; a bad plan raises
 and changes nothing (all-or-nothing). With ``can_attend``, the fused ``attend(query, scale) -> (out, lse)`` equals
@@ -339,6 +340,127 @@ class StoreTests(StandardTests):
             with pytest.raises((ValueError, TypeError)):
                 call(store)
                 pytest.fail(f"no error for {what}")
+
+    def bad_input_calls(self, case, dtype: torch.dtype) -> dict[str, tuple[bool, object]]:
+        """``{what: (must_raise, call(store))}`` of bad input for every mutation of a store written with ``case``
+        (:meth:`bad_retier_setup`, positions ``0..7``) and then appended 3 entries (positions ``8..10``).
+        ``must_raise=False`` marks input a store may accept (extreme finite values its quantizer cannot scale)."""
+        x, v, plan, pos = case
+        B, H, _, D = x.shape
+        one = fill((B, H, 1, D), dtype, seed=11)
+        two = fill((B, H, 2, D), dtype, seed=12)
+        at = torch.full((B, 1), 11)
+
+        def poked(t: torch.Tensor, value: float) -> torch.Tensor:
+            t = t.clone()
+            t[0, 0, 0, 0] = value  # entry 0 of head (0, 0) is kept by the plan; appended entries are all kept
+            return t
+
+        def with_pos(**cols) -> torch.Tensor:
+            p = pos.clone()
+            for col, value in cols.items():
+                p[:, int(col[1:])] = value if not isinstance(value, str) else p[:, int(value[1:])]
+            return p
+
+        nan, inf, big = float("nan"), float("inf"), torch.finfo(dtype).max
+        extreme = one.clone()
+        extreme[..., 0::2], extreme[..., 1::2] = big, -big
+        calls = {
+            "write: NaN in a kept key": (True, lambda s: s.write(poked(x, nan), v, plan, pos)),
+            "write: +inf in a kept value": (True, lambda s: s.write(x, poked(v, inf), plan, pos)),
+            "write: -inf in a kept key": (True, lambda s: s.write(poked(x, -inf), v, plan, pos)),
+            "write: a negative kept position": (True, lambda s: s.write(x, v, plan, with_pos(c0=-1))),
+            "write: duplicated kept positions": (True, lambda s: s.write(x, v, plan, with_pos(c1="c0"))),
+            "write: descending positions": (True, lambda s: s.write(x, v, plan, pos.flip(-1).contiguous())),
+            "write: float positions": (True, lambda s: s.write(x, v, plan, pos.float())),
+            "write: positions of another shape": (True, lambda s: s.write(x, v, plan, pos[:, :5])),
+            "write: positions as a list": (True, lambda s: s.write(x, v, plan, pos.tolist())),
+            "write: values of another shape": (True, lambda s: s.write(x, v[..., :4], plan, pos)),
+            "write: keys of rank 3": (True, lambda s: s.write(x[0], v[0], plan, pos)),
+            "write: a plan of another shape": (True, lambda s: s.write(x[:, :, :7], v[:, :, :7], plan, pos[:, :7])),
+            "append: a NaN key": (True, lambda s: s.append(poked(one, nan), one, at)),
+            "append: an inf value": (True, lambda s: s.append(one, poked(one, inf), at)),
+            "append: a position already held": (True, lambda s: s.append(one, one, at - 1)),
+            "append: a position before the held ones": (True, lambda s: s.append(one, one, at * 0)),
+            "append: a negative position": (True, lambda s: s.append(one, one, at * 0 - 1)),
+            "append: descending positions": (True, lambda s: s.append(two, two, torch.cat([at + 1, at], 1))),
+            "append: duplicated positions": (True, lambda s: s.append(two, two, torch.cat([at, at], 1))),
+            "append: float positions": (True, lambda s: s.append(one, one, at.float())),
+            "append: positions of another shape": (True, lambda s: s.append(one, one, at[:1])),
+            "append: another number of heads": (True, lambda s: s.append(one[:, :1], one[:, :1], at)),
+            "append: another head dim": (True, lambda s: s.append(one[..., :4], one[..., :4], at)),
+            "append: another dtype": (True, lambda s: s.append(one.double(), one.double(), at)),
+            "append: values of another shape": (True, lambda s: s.append(one, two, at)),
+            "append: extreme finite values": (False, lambda s: s.append(extreme, extreme, at)),
+        }
+        if self.supports_reorder:
+            calls |= {
+                "reorder: a float index": (True, lambda s: s.reorder(torch.tensor([0.0, 1.0]))),
+                "reorder: an index out of range": (True, lambda s: s.reorder(torch.tensor([0, B]))),
+                "reorder: a negative index": (True, lambda s: s.reorder(torch.tensor([-1, 0]))),
+                "reorder: a bool index": (True, lambda s: s.reorder(torch.tensor([True, False]))),
+                "reorder: a 2-D index": (True, lambda s: s.reorder(torch.tensor([[0, 1]]))),
+                "reorder: a list": (True, lambda s: s.reorder([0, 1])),
+            }
+        if self.supports_crop:
+            calls |= {
+                "crop: a float": (True, lambda s: s.crop(4.5)),
+                "crop: a str": (True, lambda s: s.crop("4")),
+                "crop: None": (True, lambda s: s.crop(None)),
+            }
+        return calls
+
+    def test_rejects_bad_input_atomically(self, store_factory) -> None:
+        """Bad input to every mutation — NaN/inf keys or values on ``write`` and ``append``; negative, duplicated,
+        descending, already-held or float positions; wrong shapes, ranks or dtypes; a float, bool, 2-D or
+        out-of-range ``reorder`` index; ``crop`` with a float, str or ``None`` — raises ``ValueError`` or
+        ``TypeError`` (any other exception fails, naming it), and the failed call leaves ``read()``,
+        ``seq_lengths()`` and ``nbytes()`` exactly as they were (the store held quantized entries and residuals).
+
+        Troubleshooting: validate every argument with :mod:`kvcore.checks` (``check_finite``, ``check_positions``,
+        ``check_integer_tensor``, ``check_int``) before touching any buffer, so a bad index never reaches a gather
+        (``IndexError``) and bad data never reaches a quantizer; do not ``reset()`` at the top of ``write``; build
+        the new state in locals (or on copies of the parts) and assign it in the last step, so a step that fails
+        late (a quantizer refusing a range) leaves the old state in place. A store that can legitimately hold
+        non-finite data must say so in its documentation and its suite, not silently accept it."""
+        for dtype in (torch.float32, torch.float16):
+            case = self.bad_retier_setup(store_factory, dtype)
+            x = case[0]
+            B = x.shape[0]
+
+            def fresh():
+                store = self.written_store(store_factory, case)
+                self.append(store, x, torch.full((B,), 7), 3, seed=5)
+                return store
+
+            for what, (must_raise, call) in self.bad_input_calls(case, dtype).items():
+                store = fresh()
+                v0 = store.read()
+                snap = [t.clone() for t in (v0.keys, v0.values, v0.positions, v0.logit_bias, store.seq_lengths())]
+                size = store.nbytes()
+                try:
+                    call(store)
+                except (ValueError, TypeError):
+                    pass
+                except Exception as e:
+                    raise AssertionError(
+                        f"{dtype} {what}: raised {type(e).__name__} ({e}); bad input must raise ValueError or "
+                        "TypeError naming the argument and what is allowed"
+                    ) from e
+                else:
+                    if must_raise:
+                        raise AssertionError(f"{dtype} {what}: accepted (must raise ValueError or TypeError)")
+                    continue
+                try:
+                    v1 = store.read()
+                except Exception as e:
+                    raise AssertionError(
+                        f"{dtype} {what}: raised but left the store unreadable: read() raised {type(e).__name__} ({e})"
+                    ) from e
+                now = (v1.keys, v1.values, v1.positions, v1.logit_bias, store.seq_lengths())
+                for name, a, b in zip(("keys", "values", "positions", "logit_bias", "seq_lengths"), snap, now):
+                    assert a.shape == b.shape and torch.equal(a, b), f"{dtype} {what}: raised but changed {name}"
+                assert store.nbytes() == size, f"{dtype} {what}: raised but changed nbytes() {size} -> {store.nbytes()}"
 
     # -- capabilities ------------------------------------------------------------------------------------
     def test_declares_capabilities(self, store_factory) -> None:

@@ -12,7 +12,7 @@ from kvcodec.ragged import Entries, FullRows, QuantUnits, Residual, compact_entr
 from kvcodec.segments import rank_in_segment
 from kvcore import EVICT, FULL, KVView, Plan, Quantizer, Store, reference_attention, storage_bytes
 from kvcore.attention import check_query, check_scale
-from kvcore.checks import check_float, check_tensor
+from kvcore.checks import check_finite, check_float, check_int, check_integer_tensor, check_positions, check_tensor
 
 
 def _cat(parts: list[Entries | None]) -> Entries:
@@ -88,6 +88,12 @@ class KIVIStore(Store):
     other entry's bytes are untouched; there is no demotion (``can_demote = False``). ``attend(query, scale)``
     runs :func:`kvcodec.quantized_attention` on the held codes and full-precision rows (the Triton kernel on CUDA)
     and equals ``kvcore.reference_attention(self.read(), query, scale)``.
+
+    Every mutation (``write``, ``append``, ``retier``, ``crop``, ``reorder``) is all-or-nothing: arguments are
+    validated first (finite entries, positions as :func:`kvcore.checks.check_positions`), then the new state is built
+    on copies of the parts (:meth:`kvcodec.ragged.FullRows.copy`) and committed last, so a call that raises -- e.g.
+    a residual flush whose group range overflows the quantizer's scale dtype -- leaves ``read()`` and ``nbytes()``
+    unchanged.
     """
 
     can_attend = True
@@ -186,17 +192,27 @@ class KIVIStore(Store):
             raise ValueError("plan must keep the same entries for keys and values in a KIVIStore (tiers may differ)")
         keep = (kb != EVICT).flatten(0, 1)  # [S, T]
         masks = {kind: [keep[seg, slot] for seg, slot in self._slots(kind)] for kind in ("k", "v")}
-        for kind, parts in self._parts.items():
-            for part, mask in zip(parts, masks[kind]):
+        parts = self._staged()
+        for kind, staged in parts.items():
+            for part, mask in zip(staged, masks[kind]):
                 part.keep(mask)
-        self._refresh_last_pos()
+        self._commit(parts)
 
-    def _refresh_last_pos(self) -> None:
-        H = self._shape[1]
-        held = [part.positions() for part in self._parts["k"]]
-        row = torch.cat([seg.to(self._last_pos.device) for seg, _ in held]).long() // H
-        pos = torch.cat([p.to(self._last_pos.device) for _, p in held]).long()
-        self._last_pos = torch.full_like(self._last_pos, -1).scatter_reduce(0, row, pos, reduce="amax")
+    # -- transactions ----------------------------------------------------------------------------------
+    def _staged(self) -> dict[str, tuple[FullRows, QuantUnits, Residual]]:
+        """Copies of the parts to edit (the held ones are untouched until :meth:`_commit`)."""
+        return {kind: tuple(part.copy() for part in parts) for kind, parts in self._parts.items()}
+
+    def _commit(self, parts: dict[str, tuple[FullRows, QuantUnits, Residual]], shape=None) -> None:
+        """Make the edited ``parts`` (and ``shape``) the held state: the last step of every mutation, reached only
+        when everything before it succeeded, so a failing call leaves ``read()`` and ``nbytes()`` unchanged."""
+        B, H, D = self._shape if shape is None else shape
+        held = [part.positions() for part in parts["k"]]
+        device = parts["k"][2].length.device
+        row = torch.cat([seg.to(device) for seg, _ in held]).long() // H
+        pos = torch.cat([p.to(device) for _, p in held]).long()
+        last = torch.full((B,), -1, dtype=torch.long, device=device).scatter_reduce(0, row, pos, reduce="amax")
+        self._parts, self._shape, self._last_pos = parts, (B, H, D), last
 
     # -- fused attention -------------------------------------------------------------------------------
     def _side(self, kind: str) -> tuple[CodeRows, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -276,18 +292,20 @@ class KIVIStore(Store):
         self._last_pos: torch.Tensor | None = None  # [B] largest position held per batch row (-1: none)
         self._parts: dict[str, tuple[FullRows, QuantUnits, Residual]] = {}
 
-    def _init(self, B: int, H: int, D: int, dtype: torch.dtype, device: torch.device) -> None:
-        self._shape, self._dtype = (B, H, D), dtype
-        self._last_pos = torch.full((B,), -1, dtype=torch.long, device=device)
+    def _empty_parts(
+        self, B: int, H: int, D: int, dtype: torch.dtype, device: torch.device
+    ) -> dict[str, tuple[FullRows, QuantUnits, Residual]]:
         empty = torch.zeros(B, H, 0, D, dtype=dtype, device=device)
         none = torch.zeros(B, H, 0, dtype=torch.bool, device=device)
         idx = torch.zeros(B, H, 0, dtype=torch.int32, device=device)
-        for kind, q in (("k", self.key_quantizer), ("v", self.value_quantizer)):
-            self._parts[kind] = (
+        return {
+            kind: (
                 FullRows.from_mask(empty, none, idx),
                 QuantUnits(q, self._unit(q)),
                 Residual.from_mask(empty, none, idx),
             )
+            for kind, q in (("k", self.key_quantizer), ("v", self.value_quantizer))
+        }
 
     @staticmethod
     def _unit(q: Quantizer) -> int:
@@ -299,14 +317,16 @@ class KIVIStore(Store):
         return B * H
 
     # -- checks ----------------------------------------------------------------------------------------
-    def _check_kv(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _check_kv(self, keys: torch.Tensor, values: torch.Tensor, *, held: bool) -> None:
+        """Float ``[B, H, T, D]`` keys and values of one dtype, shape and device; with ``held``, matching the held
+        cache."""
         check_float("keys", check_tensor("keys", keys, ndim=4))
         check_tensor("values", values, ndim=4)
         if values.shape != keys.shape or values.dtype != keys.dtype or values.device != keys.device:
             raise ValueError(
                 f"values {values.dtype} {tuple(values.shape)} must match keys {keys.dtype} {tuple(keys.shape)}"
             )
-        if self._shape is not None:
+        if held and self._shape is not None:
             B, H, D = self._shape
             if keys.shape[:2] != (B, H) or keys.shape[-1] != D or keys.dtype != self._dtype:
                 raise ValueError(
@@ -314,22 +334,14 @@ class KIVIStore(Store):
                     f"{self._dtype}"
                 )
 
-    @staticmethod
-    def _check_positions(positions: object, B: int, T: int) -> torch.Tensor:
-        check_tensor("positions", positions, ndim=2)
-        if tuple(positions.shape) != (B, T) or positions.dtype not in (torch.int32, torch.int64):
-            raise ValueError(
-                f"positions must be an integer tensor [B={B}, T={T}], got {positions.dtype} {tuple(positions.shape)}"
-            )
-        return positions
-
     # -- protocol --------------------------------------------------------------------------------------
     def write(self, keys: torch.Tensor, values: torch.Tensor, plan: Plan, positions: torch.Tensor) -> None:
-        """Replace the content with ``keys``/``values [B, H, T, D]`` laid out per ``plan`` (see class doc)."""
-        self.reset()
-        self._check_kv(keys, values)
+        """Replace the content with ``keys``/``values [B, H, T, D]`` laid out per ``plan`` (see class doc).
+
+        Everything is validated (finite kept entries, positions as :func:`kvcore.checks.check_positions`) and the new
+        content built before the held one is replaced: a call that raises leaves the store as it was."""
+        self._check_kv(keys, values, held=False)
         B, H, T, D = keys.shape
-        self._check_positions(positions, B, T)
         if not isinstance(plan, Plan) or tuple(plan.key_bits.shape) != (B, H, T):
             raise ValueError(f"plan must be a kvcore.Plan of shape [B={B}, H={H}, T={T}]")
         if plan.full_precision is not None:
@@ -343,13 +355,9 @@ class KIVIStore(Store):
         keep = kb != EVICT
         if not torch.equal(keep, vb != EVICT):
             raise ValueError("KIVIStore needs the same kept entries for keys and values (tiers may differ)")
-        positions = positions.to(keys.device).long()
-        kept_any = keep.any(1)  # [B, T]
-        if bool((positions[kept_any] < 0).any()):
-            raise ValueError("positions of kept entries must be >= 0")
-        marked = torch.where(kept_any, positions, -1).sort(-1).values
-        if bool(((marked[:, 1:] == marked[:, :-1]) & (marked[:, 1:] >= 0)).any()):
-            raise ValueError("positions of the kept entries of a batch row must be distinct")
+        positions = check_positions("positions", positions, (B, T), keep=keep).to(keys.device)
+        check_finite("keys (kept entries)", keys[keep])
+        check_finite("values (kept entries)", values[keep])
         if (
             bool((keep.sum(-1) > self.residual).any())
             and not bool(((kb != EVICT) & (kb != FULL)).any())
@@ -363,15 +371,17 @@ class KIVIStore(Store):
                 KIVIUnquantizedWarning,
                 stacklevel=2,
             )
-        self._init(B, H, D, keys.dtype, keys.device)
-        self._last_pos = marked[:, -1].clone() if T else self._last_pos
+        parts = self._empty_parts(B, H, D, keys.dtype, keys.device)
         pos = positions[:, None, :].expand(B, H, T).int()
         for kind, x, bits, q in (("k", keys, kb, self.key_quantizer), ("v", values, vb, self.value_quantizer)):
             quant, resid, full = self._roles(bits, q.bits, kind)
-            units = self._parts[kind][1]
+            units = parts[kind][1]
             entries, _ = compact_entries(x, quant, pos)
             units.add(*QuantUnits.gather_units(entries, B * H, units.unit))
-            self._parts[kind] = (FullRows.from_mask(x, full, pos), units, Residual.from_mask(x, resid, pos))
+            parts[kind] = (FullRows.from_mask(x, full, pos), units, Residual.from_mask(x, resid, pos))
+        self.reset()
+        self._dtype = keys.dtype
+        self._commit(parts, (B, H, D))
 
     def _roles(self, bits: torch.Tensor, qbits: int, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split a ``[B, H, T]`` tier tensor into (quantized, residual, permanent full) masks."""
@@ -388,35 +398,34 @@ class KIVIStore(Store):
         return quant, resid, full & ~resid
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """Add ``[B, H, n, D]`` new entries through the residuals (KIVI's decode-time policy, class doc)."""
-        self._check_kv(keys, values)
+        """Add ``[B, H, n, D]`` new entries through the residuals (KIVI's decode-time policy, class doc).
+
+        Finite keys/values and positions after every held one in their row (``positions [B, n]``) are required;
+        the residual flushes run on copies of the parts, so a failing quantization leaves the store unchanged."""
+        self._check_kv(keys, values, held=True)
         B, H, n, D = keys.shape
-        self._check_positions(positions, B, n)
-        if self._shape is None:
-            self._init(B, H, D, keys.dtype, keys.device)
-        positions = positions.to(keys.device).long()
-        if n and bool(((positions[:, 1:] <= positions[:, :-1]).any()) or (positions[:, 0] <= self._last_pos).any()):
-            raise ValueError(
-                "positions of appended entries must increase and come after every position held in their row "
-                f"(held up to {self._last_pos.tolist()}, got {positions.tolist()})"
-            )
-        if n:
-            self._last_pos = positions[:, -1].clone()
+        last = None if self._shape is None else self._last_pos
+        positions = check_positions("positions", positions, (B, n), after=last).to(keys.device)
+        check_finite("keys", keys)
+        check_finite("values", values)
+        parts = self._empty_parts(B, H, D, keys.dtype, keys.device) if self._shape is None else self._staged()
         S = B * H
         pos = positions[:, None, :].expand(B, H, n).reshape(S, n)
         R = self.residual
         # keys: grow the residual to R, then quantize whole blocks of R per channel
-        _, kunits, kres = self._parts["k"]
+        _, kunits, kres = parts["k"]
         kres.push(keys.reshape(S, n, D), pos)
         while bool((kres.length >= R).any()):
             block = kres.pop_front(torch.where(kres.length >= R, R, 0))
             kunits.add(*QuantUnits.gather_units(block, S, kunits.unit))
         # values: FIFO of R, the oldest overflow is quantized per token
-        _, vunits, vres = self._parts["v"]
+        _, vunits, vres = parts["v"]
         vres.push(values.reshape(S, n, D), pos)
         over = (vres.length - R).clamp_min(0)
         if bool(over.any()):
             vunits.add(*QuantUnits.gather_units(vres.pop_front(over), S, vunits.unit))
+        self._dtype = keys.dtype
+        self._commit(parts, (B, H, D))
 
     def read(self, query: torch.Tensor | None = None) -> KVView:
         """Dequantized, position-ordered view; heads padded with ``-inf`` bias and position ``-1``."""
@@ -481,29 +490,27 @@ class KIVIStore(Store):
         A per-channel key group cut by ``position`` keeps its scale and zero and drops the code rows past the cut
         (nothing is re-quantized); groups left without entries are freed.
         """
-        if isinstance(position, bool) or not isinstance(position, int):
-            raise TypeError(f"position must be an int, got {type(position).__name__}")
+        check_int("position", position)
         if self._shape is None:
             return
-        for parts in self._parts.values():
-            for part in parts:
+        parts = self._staged()
+        for staged in parts.values():
+            for part in staged:
                 part.crop(position)
-        self._refresh_last_pos()
+        self._commit(parts)
 
     def reorder(self, index: torch.Tensor) -> None:
         """Row ``i`` of the batch becomes old row ``index[i]`` (beam search; rows may repeat or vanish)."""
         if self._shape is None:
             return
         B, H, D = self._shape
-        check_tensor("index", index, ndim=1)
-        if index.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"index must be an integer tensor, got {index.dtype}")
+        check_integer_tensor("index", index, ndim=1)
         if index.numel() and (int(index.min()) < 0 or int(index.max()) >= B):
             raise ValueError(f"index must hold batch rows in [0, {B}), got {index.tolist()}")
         device = self._parts["k"][2].length.device
         take = (index.to(device).long()[:, None] * H + torch.arange(H, device=device)).flatten()
-        for parts in self._parts.values():
-            for part in parts:
+        parts = self._staged()
+        for staged in parts.values():
+            for part in staged:
                 part.take_segments(take, B * H)
-        self._last_pos = self._last_pos[index.to(device).long()]
-        self._shape = (index.numel(), H, D)
+        self._commit(parts, (index.numel(), H, D))

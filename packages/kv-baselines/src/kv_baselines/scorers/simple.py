@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcore import Scorer, Scores, ScoringContext
+from kvcore.checks import check_int
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,9 @@ class RandomScorer(Scorer):
     """Uniform random scores, deterministic per ``(seed, layer_idx)`` (kvpress RandomPress)."""
 
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("seed", self.seed, low=0)
 
     def score(self, ctx: ScoringContext) -> Scores:
         gen = torch.Generator().manual_seed(self.seed * 100_003 + ctx.layer_idx)
@@ -55,8 +59,7 @@ class StreamingLLMScorer(Scorer):
     n_sink: int = 4
 
     def __post_init__(self) -> None:
-        if self.n_sink < 0:
-            raise ValueError(f"n_sink must be >= 0, got {self.n_sink}")
+        check_int("n_sink", self.n_sink, low=0)
 
     def score(self, ctx: ScoringContext) -> Scores:
         valid = ctx.valid

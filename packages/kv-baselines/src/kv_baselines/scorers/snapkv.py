@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from kv_baselines.scorers._attention import window_attention
 from kvcore import Scorer, Scores, ScoringContext
+from kvcore.checks import check_int
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,8 @@ class SnapKVScorer(Scorer):
     needs_queries: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+        check_int("window", self.window, low=1)
+        if check_int("kernel_size", self.kernel_size, low=1) % 2 == 0:
             raise ValueError(f"kernel_size must be odd and >= 1, got {self.kernel_size}")
         if self.pooling not in ("avg", "max"):
             raise ValueError(f"pooling must be 'avg' or 'max', got {self.pooling!r}")
