@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvcore.checks import check_float, check_tensor
-from kvcore.view import KVView
+
+if TYPE_CHECKING:  # the view calls this module (KVView.attend): no import at run time
+    from kvcore.view import KVView
 
 
 def check_query(query: object, view_heads: int, head_dim: int, batch: int) -> torch.Tensor:
