@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from kvcore_toys import KeyNorm, MinMax, ToyTieredStore
 
 from kvcore import (
+    Budget,
+    Compressor,
     DenseStore,
     Plan,
     Scores,
@@ -25,6 +27,7 @@ from kvcore import (
     storage_bytes,
 )
 from kvcore.testing import (
+    CompressorTests,
     QuantizerTests,
     ScorerTests,
     SelectorTests,
@@ -408,3 +411,18 @@ def test_suites_catch_broken_implementations(run):
             run()
     finally:
         settings.load_profile("default")
+
+
+class _Unvalidated(Compressor):
+    """Declares ``validate=True`` but scores NaN inputs anyway (what ``test_rejects_non_finite_inputs`` catches)."""
+
+    def score(self, ctx):
+        return dataclasses.replace(self, validate=False).score(ctx) if self.validate else super().score(ctx)
+
+
+def test_compressor_suite_catches_a_compressor_that_scores_non_finite_inputs():
+    good = Compressor(KeyNorm(), TopKSelector(), DenseStore, Budget(ratio=0.5))
+    CompressorTests().test_rejects_non_finite_inputs(good)
+    bad = _Unvalidated(KeyNorm(), TopKSelector(), DenseStore, Budget(ratio=0.5))
+    with pytest.raises((pytest.fail.Exception, AssertionError)):
+        CompressorTests().test_rejects_non_finite_inputs(bad)

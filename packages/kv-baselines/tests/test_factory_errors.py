@@ -36,3 +36,9 @@ def test_valid_arguments_still_build():
     assert kb.random(0.5, seed=3).scorer.seed == 3
     assert kb.snapkv(0.5, window=8, kernel_size=3).scorer.window == 8
     assert kb.kivi(2, group_size=16, residual=32).new_store().residual == 32
+
+
+@pytest.mark.parametrize("kw", [{"bits": 5}, {"bits": 16}, {"bits": 2.0}, {"value_bits": 6}])
+def test_kivi_takes_kivi_widths_only(kw):
+    with pytest.raises(ValueError, match="bits"):
+        kb.kivi(**kw)

@@ -13,6 +13,9 @@ from kv_baselines.scorers import (
 )
 from kvcore import Budget, Compressor, DenseStore, Protection, TopKSelector
 
+KIVI_BITS = (1, 2, 3, 4, 8)
+"""Code widths ``kivi()`` accepts (KIVI's 2 and 4 bits, and the packings kvcodec implements densely)."""
+
 
 def _evicting(name: str, scorer, ratio: float, protect: Protection | None = None, **budget) -> Compressor:
     return Compressor(
@@ -91,6 +94,9 @@ def kivi(
             f"evict must be a kvcore.Compressor (e.g. kv_baselines.snapkv(0.5)), got {type(evict).__name__}"
         )
     vbits = bits if value_bits is None else value_bits
+    for name, width in (("bits", bits), ("value_bits", vbits)):
+        if isinstance(width, bool) or not isinstance(width, int) or width not in KIVI_BITS:
+            raise ValueError(f"{name} must be one of KIVI's widths {KIVI_BITS}, got {width!r}")
 
     def store() -> KIVIStore:
         return KIVIStore(

@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import strategies as st
 
 from kvcore.compressor import ShortInputWarning
 from kvcore.protocols import Store
@@ -87,6 +88,35 @@ class CompressorTests(ContextTests):
                     assert torch.equal(view.values[b, h][m], x.values[b, h][r]), "values changed at ratio 0"
 
         forall(self.samples(c), check, 8)
+
+    def test_rejects_non_finite_inputs(self, compressor) -> None:
+        """NaN or ±inf in the keys, values or queries of a layer raise ``ValueError`` naming the tensor before anything
+        is scored or stored (with ``Compressor.validate``, the default); the given store is left untouched.
+
+        Troubleshooting: build the ready-made compressor as a ``kvcore.Compressor`` (its ``score`` runs the check)
+        and do not pass ``validate=False`` by default; a scorer that catches NaN itself must still raise
+        ``ValueError``, never return finite garbage."""
+        self.require(compressor.validate, "compressor.validate=False")
+
+        def check(args):
+            x, name, bad = args
+            ctx = self.make_context(compressor.scorer, x)
+            t = getattr(ctx, name)
+            if t is None:
+                return
+            t = t.clone()
+            t.view(-1)[t.numel() // 2] = bad
+            store = compressor.new_store()
+            with pytest.raises(ValueError, match=name):
+                compressor.compress(dataclasses.replace(ctx, **{name: t}), store)
+            assert int(store.seq_lengths().sum()) == 0, "a rejected layer must leave the store empty"
+
+        cases = st.tuples(
+            self.samples(compressor),
+            st.sampled_from(("keys", "values", "queries")),
+            st.sampled_from((float("nan"), float("inf"), float("-inf"))),
+        )
+        forall(cases, check, 8)
 
     def test_missing_inputs_named(self, compressor) -> None:
         """A context without the queries / extras the scorer declares is refused by ``compress`` with a
