@@ -413,6 +413,20 @@ def test_suites_catch_broken_implementations(run):
         settings.load_profile("default")
 
 
+class _Zeros(KeyNorm):
+    """Scores nothing from the keys, so NaN keys pass through to the store unless the compressor checks them."""
+
+    def score(self, ctx):
+        return Scores(torch.zeros(ctx.keys.shape[:3]))
+
+
+class _Sink(DenseStore):
+    """Accepts any layer without looking at it (so only the compressor's own check can refuse NaN)."""
+
+    def write(self, keys, values, plan, positions):
+        return None
+
+
 class _Unvalidated(Compressor):
     """Declares ``validate=True`` but scores NaN inputs anyway (what ``test_rejects_non_finite_inputs`` catches)."""
 
@@ -423,6 +437,6 @@ class _Unvalidated(Compressor):
 def test_compressor_suite_catches_a_compressor_that_scores_non_finite_inputs():
     good = Compressor(KeyNorm(), TopKSelector(), DenseStore, Budget(ratio=0.5))
     CompressorTests().test_rejects_non_finite_inputs(good)
-    bad = _Unvalidated(KeyNorm(), TopKSelector(), DenseStore, Budget(ratio=0.5))
+    bad = _Unvalidated(_Zeros(), TopKSelector(), _Sink, Budget(ratio=0.5))
     with pytest.raises((pytest.fail.Exception, AssertionError)):
         CompressorTests().test_rejects_non_finite_inputs(bad)

@@ -99,24 +99,21 @@ class CompressorTests(ContextTests):
         self.require(compressor.validate, "compressor.validate=False")
 
         def check(args):
-            x, name, bad = args
+            x, bad = args
             ctx = self.make_context(compressor.scorer, x)
-            t = getattr(ctx, name)
-            if t is None:
-                return
-            t = t.clone()
-            t.view(-1)[t.numel() // 2] = bad
-            store = compressor.new_store()
-            with pytest.raises(ValueError, match=name):
-                compressor.compress(dataclasses.replace(ctx, **{name: t}), store)
-            assert int(store.seq_lengths().sum()) == 0, "a rejected layer must leave the store empty"
+            for name in ("keys", "values", "queries"):
+                t = getattr(ctx, name)
+                if t is None:
+                    continue
+                t = t.clone()
+                t.view(-1)[t.numel() // 2] = bad
+                store = compressor.new_store()
+                with pytest.raises(ValueError, match=name):
+                    compressor.compress(dataclasses.replace(ctx, **{name: t}), store)
+                assert int(store.seq_lengths().sum()) == 0, "a rejected layer must leave the store empty"
 
-        cases = st.tuples(
-            self.samples(compressor),
-            st.sampled_from(("keys", "values", "queries")),
-            st.sampled_from((float("nan"), float("inf"), float("-inf"))),
-        )
-        forall(cases, check, 8)
+        cases = st.tuples(self.samples(compressor), st.sampled_from((float("nan"), float("inf"), float("-inf"))))
+        forall(cases, check, 6)
 
     def test_missing_inputs_named(self, compressor) -> None:
         """A context without the queries / extras the scorer declares is refused by ``compress`` with a
