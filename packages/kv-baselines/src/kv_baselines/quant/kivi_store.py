@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import torch
@@ -10,7 +9,7 @@ import torch
 from kvcodec import CodeRows, QuantizedSegment, UniformQuantizer, quantized_attention
 from kvcodec.ragged import Entries, FullRows, QuantUnits, Residual, compact_entries
 from kvcodec.segments import rank_in_segment
-from kvcore import EVICT, FULL, KVView, Plan, Quantizer, Store, reference_attention, storage_bytes
+from kvcore import EVICT, FULL, KVView, Plan, Quantizer, Store, reachable_bytes, reference_attention
 from kvcore.attention import check_query, check_scale
 from kvcore.checks import check_finite, check_float, check_int, check_integer_tensor, check_positions, check_tensor
 
@@ -18,29 +17,6 @@ from kvcore.checks import check_finite, check_float, check_int, check_integer_te
 def _cat(parts: list[Entries | None]) -> Entries:
     parts = [p for p in parts if p is not None]
     return tuple(torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
-
-
-def _held_tensors(obj: object, seen: set[int]) -> list[torch.Tensor]:
-    """Every tensor reachable from ``obj`` through attributes, dataclass fields and containers."""
-    if id(obj) in seen:
-        return []
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        items = list(obj.values())
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        items = list(obj)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-        items = list(vars(obj).values())
-    else:
-        return []
-    out: list[torch.Tensor] = []
-    for item in items:
-        out += _held_tensors(item, seen)
-    return out
 
 
 class KIVIUnquantizedWarning(UserWarning):
@@ -456,7 +432,7 @@ class KIVIStore(Store):
 
     def nbytes(self, device: torch.device | str | None = None) -> int:
         """Bytes of every tensor this store holds (codes, scales, zeros, residuals, positions, indices)."""
-        return storage_bytes(_held_tensors(self.__dict__, set()), device)
+        return reachable_bytes(self, device)
 
     def seq_lengths(self) -> torch.Tensor:
         """``[B, H]`` entries held per head."""
