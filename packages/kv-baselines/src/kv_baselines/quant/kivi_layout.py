@@ -27,6 +27,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from kvcodec import UniformQuantizer
 from kvcodec.packing import unpack_unchecked
 from kvcodec.segments import exclusive_cumsum, offsets_in_segment, segment_ids, segment_take
 from kvcore import QuantizedTensor, Quantizer
@@ -34,7 +35,7 @@ from kvcore import QuantizedTensor, Quantizer
 
 def uniform(counts: torch.Tensor) -> bool:
     """Whether every segment holds the same number of entries."""
-    return counts.numel() == 0 or bool((counts == counts[0]).all())
+    return len(set(counts.tolist())) <= 1
 
 
 def interleave(
@@ -237,6 +238,50 @@ class Side:
             y = y.clamp_(-fmax, fmax).to(self.dtype).float()
         return y
 
+    def _lut_ok(self) -> bool:
+        return (
+            isinstance(self.quantizer, UniformQuantizer)
+            and self.dtype == torch.float32
+            and 8 % self.quantizer.bits == 0
+            and self.scales is not None
+        )
+
+    def logits(self, qf: torch.Tensor, S: int) -> torch.Tensor:
+        """``qf [S, M, D] @ k^T`` over the quantized rows (every segment holding ``Nq / S``), float32 ``[S, M, Tq]``.
+
+        Per-channel groups of whole units (float32 caches) use ``q·(z + c∘s) = q·z + (q∘s)·c``: the codes are
+        unpacked by a byte lookup straight into the matmul, with no dequantized copy."""
+        D, U = self.D, self.unit
+        Nq = self.codes.shape[0]
+        Tq = Nq // S if S else 0
+        if Tq and self._lut_ok() and self.meta[1] == "channel" and U * self.scales.shape[0] == Nq:
+            nG, M = Tq // U, qf.shape[1]
+            c = unpack_float(self.codes, self.quantizer.bits, D).view(S * nG, U, D)
+            s, z = self.scales.view(S, nG, D), self.zeros.view(S, nG, D)
+            qs = (qf[:, None] * s[:, :, None]).view(S * nG, M, D)
+            out = (c @ qs.transpose(1, 2)).view(S, nG, U, M) + (qf @ z.transpose(1, 2)).transpose(1, 2)[:, :, None]
+            return out.permute(0, 3, 1, 2).reshape(S, M, Tq)
+        return qf @ self.dequantized_fast().view(S, Tq, D).transpose(1, 2)
+
+    def weighted(self, p: torch.Tensor, S: int) -> torch.Tensor:
+        """``p [S, M, Tq] @ v`` over the quantized rows, float32 ``[S, M, D]``.
+
+        Per-token groups of whole bytes (float32 caches) use ``p·(z + c∘s) = (p∘s)·c + p·z`` per column group, the
+        codes unpacked group-major by a byte lookup (no dequantized copy)."""
+        D = self.D
+        Nq = self.codes.shape[0]
+        Tq = Nq // S if S else 0
+        G, bits = self.quantizer.group_size, self.quantizer.bits
+        if Tq and self._lut_ok() and self.meta[1] == "token" and D % G == 0 and (G * bits) % 8 == 0:
+            C, gb, M = D // G, G * bits // 8, p.shape[1]
+            packed = self.codes.view(S, Tq, C, gb).transpose(1, 2)  # [S, C, Tq, gb]
+            c = F.embedding(packed.int(), _lut(bits, p.device)).view(S * C, Tq, G)
+            s, z = self.scales.view(S, Tq, C), self.zeros.view(S, Tq, C)
+            ps = (p[..., None] * s[:, None]).permute(0, 3, 1, 2).reshape(S * C, M, Tq)
+            out = (ps @ c).view(S, C, M, G).transpose(1, 2) + (p @ z)[..., None]
+            return out.reshape(S, M, D)
+        return p @ self.dequantized_fast().view(S, Tq, D)
+
     # -- editing ---------------------------------------------------------------------------------------
     def add_quantized(self, rows: torch.Tensor, counts: torch.Tensor) -> Side:
         """Quantize ``rows [M, D]`` (``counts[s]`` per segment, segment-major) in whole units of each segment's
@@ -293,9 +338,16 @@ class Side:
 
     def flush(self, k: torch.Tensor) -> Side:
         """Quantize the ``k[s]`` oldest residual entries of every segment."""
-        taken = front_mask(self.rcount, k)
-        side = dataclasses.replace(self, resid=self.resid[~taken], rcount=self.rcount - k)
-        return side.add_quantized(self.resid[taken], k)
+        S = k.numel()
+        ks, rs = k.tolist(), self.rcount.tolist()
+        if len(set(ks)) == 1 and len(set(rs)) == 1 and S:  # every segment alike: slices, no masks
+            r = self.resid.view(S, rs[0], -1)
+            old, rest = r[:, : ks[0]].reshape(-1, self.D), r[:, ks[0] :].reshape(-1, self.D)
+        else:
+            taken = front_mask(self.rcount, k)
+            old, rest = self.resid[taken], self.resid[~taken]
+        side = dataclasses.replace(self, resid=rest, rcount=self.rcount - k)
+        return side.add_quantized(old, k)
 
     def keep(self, keep: torch.Tensor, count: torch.Tensor) -> Side:
         """Keep the entries where ``keep [N]`` (the store's segment-major entries, ``count [S]`` per segment)."""

@@ -167,12 +167,13 @@ class KIVIStore(Store):
         self._commit(sides, self._pos.keep(keep))
 
     # -- transactions ----------------------------------------------------------------------------------
-    def _commit(self, sides: dict[str, Side], pos: Positions, shape=None) -> None:
+    def _commit(self, sides: dict[str, Side], pos: Positions, shape=None, last: torch.Tensor | None = None) -> None:
         """Make the new ``sides``/``pos`` (and ``shape``) the held state: the last step of every mutation, reached
         only when everything before it succeeded, so a failing call leaves ``read()`` and ``nbytes()`` unchanged.
         (Sides are immutable: the new state shares every tensor the mutation did not change.)"""
         B, H, D = self._shape if shape is None else shape
-        last = pos.last().view(B, H).amax(1) if B * H else torch.zeros(B, dtype=torch.long)
+        if last is None:
+            last = pos.last().view(B, H).amax(1) if B * H else torch.full((B,), -1, dtype=torch.long)
         self._sides, self._pos, self._shape, self._last_pos = sides, pos, (B, H, D), last
 
     # -- fused attention -------------------------------------------------------------------------------
@@ -273,14 +274,12 @@ class KIVIStore(Store):
         Hq, Q = q.shape[1], q.shape[2]
         qf = q.to(dev).float().reshape(B, H, Hq // H * Q, D).reshape(S, -1, D)
         if self._fast():
-            kq = ks.dequantized_fast().view(S, -1, D)
-            logits = torch.cat([qf @ kq.transpose(1, 2), qf @ ks.resid.float().view(S, -1, D).transpose(1, 2)], -1)
-            logits = logits * scale
+            kr, vr = ks.resid.float().view(S, -1, D), vs.resid.float().view(S, -1, D)
+            logits = torch.cat([ks.logits(qf, S), qf @ kr.transpose(1, 2)], -1) * scale
             lse = torch.logsumexp(logits, -1, keepdim=True)
             p = torch.exp(logits - lse)
             tq = vs.codes.shape[0] // S if S else 0
-            vq = vs.dequantized_fast().view(S, -1, D)
-            out = p[..., :tq] @ vq + p[..., tq:] @ vs.resid.float().view(S, -1, D)
+            out = vs.weighted(p[..., :tq], S) + p[..., tq:] @ vr
             return out.view(B, Hq, Q, D), lse.view(B, Hq, Q)
         k = self._dense("k", ks.dequantized_fast(), torch.float32)
         v = self._dense("v", vs.dequantized_fast(), torch.float32)
@@ -414,16 +413,15 @@ class KIVIStore(Store):
         R = self.residual
         # keys: grow the residual to R, then quantize whole blocks of R per channel
         ks = sides["k"].push(keys.reshape(S, n, D))
-        while bool((ks.rcount >= R).any()):
+        while max(ks.rcount.tolist(), default=0) >= R:
             ks = ks.flush(torch.where(ks.rcount >= R, R, 0))
         # values: FIFO of R, the oldest overflow is quantized per token
         vs = sides["v"].push(values.reshape(S, n, D))
-        over = (vs.rcount - R).clamp_min(0)
-        if bool(over.any()):
-            vs = vs.flush(over)
+        if max(vs.rcount.tolist(), default=0) > R:
+            vs = vs.flush((vs.rcount - R).clamp_min(0))
         pos = held.append(positions[:, None, :].expand(B, H, n).reshape(S, n))
         self._dtype = keys.dtype
-        self._commit({"k": ks, "v": vs}, pos, (B, H, D))
+        self._commit({"k": ks, "v": vs}, pos, (B, H, D), last=positions[:, -1] if n else None)
 
     def read(self, query: torch.Tensor | None = None) -> KVView:
         """Dequantized, position-ordered view; heads padded with ``-inf`` bias and position ``-1``."""
