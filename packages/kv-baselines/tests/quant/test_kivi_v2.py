@@ -238,3 +238,22 @@ def test_kivi_with_evict_quantizes_what_the_eviction_keeps():
     assert torch.equal(legacy.read().keys, store.read().keys)
     with pytest.raises(TypeError, match="evict"):
         kb.kivi(2, evict="snapkv")
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    bits=st.sampled_from([2, 3, 4]),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    appends=st.integers(0, 12),
+)
+def test_attend_fast_path_equals_reference_over_read(seed, bits, dtype, appends):
+    """Invariant: with equal-length heads (KIVI without eviction, the decode fast path: byte-lookup unpack, factorized
+    per-channel logits and per-token value sums) attend equals reference attention over the dequantized read()."""
+    store = _filled(seed, B=2, H=2, T=21, D=8, G=4, R=8, bits=bits, appends=appends, dtype=dtype, evict=0.0)
+    assert store._fast()
+    q = torch.randn(2, 4, 2, 8, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    out, lse = store.attend(q, 0.3)
+    ref_out, ref_lse = reference_attention(store.read(), q, 0.3)
+    assert torch.allclose(out, ref_out, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)

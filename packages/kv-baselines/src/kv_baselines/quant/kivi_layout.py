@@ -76,7 +76,7 @@ def _lut(bits: int, device: torch.device) -> torch.Tensor:
 
 def unpack_float(codes: torch.Tensor, bits: int, D: int) -> torch.Tensor:
     """float32 ``[N, D]`` codes of packed rows ``[N, packed_width(D, bits)]`` (a byte lookup for 1/2/4/8 bits)."""
-    N, W = codes.shape
+    N = codes.shape[0]
     if 8 % bits == 0:
         out = F.embedding(codes.reshape(-1).int(), _lut(bits, codes.device)).view(N, -1)
         return out if out.shape[1] == D else out[:, :D]
@@ -147,7 +147,7 @@ class Side:
     ) -> Side:
         """A side holding the entries of ``x [B, H, T, D]`` under the disjoint masks ``quant``/``full``/``resid``
         ``[B, H, T]`` (the residual entries are the trailing kept entries of each segment)."""
-        B, H, T, D = x.shape
+        B, H, _, D = x.shape
         S = B * H
         side = cls.empty(quantizer, unit, S, D, x.dtype, x.device)
         side = side.add_quantized(x[quant], quant.sum(-1).flatten())  # before the full mask: it covers these too
@@ -448,7 +448,7 @@ class Positions:
 
     def append(self, new: torch.Tensor) -> Positions:
         """Positions after ``new [S, n]`` (increasing, after every held one) were appended to every segment."""
-        S, n = new.shape
+        n = new.shape[1]
         top = max(int(new.max()) if new.numel() else 0, int(self.pos.max()) if self.pos.numel() else 0)
         dtype = narrow_int(top)
         flat = interleave(self.pos.to(dtype), self.count, new.reshape(-1).to(dtype), torch.full_like(self.count, n))
