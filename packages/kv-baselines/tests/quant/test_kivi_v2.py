@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import kv_baselines as kb
 from kv_baselines.quant import KIVIStore, KIVIUnquantizedWarning, UniformQuantizer, kivi_tiers
+from kvcodec.segments import segment_ids
 from kvcore import EVICT, FULL, DenseStore, Plan, ScoringContext, reference_attention
 
 
@@ -30,17 +31,25 @@ def _filled(seed=0, B=2, H=2, T=29, D=8, G=4, R=8, bits=2, appends=6, dtype=torc
 
 
 def _held_bytes(store):
-    """Packed code rows, group parameters and full rows per kind, with their positions (for identity checks)."""
+    """Packed code rows, group parameters and full rows per kind, keyed by (segment, position), for identity checks
+    (read from the store's segment-major layout, :mod:`kv_baselines.quant.kivi_layout`)."""
     out = {}
-    for kind, (full, units, resid) in store._parts.items():
-        seg, pos = units.positions()
+    seg, pos = segment_ids(store._pos.count).tolist(), store._pos.flat().tolist()
+    for kind, side in store._sides.items():
+        prefix = store._prefix(side).tolist()
+        pkeys = [(s, p) for s, p, f in zip(seg, pos, prefix) if f]
+        rkeys = [(s, p) for s, p, f in zip(seg, pos, prefix) if not f]
+        fm = side.prefix_full().tolist()
+        qkeys = [k for k, f in zip(pkeys, fm) if not f]
+        fkeys = [k for k, f in zip(pkeys, fm) if f]
+        uid = side.unit_of_row().tolist()
         out[kind] = {
             "quant": {
-                (int(s), int(p)): (units.codes[i].clone(), units.scales[u].clone(), units.zeros[u].clone())
-                for i, (s, p, u) in enumerate(zip(seg, pos, units.row_unit()))
+                k: (side.codes[i].clone(), side.scales[u].clone(), side.zeros[u].clone())
+                for i, (k, u) in enumerate(zip(qkeys, uid))
             },
-            "full": {(int(s), int(p)): r.clone() for (s, p), r in zip(zip(*full.positions()), full.rows)},
-            "resid": {(int(s), int(p)): r.clone() for (s, p), r in zip(zip(*resid.positions()), resid.rows)},
+            "full": {k: r.clone() for k, r in zip(fkeys, side.full)},
+            "resid": {k: r.clone() for k, r in zip(rkeys, side.resid)},
         }
     return out
 
@@ -96,16 +105,16 @@ def test_retier_evicts_exactly_and_leaves_kept_bytes_untouched(seed, frac):
 
 def test_retier_drops_a_code_row_inside_a_key_group_without_requantizing():
     store = _filled(3, B=1, H=1, T=16, appends=0, evict=0.0)  # keys: two quantized groups of 4 ... and residual
-    units = store._parts["k"][1]
-    rows_before, params = units.nr, units.scales[: units.nu].clone()
+    units = store._sides["k"]
+    rows_before, params = units.codes.shape[0], units.scales.clone()
     tiers = store.tiers()
     kb_ = tiers.key_bits.clone()
     kb_[0, 0, 1] = EVICT  # an entry of the first per-channel key group
     vb_ = tiers.value_bits.clone()
     vb_[0, 0, 1] = EVICT
     store.retier(Plan(kb_, vb_))
-    units = store._parts["k"][1]  # mutations commit new parts (the old ones are left as they were)
-    assert units.nr == rows_before - 1 and torch.equal(units.scales[: units.nu], params)
+    units = store._sides["k"]  # mutations commit new sides (the old ones are left as they were)
+    assert units.codes.shape[0] == rows_before - 1 and torch.equal(units.scales, params)
 
 
 @pytest.mark.parametrize("case", ["up", "other_width", "padding", "mismatch", "shape"])
@@ -229,3 +238,22 @@ def test_kivi_with_evict_quantizes_what_the_eviction_keeps():
     assert torch.equal(legacy.read().keys, store.read().keys)
     with pytest.raises(TypeError, match="evict"):
         kb.kivi(2, evict="snapkv")
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    bits=st.sampled_from([2, 3, 4]),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    appends=st.integers(0, 12),
+)
+def test_attend_fast_path_equals_reference_over_read(seed, bits, dtype, appends):
+    """Invariant: with equal-length heads (KIVI without eviction, the decode fast path: byte-lookup unpack, factorized
+    per-channel logits and per-token value sums) attend equals reference attention over the dequantized read()."""
+    store = _filled(seed, B=2, H=2, T=21, D=8, G=4, R=8, bits=bits, appends=appends, dtype=dtype, evict=0.0)
+    assert store._fast()
+    q = torch.randn(2, 4, 2, 8, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    out, lse = store.attend(q, 0.3)
+    ref_out, ref_lse = reference_attention(store.read(), q, 0.3)
+    assert torch.allclose(out, ref_out, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)

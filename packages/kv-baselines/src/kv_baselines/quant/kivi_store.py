@@ -6,17 +6,13 @@ import warnings
 
 import torch
 
+from kv_baselines.quant.kivi_layout import Positions, Side, uniform
 from kvcodec import CodeRows, QuantizedSegment, UniformQuantizer, quantized_attention
-from kvcodec.ragged import Entries, FullRows, QuantUnits, Residual, compact_entries
-from kvcodec.segments import rank_in_segment
+from kvcodec.kernels.dispatch import use_triton
+from kvcodec.segments import offsets_in_segment, segment_ids
 from kvcore import EVICT, FULL, KVView, Plan, Quantizer, Store, reachable_bytes, reference_attention
 from kvcore.attention import check_query, check_scale
 from kvcore.checks import check_finite, check_float, check_int, check_integer_tensor, check_positions, check_tensor
-
-
-def _cat(parts: list[Entries | None]) -> Entries:
-    parts = [p for p in parts if p is not None]
-    return tuple(torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
 
 
 class KIVIUnquantizedWarning(UserWarning):
@@ -62,12 +58,20 @@ class KIVIStore(Store):
     ``tiers()``/``retier(plan)`` (kvcore contract v2) evict any held entry: a dropped entry of a per-channel key
     group frees its packed code row while the group keeps its scale and zero (nothing is re-quantized), and every
     other entry's bytes are untouched; there is no demotion (``can_demote = False``). ``attend(query, scale)``
-    runs :func:`kvcodec.quantized_attention` on the held codes and full-precision rows (the Triton kernel on CUDA)
-    and equals ``kvcore.reference_attention(self.read(), query, scale)``.
+    reads the held codes directly (the Triton kernel of :func:`kvcodec.quantized_attention` on CUDA; on CPU a
+    byte-lookup unpack straight into the matmuls, see :meth:`attend`) and equals
+    ``kvcore.reference_attention(self.read(), query, scale)`` within float tolerance.
+
+    Memory layout (:mod:`kv_baselines.quant.kivi_layout`): flat, segment-major, exact-size tensors per side (packed
+    codes, one parameter row per group, full-precision rows) with ``O(B*H)`` counts, and one true position per entry
+    shared by keys and values in the narrowest safe integer dtype (int16 below position 32768). Held bytes are the
+    packed size (codes + scales + zeros + residual) plus those positions: within 3% of it for SmolLM2's fp32 cache
+    at 2k tokens.
 
     Every mutation (``write``, ``append``, ``retier``, ``crop``, ``reorder``) is all-or-nothing: arguments are
     validated first (finite entries, positions as :func:`kvcore.checks.check_positions`), then the new state is built
-    on copies of the parts (:meth:`kvcodec.ragged.FullRows.copy`) and committed last, so a call that raises -- e.g.
+    as new immutable sides (:class:`~kv_baselines.quant.kivi_layout.Side`, sharing every tensor that did not change,
+    so nothing is copied for the transaction's sake) and committed last, so a call that raises -- e.g.
     a residual flush whose group range overflows the quantizer's scale dtype -- leaves ``read()`` and ``nbytes()``
     unchanged.
     """
@@ -104,40 +108,35 @@ class KIVIStore(Store):
         self.reset()
 
     # -- state -----------------------------------------------------------------------------------------
-    def _slots(self, kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(seg, slot in read())`` of every entry of each part of ``kind``, in the part's ``positions()`` order."""
-        S = self._segments
-        held = [part.positions() for part in self._parts[kind]]
-        seg = torch.cat([sg.long() for sg, _ in held])
-        pos = torch.cat([p.long() for _, p in held])
-        order = torch.argsort((seg << 32) | pos)
-        slot_sorted, _ = rank_in_segment(seg[order], S)
-        slot = torch.empty_like(slot_sorted)
-        slot[order] = slot_sorted
-        out, start = [], 0
-        for sg, _ in held:
-            n = sg.numel()
-            out.append((seg[start : start + n], slot[start : start + n]))
-            start += n
-        return out
+    def _layout(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``(seg [N], flat index into [S, T] [N], T)`` of the held entries (segment-major, position order)."""
+        count = self._pos.count
+        T = int(count.max()) if count.numel() else 0
+        seg = segment_ids(count)
+        return seg, seg * T + offsets_in_segment(count), T
 
-    def _held_tiers(self, kind: str) -> tuple[int, int, int]:
-        q = self.key_quantizer if kind == "k" else self.value_quantizer
-        return FULL, q.bits, FULL  # FullRows, QuantUnits, Residual
+    def _prefix(self, side: Side) -> torch.Tensor:
+        """``[N]`` bool: the held entries in ``side``'s prefix (not in its residual)."""
+        count = self._pos.count
+        return offsets_in_segment(count) < (count - side.rcount)[segment_ids(count)]
 
     def tiers(self) -> Plan:
         """The tier of every held entry (``FULL`` or the quantizer's bits), laid out like :meth:`read`."""
         if self._shape is None:
             raise ValueError("tiers() on an empty store: write() or append() first")
         B, H, _ = self._shape
-        S = self._segments
-        T = int(self.seq_lengths().max()) if S else 0
-        device = self._parts["k"][2].length.device
+        S = B * H
+        _, idx, T = self._layout()
         out = []
         for kind in ("k", "v"):
-            bits = torch.zeros(S, T, dtype=torch.uint8, device=device)
-            for (seg, slot), tier in zip(self._slots(kind), self._held_tiers(kind)):
-                bits[seg, slot] = tier
+            side = self._sides[kind]
+            prefix = self._prefix(side)
+            tier = torch.full((idx.numel(),), FULL, dtype=torch.uint8, device=idx.device)
+            pt = torch.full((int(prefix.sum()),), side.quantizer.bits, dtype=torch.uint8, device=idx.device)
+            pt[side.prefix_full()] = FULL
+            tier[prefix] = pt
+            bits = torch.zeros(S * T, dtype=torch.uint8, device=idx.device)
+            bits[idx] = tier
             out.append(bits.view(B, H, T))
         return Plan(out[0], out[1])
 
@@ -166,131 +165,158 @@ class KIVIStore(Store):
                 )
         if not torch.equal(kb != EVICT, vb != EVICT):
             raise ValueError("plan must keep the same entries for keys and values in a KIVIStore (tiers may differ)")
-        keep = (kb != EVICT).flatten(0, 1)  # [S, T]
-        masks = {kind: [keep[seg, slot] for seg, slot in self._slots(kind)] for kind in ("k", "v")}
-        parts = self._staged()
-        for kind, staged in parts.items():
-            for part, mask in zip(staged, masks[kind]):
-                part.keep(mask)
-        self._commit(parts)
+        _, idx, _ = self._layout()
+        self._keep((kb != EVICT).flatten()[idx])
+
+    def _keep(self, keep: torch.Tensor) -> None:
+        """Keep the held entries where ``keep [N]`` (segment-major); commits."""
+        count = self._pos.count
+        sides = {kind: side.keep(keep, count) for kind, side in self._sides.items()}
+        self._commit(sides, self._pos.keep(keep))
 
     # -- transactions ----------------------------------------------------------------------------------
-    def _staged(self) -> dict[str, tuple[FullRows, QuantUnits, Residual]]:
-        """Copies of the parts to edit (the held ones are untouched until :meth:`_commit`)."""
-        return {kind: tuple(part.copy() for part in parts) for kind, parts in self._parts.items()}
-
-    def _commit(self, parts: dict[str, tuple[FullRows, QuantUnits, Residual]], shape=None) -> None:
-        """Make the edited ``parts`` (and ``shape``) the held state: the last step of every mutation, reached only
-        when everything before it succeeded, so a failing call leaves ``read()`` and ``nbytes()`` unchanged."""
+    def _commit(self, sides: dict[str, Side], pos: Positions, shape=None, last: torch.Tensor | None = None) -> None:
+        """Make the new ``sides``/``pos`` (and ``shape``) the held state: the last step of every mutation, reached
+        only when everything before it succeeded, so a failing call leaves ``read()`` and ``nbytes()`` unchanged.
+        (Sides are immutable: the new state shares every tensor the mutation did not change.)"""
         B, H, D = self._shape if shape is None else shape
-        held = [part.positions() for part in parts["k"]]
-        device = parts["k"][2].length.device
-        row = torch.cat([seg.to(device) for seg, _ in held]).long() // H
-        pos = torch.cat([p.to(device) for _, p in held]).long()
-        last = torch.full((B,), -1, dtype=torch.long, device=device).scatter_reduce(0, row, pos, reduce="amax")
-        self._parts, self._shape, self._last_pos = parts, (B, H, D), last
+        if last is None:
+            last = pos.last().view(B, H).amax(1) if B * H else torch.full((B,), -1, dtype=torch.long)
+        self._sides, self._pos, self._shape, self._last_pos = sides, pos, (B, H, D), last
 
     # -- fused attention -------------------------------------------------------------------------------
-    def _side(self, kind: str) -> tuple[CodeRows, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The held ``kind`` entries as code rows + full rows, with ``(seg, pos, row, group)`` per entry."""
-        full, units, resid = self._parts[kind]
-        q = units.quantizer
-        if not isinstance(q, UniformQuantizer):
-            return None
-        D = self._shape[2]
-        device = resid.length.device
-        full_rows = torch.cat([full.rows, resid.rows])
-        fseg, fpos = full.positions()
-        rseg, rpos = resid.positions()
-        full_row = torch.arange(full_rows.shape[0], device=device)
-        if units.empty:
-            pw, C = (D * q.bits + 7) // 8, D if q.axis == "channel" else -(-D // q.group_size)
-            codes = torch.zeros(0, pw, dtype=torch.uint8, device=device)
-            scales = zeros = torch.zeros(0, C, dtype=self._dtype, device=device)
-            qseg = qpos = qrow = qgroup = torch.zeros(0, dtype=torch.long, device=device)
+    def _dense(self, kind: str, rows_q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``[S, T, D]`` the held ``kind`` entries in position order (zeros on padding), quantized rows ``rows_q``."""
+        side = self._sides[kind]
+        _, idx, T = self._layout()
+        S, D = self._pos.count.numel(), self._shape[2]
+        out = torch.zeros(S * T, D, dtype=dtype, device=idx.device)
+        prefix = self._prefix(side)
+        pidx = idx[prefix]
+        if not bool(side.fcount.any()):
+            out[pidx] = rows_q.to(dtype)
         else:
-            codes = units.codes
-            scales, zeros = units.scales.flatten(1), units.zeros.flatten(1)
-            qseg, qpos = units.positions()
-            qrow = torch.arange(units.nr, device=device)
-            qgroup = units.row_unit()
-        side = CodeRows(codes, scales, zeros, q.bits, q.axis, q.group_size, full_rows)
-        seg = torch.cat([fseg.long(), rseg.long(), qseg.long()])
-        pos = torch.cat([fpos.long(), rpos.long(), qpos.long()])
-        row = torch.cat([-1 - full_row, qrow])
-        group = torch.cat([torch.zeros_like(full_row), qgroup])
-        return side, seg, pos, row, group
+            fm = side.prefix_full()
+            out[pidx[~fm]] = rows_q.to(dtype)
+            out[pidx[fm]] = side.full.to(dtype)
+        out[idx[~prefix]] = side.resid.to(dtype)
+        return out.view(S, T, D)
 
     def quantized_segment(self) -> QuantizedSegment | None:
         """The held cache as a :class:`kvcodec.QuantizedSegment` laid out like :meth:`read` (``None`` when a
-        quantizer is not a ``kvcodec.UniformQuantizer``)."""
-        B, H, _ = self._shape
-        S = self._segments
-        sides = [self._side("k"), self._side("v")]
-        if sides[0] is None or sides[1] is None:
-            return None
-        T = int(self.seq_lengths().max()) if S else 0
-        device = sides[0][1].device
+        quantizer is not a ``kvcodec.UniformQuantizer``): the input of the fused Triton decode kernel."""
+        if self._shape is None:
+            raise ValueError("quantized_segment() on an empty store: write() or append() first")
+        B, H, D = self._shape
+        S = B * H
+        _, idx, T = self._layout()
+        dev = idx.device
         maps = []
-        for side, seg, pos, row, group in sides:
-            order = torch.argsort((seg << 32) | pos)
-            seg, row, group = seg[order], row[order], group[order]
-            slot, _ = rank_in_segment(seg, S)
-            r = torch.zeros(S, T, dtype=torch.long, device=device)
-            g = torch.zeros(S, T, dtype=torch.long, device=device)
-            r[seg, slot], g[seg, slot] = row, group
-            maps.append((side, r.view(B, H, T), g.view(B, H, T), seg, slot))
-        (ks, kr, kg, seg, slot), (vs, vr, vg, _, _) = maps
-        bias = torch.full((S, T), float("-inf"), device=device)
-        bias[seg, slot] = 0.0
+        for kind in ("k", "v"):
+            side = self._sides[kind]
+            q = side.quantizer
+            if not isinstance(q, UniformQuantizer):
+                return None
+            C = D if q.axis == "channel" else -(-D // q.group_size)
+            if side.scales is None:
+                scales = zeros = torch.zeros(0, C, dtype=self._dtype, device=dev)
+            else:
+                scales, zeros = side.scales.flatten(1), side.zeros.flatten(1)
+            Nq, Nf = side.codes.shape[0], side.full.shape[0]
+            codes = CodeRows(
+                side.codes, scales, zeros, q.bits, q.axis, q.group_size, torch.cat([side.full, side.resid])
+            )
+            prefix = self._prefix(side)
+            fm = side.prefix_full()
+            entry_row = torch.empty(idx.numel(), dtype=torch.long, device=dev)
+            entry_group = torch.zeros(idx.numel(), dtype=torch.long, device=dev)
+            prow = torch.empty(fm.numel(), dtype=torch.long, device=dev)
+            prow[~fm] = torch.arange(Nq, device=dev)
+            prow[fm] = -1 - torch.arange(Nf, device=dev)
+            pgroup = torch.zeros(fm.numel(), dtype=torch.long, device=dev)
+            pgroup[~fm] = side.unit_of_row()
+            entry_row[prefix], entry_group[prefix] = prow, pgroup
+            entry_row[~prefix] = -1 - Nf - torch.arange(side.resid.shape[0], device=dev)
+            row = torch.zeros(S * T, dtype=torch.long, device=dev)
+            group = torch.zeros(S * T, dtype=torch.long, device=dev)
+            row[idx], group[idx] = entry_row, entry_group
+            maps.append((codes, row.view(B, H, T), group.view(B, H, T)))
+        bias = torch.full((S * T,), float("-inf"), device=dev)
+        bias[idx] = 0.0
+        (ks, kr, kg), (vs, vr, vg) = maps
         return QuantizedSegment(ks, vs, kr, kg, vr, vg, bias.view(B, H, T))
 
+    def _fast(self) -> bool:
+        """Whether the decode fast path applies: uniform quantizers, no permanent full-precision entries and the same
+        number of entries (and of residual entries, per side) in every segment."""
+        return all(
+            isinstance(side.quantizer, UniformQuantizer)
+            and not bool(side.fcount.any())
+            and uniform(side.rcount)
+            and uniform(side.qcount)
+            for side in self._sides.values()
+        ) and uniform(self._pos.count)
+
     def attend(self, query: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of ``query [B, Hq, Q, D]`` over the held cache, read from the codes (no dequantized copy).
+        """Attention of ``query [B, Hq, Q, D]`` over the held cache, read from the codes.
 
         Returns ``(out fp32 [B, Hq, Q, D], lse fp32 [B, Hq, Q])``, equal to
-        ``kvcore.reference_attention(self.read(), query, scale)``. Non-uniform quantizers fall back to that.
+        ``kvcore.reference_attention(self.read(), query, scale)`` within float tolerance. With uniform quantizers
+        and equal-length heads (KIVI's decode) the codes are unpacked by a byte lookup and dequantized by one fused
+        multiply-add per side, and the logits over the quantized part and over the residual are computed
+        separately (no concatenated or position-sorted copy of the cache); otherwise the cache is laid out densely
+        (padding masked) first. Non-uniform quantizers attend over :meth:`read`.
         """
         if self._shape is None:
             raise ValueError("attend() on an empty store: write() or append() first")
         B, H, D = self._shape
         q = check_query(query, H, D, B)
         scale = check_scale(scale, D)
-        segment = self.quantized_segment()
-        if segment is None:
+        ks, vs = self._sides["k"], self._sides["v"]
+        if not (isinstance(ks.quantizer, UniformQuantizer) and isinstance(vs.quantizer, UniformQuantizer)):
             return reference_attention(self.read(), q, scale)
-        return quantized_attention(q.to(segment.bias.device), segment, scale)
+        dev = ks.resid.device
+        if use_triton(ks.resid):  # the fused Triton kernel over the codes (kvcodec.quantized_attention)
+            return quantized_attention(q.to(dev), self.quantized_segment(), scale)
+        S = B * H
+        Hq, Q = q.shape[1], q.shape[2]
+        qf = q.to(dev).float().reshape(B, H, Hq // H * Q, D).reshape(S, -1, D)
+        if self._fast():
+            kr, vr = ks.resid.float().view(S, -1, D), vs.resid.float().view(S, -1, D)
+            logits = torch.cat([ks.logits(qf, S), qf @ kr.transpose(1, 2)], -1) * scale
+            lse = torch.logsumexp(logits, -1, keepdim=True)
+            p = torch.exp(logits - lse)
+            tq = vs.codes.shape[0] // S if S else 0
+            out = vs.weighted(p[..., :tq], S) + p[..., tq:] @ vr
+            return out.view(B, Hq, Q, D), lse.view(B, Hq, Q)
+        k = self._dense("k", ks.dequantized_fast(), torch.float32)
+        v = self._dense("v", vs.dequantized_fast(), torch.float32)
+        _, idx, T = self._layout()
+        bias = torch.full((S * T,), float("-inf"), device=dev)
+        bias[idx] = 0.0
+        logits = (qf @ k.transpose(1, 2)) * scale + bias.view(S, 1, T)
+        lse = torch.logsumexp(logits, -1, keepdim=True)
+        safe = torch.where(torch.isfinite(lse), lse, 0.0)
+        out = torch.exp(logits - safe) @ v
+        return out.view(B, Hq, Q, D), lse.view(B, Hq, Q)
 
     def reset(self) -> None:
         """Drop everything and free the memory."""
         self._shape: tuple[int, int, int] | None = None  # (B, H, D)
         self._dtype: torch.dtype | None = None
         self._last_pos: torch.Tensor | None = None  # [B] largest position held per batch row (-1: none)
-        self._parts: dict[str, tuple[FullRows, QuantUnits, Residual]] = {}
+        self._sides: dict[str, Side] = {}
+        self._pos: Positions | None = None
 
-    def _empty_parts(
-        self, B: int, H: int, D: int, dtype: torch.dtype, device: torch.device
-    ) -> dict[str, tuple[FullRows, QuantUnits, Residual]]:
-        empty = torch.zeros(B, H, 0, D, dtype=dtype, device=device)
-        none = torch.zeros(B, H, 0, dtype=torch.bool, device=device)
-        idx = torch.zeros(B, H, 0, dtype=torch.int32, device=device)
+    def _empty(self, S: int, D: int, dtype: torch.dtype, device: torch.device) -> dict[str, Side]:
         return {
-            kind: (
-                FullRows.from_mask(empty, none, idx),
-                QuantUnits(q, self._unit(q)),
-                Residual.from_mask(empty, none, idx),
-            )
+            kind: Side.empty(q, self._unit(q), S, D, dtype, device)
             for kind, q in (("k", self.key_quantizer), ("v", self.value_quantizer))
         }
 
     @staticmethod
     def _unit(q: Quantizer) -> int:
         return q.group_size if q.axis == "channel" else 1
-
-    @property
-    def _segments(self) -> int:
-        B, H, _ = self._shape
-        return B * H
 
     # -- checks ----------------------------------------------------------------------------------------
     def _check_kv(self, keys: torch.Tensor, values: torch.Tensor, *, held: bool) -> None:
@@ -347,17 +373,14 @@ class KIVIStore(Store):
                 KIVIUnquantizedWarning,
                 stacklevel=2,
             )
-        parts = self._empty_parts(B, H, D, keys.dtype, keys.device)
-        pos = positions[:, None, :].expand(B, H, T).int()
+        sides = {}
         for kind, x, bits, q in (("k", keys, kb, self.key_quantizer), ("v", values, vb, self.value_quantizer)):
             quant, resid, full = self._roles(bits, q.bits, kind)
-            units = parts[kind][1]
-            entries, _ = compact_entries(x, quant, pos)
-            units.add(*QuantUnits.gather_units(entries, B * H, units.unit))
-            parts[kind] = (FullRows.from_mask(x, full, pos), units, Residual.from_mask(x, resid, pos))
+            sides[kind] = Side.build(q, self._unit(q), x, quant, full, resid)
+        pos = Positions.of(positions[:, None, :].expand(B, H, T)[keep], keep.sum(-1).flatten())
         self.reset()
         self._dtype = keys.dtype
-        self._commit(parts, (B, H, D))
+        self._commit(sides, pos, (B, H, D))
 
     def _roles(self, bits: torch.Tensor, qbits: int, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split a ``[B, H, T]`` tier tensor into (quantized, residual, permanent full) masks."""
@@ -377,31 +400,36 @@ class KIVIStore(Store):
         """Add ``[B, H, n, D]`` new entries through the residuals (KIVI's decode-time policy, class doc).
 
         Finite keys/values and positions after every held one in their row (``positions [B, n]``) are required;
-        the residual flushes run on copies of the parts, so a failing quantization leaves the store unchanged."""
+        the residual flushes build new sides, so a failing quantization leaves the store unchanged."""
         self._check_kv(keys, values, held=True)
         B, H, n, D = keys.shape
         last = None if self._shape is None else self._last_pos
         positions = check_positions("positions", positions, (B, n), after=last).to(keys.device)
         check_finite("keys", keys)
         check_finite("values", values)
-        parts = self._empty_parts(B, H, D, keys.dtype, keys.device) if self._shape is None else self._staged()
         S = B * H
-        pos = positions[:, None, :].expand(B, H, n).reshape(S, n)
+        if self._shape is None:
+            sides, held = (
+                self._empty(S, D, keys.dtype, keys.device),
+                Positions.of(
+                    torch.zeros(0, dtype=torch.long, device=keys.device),
+                    torch.zeros(S, dtype=torch.long, device=keys.device),
+                ),
+            )
+        else:
+            sides, held = self._sides, self._pos
         R = self.residual
         # keys: grow the residual to R, then quantize whole blocks of R per channel
-        _, kunits, kres = parts["k"]
-        kres.push(keys.reshape(S, n, D), pos)
-        while bool((kres.length >= R).any()):
-            block = kres.pop_front(torch.where(kres.length >= R, R, 0))
-            kunits.add(*QuantUnits.gather_units(block, S, kunits.unit))
+        ks = sides["k"].push(keys.reshape(S, n, D))
+        while max(ks.rcount.tolist(), default=0) >= R:
+            ks = ks.flush(torch.where(ks.rcount >= R, R, 0))
         # values: FIFO of R, the oldest overflow is quantized per token
-        _, vunits, vres = parts["v"]
-        vres.push(values.reshape(S, n, D), pos)
-        over = (vres.length - R).clamp_min(0)
-        if bool(over.any()):
-            vunits.add(*QuantUnits.gather_units(vres.pop_front(over), S, vunits.unit))
+        vs = sides["v"].push(values.reshape(S, n, D))
+        if max(vs.rcount.tolist(), default=0) > R:
+            vs = vs.flush((vs.rcount - R).clamp_min(0))
+        pos = held.append(positions[:, None, :].expand(B, H, n).reshape(S, n))
         self._dtype = keys.dtype
-        self._commit(parts, (B, H, D))
+        self._commit({"k": ks, "v": vs}, pos, (B, H, D), last=positions[:, -1] if n else None)
 
     def read(self, query: torch.Tensor | None = None) -> KVView:
         """Dequantized, position-ordered view; heads padded with ``-inf`` bias and position ``-1``."""
@@ -409,26 +437,14 @@ class KIVIStore(Store):
             raise ValueError("read() on an empty store: write() or append() first")
         B, H, D = self._shape
         S = B * H
-        out = {}
-        for kind in ("k", "v"):
-            full, units, resid = self._parts[kind]
-            rows, seg, pos = _cat([full.entries(), units.entries(), resid.entries()])
-            perm = torch.argsort((seg.long() << 32) | pos.long())
-            rows, seg, pos = rows[perm], seg[perm], pos[perm]
-            slot, counts = rank_in_segment(seg, S)
-            out[kind] = (rows, seg, slot, pos, counts)
-        rows_k, seg, slot, pos, counts = out["k"]
-        rows_v = out["v"][0]
-        if not torch.equal(counts, out["v"][4]):  # pragma: no cover - internal invariant
-            raise RuntimeError("KIVIStore: keys and values hold different entries")
-        T = int(counts.max()) if counts.numel() else 0
-        device = rows_k.device
-        k = torch.zeros(S, T, D, dtype=self._dtype, device=device)
-        v = torch.zeros(S, T, D, dtype=self._dtype, device=device)
-        positions = torch.full((S, T), -1, dtype=torch.long, device=device)
-        k[seg, slot], v[seg, slot], positions[seg, slot] = rows_k, rows_v, pos.long()
-        bias = torch.zeros(S, T, device=device).masked_fill(positions < 0, float("-inf"))
-        return KVView(k.view(B, H, T, D), v.view(B, H, T, D), positions.view(B, H, T), bias.view(B, H, T))
+        k = self._dense("k", self._sides["k"].dequantized(), self._dtype)
+        v = self._dense("v", self._sides["v"].dequantized(), self._dtype)
+        _, idx, T = self._layout()
+        positions = torch.full((S * T,), -1, dtype=torch.long, device=idx.device)
+        positions[idx] = self._pos.flat()
+        positions = positions.view(B, H, T)
+        bias = torch.zeros(B, H, T, device=idx.device).masked_fill(positions < 0, float("-inf"))
+        return KVView(k.view(B, H, T, D), v.view(B, H, T, D), positions, bias)
 
     def nbytes(self, device: torch.device | str | None = None) -> int:
         """Bytes of every tensor this store holds (codes, scales, zeros, residuals, positions, indices)."""
@@ -439,9 +455,7 @@ class KIVIStore(Store):
         if self._shape is None:
             return torch.zeros(0, 0, dtype=torch.long)
         B, H, _ = self._shape
-        full, units, resid = self._parts["k"]
-        device = resid.length.device
-        return (full.counts + units.counts(B * H, device) + resid.length).view(B, H)
+        return self._pos.count.view(B, H).clone()
 
     def entry_counts(self) -> dict[str, torch.Tensor]:
         """``[B, H]`` entries per tier: ``keys_quantized``, ``keys_full``, ``keys_residual`` and the same for values.
@@ -453,11 +467,10 @@ class KIVIStore(Store):
         B, H, _ = self._shape
         out = {}
         for kind, name in (("k", "keys"), ("v", "values")):
-            full, units, resid = self._parts[kind]
-            device = resid.length.device
-            out[f"{name}_quantized"] = units.counts(B * H, device).view(B, H)
-            out[f"{name}_residual"] = resid.length.view(B, H).clone()
-            out[f"{name}_full"] = (full.counts + resid.length).view(B, H)
+            side = self._sides[kind]
+            out[f"{name}_quantized"] = side.qcount.view(B, H).clone()
+            out[f"{name}_residual"] = side.rcount.view(B, H).clone()
+            out[f"{name}_full"] = (side.fcount + side.rcount).view(B, H)
         return out
 
     def crop(self, position: int) -> None:
@@ -469,11 +482,7 @@ class KIVIStore(Store):
         check_int("position", position)
         if self._shape is None:
             return
-        parts = self._staged()
-        for staged in parts.values():
-            for part in staged:
-                part.crop(position)
-        self._commit(parts)
+        self._keep(self._pos.flat() < position)
 
     def reorder(self, index: torch.Tensor) -> None:
         """Row ``i`` of the batch becomes old row ``index[i]`` (beam search; rows may repeat or vanish)."""
@@ -483,10 +492,8 @@ class KIVIStore(Store):
         check_integer_tensor("index", index, ndim=1)
         if index.numel() and (int(index.min()) < 0 or int(index.max()) >= B):
             raise ValueError(f"index must hold batch rows in [0, {B}), got {index.tolist()}")
-        device = self._parts["k"][2].length.device
+        device = self._pos.count.device
         take = (index.to(device).long()[:, None] * H + torch.arange(H, device=device)).flatten()
-        parts = self._staged()
-        for staged in parts.values():
-            for part in staged:
-                part.take_segments(take, B * H)
-        self._commit(parts, (index.numel(), H, D))
+        count = self._pos.count
+        sides = {kind: side.take_segments(take, count) for kind, side in self._sides.items()}
+        self._commit(sides, self._pos.take(take), (index.numel(), H, D))
