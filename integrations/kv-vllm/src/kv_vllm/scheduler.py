@@ -204,6 +204,13 @@ class SchedulerState:
         self.index.update(stored)
         self.index.difference_update(missing)
         self.metrics.failed_blocks += len(missing)
+        if missing:  # vLLM recomputes the failed blocks of running requests: save them again when it does
+            gone = set(missing)
+            for req in self._requests.values():
+                for i in range(min(req.saved_upto, len(req.keys))):
+                    if req.keys[i] in gone:
+                        req.saved_upto = i
+                        break
 
     def finished(self, request_id: str) -> None:
         """Forget a finished request (its saves happened synchronously in its steps)."""
