@@ -96,9 +96,8 @@ def main() -> None:
     raw = [raw_round() for _ in range(args.rounds)]
     raw_save = statistics.median(r[0] for r in raw)
     raw_load = statistics.median(r[1] for r in raw)
-    print(
-        f"\n{'codec':10} {'B/token/layer':>14} {'vs fp16':>8} {'save MB/s':>10} {'x raw':>6} {'load MB/s':>10} {'x raw':>6}"
-    )
+    head = f"{'codec':10} {'B/token/layer':>14} {'vs fp16':>8} {'save MB/s':>10} {'x raw':>6}"
+    print(f"\n{head} {'load MB/s':>10} {'x raw':>6}")
     fp16_per_token = 2 * 2 * H * D
     print(
         f"{'raw copy':10} {fp16_per_token * dtype.itemsize // 2:>14} {'1.00':>8} {fp16_mb / raw_save:>10.0f} "
