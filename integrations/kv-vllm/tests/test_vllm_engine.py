@@ -72,6 +72,9 @@ def test_end_to_end_lossless_hits_and_recovers_from_corruption(engine):
     assert second["scheduler"]["hit_tokens"] == 3 * BLOCK
     assert second["worker"]["loaded_blocks"] == 3 and second["worker"]["hits"] == 3
     assert r["identical"] and r["drift"] == 0.0  # bit-exact KV: same top-20 logprobs at every step
+    stats = r["stats_total"]  # what vLLM took each step for its "KV Transfer metrics" log, summed
+    assert r["stats_intervals"] >= 2 and stats["saved_blocks"] == 3 and stats["loaded_blocks"] == 3
+    assert stats["stored_bytes"] == second["worker"]["stored_bytes"]
     store = second["worker"]["store"]
     assert store["cpu_bytes"] <= r["cpu_budget"] and store["spills"] >= 2 and r["disk_files"] >= 2
     assert third["worker"]["store"]["corrupt"] >= 1 and third["scheduler"]["failed_blocks"] >= 1

@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from .config import ConnectorConfig
 from .keys import namespace
@@ -62,6 +63,29 @@ class KVCompressWorkerMetadata(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVCompressWorkerMetadata)
         return KVCompressWorkerMetadata(self.stored + other.stored, self.missing + other.missing)
+
+
+@dataclass
+class KVCompressStats(KVConnectorStats):
+    """Worker counters over an interval (blocks, hits, misses, bytes, codec seconds), logged by vLLM periodically
+    as "KV Transfer metrics"; ``compression`` is fp16 bytes per stored byte over the interval."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out = {k: round(v, 4) if isinstance(v, float) else v for k, v in self.data.items()}
+        stored = self.data.get("stored_bytes", 0)
+        out["compression"] = round(self.data.get("fp16_bytes", 0) / stored, 3) if stored else 0.0
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
 
 
 def _kv_spec(kv_cache_config: KVCacheConfig | None) -> Any:
@@ -132,6 +156,7 @@ class KVCompressConnector(KVConnectorBase_V1):
         self.worker: WorkerState | None = None
         self._load_errors: set[int] = set()
         self._announced = False
+        self._stats_base: dict[str, float] = {}
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerState(ns, spec.block_size)
         else:
@@ -249,6 +274,20 @@ class KVCompressConnector(KVConnectorBase_V1):
         return KVCompressWorkerMetadata(stored, missing)
 
     # ============================================================================================= metrics
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The worker's counters since the last call (vLLM aggregates and logs them)."""
+        if self.worker is None:
+            return None
+        now = {k: v for k, v in self.worker.metrics.__dict__.items() if isinstance(v, (int, float))}
+        delta = {k: v - self._stats_base.get(k, 0) for k, v in now.items()}
+        self._stats_base = now
+        stats = KVCompressStats(data=delta)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVCompressStats(data=dict(data)) if data is not None else KVCompressStats()
+
     def metrics(self) -> dict[str, Any]:
         """Counters of this side: scheduler (lookups, hit tokens) or worker (blocks, bytes, codec seconds, store)."""
         if self.scheduler is not None:

@@ -93,12 +93,29 @@ def main() -> None:
     start = time.perf_counter()
     llm = make_llm(model, extra)
     sched, worker = connectors(llm)
+    taken = []
+    original = worker.get_kv_connector_stats
+
+    def recording():
+        stats = original()
+        if stats is not None:
+            taken.append(stats)
+        return stats
+
+    worker.get_kv_connector_stats = recording
     result: dict = {"scenario": scenario, "startup_s": round(time.perf_counter() - start, 1)}
 
     tokens1, lp1 = generate(llm, prompt)  # computes everything, saves 3 blocks
     result["first"] = snapshot(sched, worker)
     tokens2, lp2 = generate(llm, prompt)  # loads 3 blocks
     result["second"] = snapshot(sched, worker)
+    # vLLM's model runner takes the worker's stats every step (for its periodic "KV Transfer metrics" log):
+    # the intervals it took, aggregated the way vLLM does, must add up to the worker's totals
+    total = type(worker).build_kv_connector_stats({})
+    for interval in taken:
+        total = total.aggregate(type(worker).build_kv_connector_stats(interval.data))
+    result["stats_intervals"] = len(taken)
+    result["stats_total"] = total.reduce()
     result["tokens"] = [tokens1, tokens2]
     result["identical"] = tokens1 == tokens2
     result["drift"] = drift(lp1, lp2)
