@@ -1,0 +1,121 @@
+"""Worker-side data path without vLLM: paged layers -> store -> paged layers, failures, metrics, budgets."""
+
+import pytest
+import torch
+
+import kvpages
+from kv_vllm import BlockTransfer, WorkerState
+
+B, H, N, D = 8, 2, 32, 32
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+
+def paged(dtype=torch.float16):
+    return {name: torch.randn(B, H, N, 2 * D).to(dtype) for name in LAYERS}
+
+
+def save(worker, layers, transfers):
+    for name, kv in layers.items():
+        worker.save_layer(name, kv, transfers)
+    return worker.flush()
+
+
+def test_lossless_round_trip_is_bit_exact_and_reports():
+    worker = WorkerState(kvpages.codec("lossless"), kvpages.TieredStore(1 << 24), "cpu")
+    src = paged(torch.bfloat16)
+    saves = [BlockTransfer("k0", 3), BlockTransfer("k1", 5)]
+    assert save(worker, src, saves) == ["k0", "k1"]
+    dst = {name: torch.zeros_like(kv) for name, kv in src.items()}
+    failed = worker.load(dst, {"r": [BlockTransfer("k0", 0), BlockTransfer("k1", 1)]})
+    assert failed == set()
+    for name in LAYERS:
+        assert torch.equal(dst[name][0], src[name][3]) and torch.equal(dst[name][1], src[name][5])
+        assert not dst[name][2:].any()
+    stored, missing = worker.take_report()
+    assert stored == ["k0", "k1"] and missing == [] and worker.take_report() == ([], [])
+    m = worker.metrics
+    assert m.saved_blocks == 2 and m.loaded_blocks == 2 and m.hits == 2
+    assert m.fp16_bytes == 2 * len(LAYERS) * 2 * N * H * D * 2
+    assert m.stored_bytes > m.fp16_bytes  # lossless bf16: raw bytes plus framing
+
+
+@pytest.mark.parametrize("name,bits,ratio_low", [("kivi-4", 4, 2.0), ("kivi-2", 2, 3.0)])
+def test_lossy_round_trip_within_bound_and_smaller(name, bits, ratio_low):
+    """KIVI pages: |error| <= scale/2 per group (keys per channel over the block, values per token per 32)."""
+    worker = WorkerState(kvpages.codec(name), kvpages.TieredStore(1 << 24), "split_last")
+    src = paged(torch.float32)
+    save(worker, src, [BlockTransfer("k", 2)])
+    dst = {n: torch.zeros_like(kv) for n, kv in src.items()}
+    assert worker.load(dst, {"r": [BlockTransfer("k", 6)]}) == set()
+    for layer in LAYERS:
+        k_src = src[layer][2, ..., :D]  # [H, N, D]
+        v_src = src[layer][2, ..., D:]
+        k_dst, v_dst = dst[layer][6, ..., :D], dst[layer][6, ..., D:]
+        levels = 2**bits - 1
+        k_scale = (k_src.amax(dim=1, keepdim=True) - k_src.amin(dim=1, keepdim=True)) / levels  # per channel
+        vg = v_src.reshape(H, N, D // 32, 32)
+        v_scale = ((vg.amax(-1, keepdim=True) - vg.amin(-1, keepdim=True)) / levels).expand_as(vg).reshape(H, N, D)
+        assert ((k_dst - k_src).abs() <= k_scale / 2 + 1e-5).all()
+        assert ((v_dst - v_src).abs() <= v_scale / 2 + 1e-5).all()
+    # codes take bits/16 of fp16; per-group scales and zeros and the framing eat part of it on a 32-token block
+    assert worker.metrics.fp16_bytes / worker.metrics.stored_bytes > ratio_low
+
+
+def test_missing_and_corrupt_entries_fail_the_rest_of_the_request_and_write_nothing():
+    store = kvpages.TieredStore(1 << 24)
+    worker = WorkerState(kvpages.codec("lossless"), store, "cpu")
+    src = paged()
+    save(worker, src, [BlockTransfer("a", 0), BlockTransfer("b", 1), BlockTransfer("c", 2)])
+    entry = store.get("b")
+    store.put("b", entry[:-7] + bytes(7))  # damaged in place
+    dst = {n: torch.zeros_like(kv) for n, kv in src.items()}
+    failed = worker.load(
+        dst,
+        {
+            "r": [BlockTransfer("a", 4), BlockTransfer("b", 5), BlockTransfer("c", 6)],
+            "q": [BlockTransfer("zz", 7)],
+        },
+    )
+    assert failed == {5, 6, 7}
+    for n in LAYERS:
+        assert torch.equal(dst[n][4], src[n][0])
+        assert not dst[n][5:].any()  # nothing written into failed blocks
+    assert not store.contains("b")  # the corrupt entry is dropped
+    _, missing = worker.take_report()
+    assert sorted(missing) == ["b", "zz"]
+    assert worker.metrics.corrupt == 1 and worker.metrics.misses == 1
+
+
+def test_entry_from_another_codec_is_a_miss():
+    store = kvpages.TieredStore(1 << 24)
+    src = paged()
+    save(WorkerState(kvpages.codec("kivi-4"), store, "cpu"), src, [BlockTransfer("a", 0)])
+    reader = WorkerState(kvpages.codec("lossless"), store, "cpu")
+    assert reader.load({n: torch.zeros_like(kv) for n, kv in src.items()}, {"r": [BlockTransfer("a", 1)]}) == {1}
+
+
+def test_budget_is_respected_and_oversized_blocks_are_not_reported():
+    src = paged()
+    one = len(
+        WorkerState(kvpages.codec("lossless"), kvpages.TieredStore(1 << 24), "cpu").codec.encode(
+            torch.zeros(N, H, D, dtype=torch.float16), torch.zeros(N, H, D, dtype=torch.float16)
+        )
+    )
+    store = kvpages.TieredStore(3 * len(LAYERS) * one + 200)  # room for about 3 blocks
+    worker = WorkerState(kvpages.codec("lossless"), store, "cpu")
+    stored = save(worker, src, [BlockTransfer(f"k{i}", i) for i in range(6)])
+    assert stored == [f"k{i}" for i in range(6)]  # each fit when it was put
+    assert store.metrics.cpu_bytes <= store.cpu_budget
+    assert len(store.keys()) < 6  # the oldest were evicted
+    tiny = WorkerState(kvpages.codec("lossless"), kvpages.TieredStore(100), "cpu")
+    assert save(tiny, src, [BlockTransfer("x", 0)]) == []  # larger than the whole budget: not promised
+
+
+def test_disk_tier_survives_a_new_worker(tmp_path):
+    src = paged()
+    w1 = WorkerState(kvpages.codec("kivi-4"), kvpages.TieredStore(0, disk_dir=tmp_path), "cpu")
+    save(w1, src, [BlockTransfer("a", 0)])
+    w2 = WorkerState(kvpages.codec("kivi-4"), kvpages.TieredStore(1 << 20, disk_dir=tmp_path), "cpu")
+    w2.announce_existing()
+    assert w2.take_report() == (["a"], [])
+    assert w2.load({n: torch.zeros_like(kv) for n, kv in src.items()}, {"r": [BlockTransfer("a", 1)]}) == set()
