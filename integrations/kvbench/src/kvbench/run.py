@@ -333,7 +333,12 @@ def run_grid(
                         bar.set_postfix_str(f"{item.name} {item.label} {p}")
                         try:
                             tasks = evaluate_samples(
-                                model, tokenizer, methods[item.name].build(item.budget), work.samples, p, tick=tick
+                                model,
+                                tokenizer,
+                                methods[item.name].build(item.budget),
+                                work.samples,
+                                "agnostic" if p == "any" else p,
+                                tick=tick,
                             )
                         except (ValueError, LookupError) as exc:  # refused: budget below the protected window ...
                             cache.put(task_cell(item, p), {"error": str(exc)})
