@@ -64,6 +64,7 @@ def test_same_seed_same_interval_and_degenerate_inputs():
     assert bootstrap_mean(x, seed=7) == bootstrap_mean(x, seed=7)
     one = bootstrap_mean([0.25])
     assert (one.mean, one.low, one.high, one.n) == (0.25, 0.25, 0.25, 1)
+    assert not one.significant  # one pair has no spread to judge it by
     same = paired_difference([1.0, 1.0], [1.0, 1.0])
     assert same == PairedDiff(0.0, 0.0, 0.0, 2) and not same.significant
 

@@ -42,8 +42,11 @@ class PairedDiff:
 
     @property
     def significant(self) -> bool:
-        """Whether the interval excludes zero (a difference that is not zero at the stated confidence)."""
-        return self.low > 0.0 or self.high < 0.0
+        """Whether the interval excludes zero (a difference that is not zero at the stated confidence).
+
+        Never for a single pair: one difference says nothing about its spread.
+        """
+        return self.n >= 2 and (self.low > 0.0 or self.high < 0.0)
 
     def format(self, spec: str = ".3f") -> str:
         """``"+0.120 [+0.050, +0.190]*"``: mean, interval, ``*`` when the interval excludes zero."""
