@@ -130,9 +130,9 @@ def test_reports(tmp_path):
         Row("full", "r0", accuracy={"passkey@1000": 1.0}, scores=[1.0, 1.0], kl=0.0, bytes_per_token=2000.0),
         Row("snapkv", "r0.5", accuracy={"passkey@1000": 0.5}, scores=[1.0, 0.0], kl=0.12, bytes_per_token=1000.0),
     ]
-    rows[1].d_acc = PairedDiff(-0.5, -1.0, 0.0, 2)
-    rows[1].acc_ci = rows[0].acc_ci = PairedDiff(0.5, 0.0, 1.0, 2)
-    rows[1].kl_ci = rows[1].d_kl = PairedDiff(0.12, 0.1, 0.14, 2)
+    rows[1].d_acc = PairedDiff(-0.5, -1.0, 0.0, 20)
+    rows[1].acc_ci = rows[0].acc_ci = PairedDiff(0.5, 0.0, 1.0, 20)
+    rows[1].kl_ci = rows[1].d_kl = PairedDiff(0.12, 0.1, 0.14, 20)
     table = format_table(rows)
     assert table.count("\n") == 3
     assert "| snapkv | r0.5 | 1000 |" in table and "+0.1200 [+0.1000, +0.1400]*" in table

@@ -65,6 +65,8 @@ def test_same_seed_same_interval_and_degenerate_inputs():
     one = bootstrap_mean([0.25])
     assert (one.mean, one.low, one.high, one.n) == (0.25, 0.25, 0.25, 1)
     assert not one.significant  # one pair has no spread to judge it by
+    few = paired_difference([1.0, 1.1, 0.9], [0.0, 0.0, 0.0])
+    assert few.low > 0 and not few.significant  # 3 pairs: the interval excludes 0, but 3 < MIN_PAIRS
     same = paired_difference([1.0, 1.0], [1.0, 1.0])
     assert same == PairedDiff(0.0, 0.0, 0.0, 2) and not same.significant
 

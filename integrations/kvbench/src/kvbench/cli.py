@@ -27,7 +27,7 @@ Evaluate registered KV-cache compression methods on SmolLM2-135M-Instruct, offli
 retrieval tasks (accuracy per sample), teacher-forced continuation KL against the full cache (per window), the KV
 bytes each cache really holds, and timings. Every row is paired with its reference (the full cache, or
 --reference) on the same samples and windows; the mean paired difference carries a seeded bootstrap 95%
-confidence interval, and '*' marks a difference whose interval excludes zero.
+confidence interval, and '*' marks a difference whose interval excludes zero (with at least 10 pairs).
 
 The default run (no options, profile quick) compares the full cache, StreamingLLM, SnapKV and Knorm at ratios
 0.5 / 0.75 / 0.9 and KIVI-4 / KIVI-2 at ratio 0: about 6.5 minutes on an idle 2-core CPU (381 s measured).
