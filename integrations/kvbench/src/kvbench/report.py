@@ -64,7 +64,10 @@ def _ci(d: PairedDiff | None, spec: str) -> str:
 
 
 def format_table(rows: list[Row]) -> str:
-    """A Markdown table (also readable on a terminal); ``*`` marks a paired difference whose 95% CI excludes 0 (with >= 10 pairs)."""
+    """A Markdown table (also readable on a terminal).
+
+    ``*`` marks a paired difference whose 95% CI excludes 0 (with >= 10 pairs).
+    """
     tasks = sorted({t for r in rows for t in r.accuracy})
     protocols = {r.protocol for r in rows}
     head = [
@@ -183,8 +186,8 @@ def markdown_report(rows: list[Row], meta: dict[str, Any], plots: list[str]) -> 
         "",
         f"Reference: `{meta.get('reference', 'full')}`. `Δ` columns: mean paired difference (method − reference) "
         "over the same samples (accuracy) or windows (KL) with a seeded bootstrap 95% CI; `*` marks a difference "
-        "whose CI excludes 0, never with fewer than 10 pairs (the bootstrap is too narrow there). `B/token`: KV bytes actually held (`nbytes()`) per context token; `% fp16`: of an "
-        "uncompressed fp16 cache.",
+        "whose CI excludes 0, never with fewer than 10 pairs (the bootstrap is too narrow there). "
+        "`B/token`: KV bytes actually held (`nbytes()`) per context token; `% fp16`: of an uncompressed fp16 cache.",
         "",
         format_table(rows),
         "",
