@@ -325,6 +325,7 @@ def _run(args, argv, registry, grid, tasks, protocols) -> int:
         "kl_continuation": args.kl_continuation,
         "fp16_bytes_per_token": fp16_bytes_per_token(model),
         "cells_reused": counter.reused,
+        "cells_compute_s": sum(counter.compute_s.values()),  # reused cells count the time they took when computed
         "wall_s": time.perf_counter() - t0,
     }
     out = args.out
@@ -347,6 +348,7 @@ class _Counting:
 
     def __init__(self, inner) -> None:
         self.inner, self.reused, self._seen = inner, 0, set()
+        self.compute_s: dict[str, float] = {}  # seconds each cell took when it was computed (this run or earlier)
 
     def get(self, cell):
         found = self.inner.get(cell)
@@ -354,10 +356,13 @@ class _Counting:
         if found is not None and key not in self._seen:
             self.reused += 1
             self._seen.add(key)
+            self.compute_s[key] = float(found.get("elapsed_s", 0.0))
         return found
 
     def put(self, cell, result):
-        self._seen.add(json.dumps(cell, sort_keys=True))
+        key = json.dumps(cell, sort_keys=True)
+        self._seen.add(key)
+        self.compute_s[key] = float(result.get("elapsed_s", 0.0))
         self.inner.put(cell, result)
 
 

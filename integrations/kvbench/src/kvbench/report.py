@@ -182,7 +182,8 @@ def markdown_report(rows: list[Row], meta: dict[str, Any], plots: list[str]) -> 
         f"{meta.get('samples', 0)} task samples, {meta.get('kl_pairs', 0)} KL windows; seed {meta.get('seed', 0)}.",
         f"Machine: {m.get('platform', '?')}, {m.get('cpu_count', '?')} CPUs, torch {m.get('torch', '?')}, "
         f"transformers {m.get('transformers', '?')}; load average at start {m.get('loadavg', '?')}. "
-        f"Wall time {meta.get('wall_s', 0):.0f} s ({meta.get('cells_reused', 0)} cells reused from an earlier run).",
+        f"Wall time {meta.get('wall_s', 0):.0f} s ({meta.get('cells_reused', 0)} cells reused from an earlier run; "
+        f"{meta.get('cells_compute_s', 0):.0f} s of cell computation in all).",
         "",
         f"Reference: `{meta.get('reference', 'full')}`. `Δ` columns: mean paired difference (method − reference) "
         "over the same samples (accuracy) or windows (KL) with a seeded bootstrap 95% CI; `*` marks a difference "

@@ -303,8 +303,10 @@ def run_grid(
     ref_logprobs = None
     if need_ref:
         bar.set_postfix_str("full (KL reference)")
+        t_cell = time.perf_counter()
         res, ref_logprobs = evaluate_windows(model, tokenizer, methods["full"].build(), work.kl_pairs, tick=tick)
         res["kl"] = [0.0] * len(work.kl_pairs)
+        res["elapsed_s"] = time.perf_counter() - t_cell
         cache.put(kl_cell(full), res)
 
     rows: list[Row] = []
@@ -318,9 +320,11 @@ def run_grid(
                 windows = cache.get(kl_cell(item))
                 if windows is None:
                     bar.set_postfix_str(f"{item.name} {item.label} KL")
+                    t_cell = time.perf_counter()
                     windows, _ = evaluate_windows(
                         model, tokenizer, methods[item.name].build(item.budget), work.kl_pairs, ref_logprobs, tick=tick
                     )
+                    windows["elapsed_s"] = time.perf_counter() - t_cell
                     cache.put(kl_cell(item), windows)
             if "error" in (windows or {}):
                 raise ValueError(windows["error"])
@@ -331,6 +335,7 @@ def run_grid(
                     tasks = cache.get(task_cell(item, p))
                     if tasks is None:
                         bar.set_postfix_str(f"{item.name} {item.label} {p}")
+                        t_cell = time.perf_counter()
                         try:
                             tasks = evaluate_samples(
                                 model,
@@ -343,6 +348,7 @@ def run_grid(
                         except (ValueError, LookupError) as exc:  # refused: budget below the protected window ...
                             cache.put(task_cell(item, p), {"error": str(exc)})
                             raise
+                        tasks["elapsed_s"] = time.perf_counter() - t_cell
                         cache.put(task_cell(item, p), tasks)
                     if "error" in tasks:
                         raise ValueError(tasks["error"])
