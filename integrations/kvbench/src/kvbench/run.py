@@ -1,10 +1,22 @@
-"""Run methods x ratios on generated tasks and continuation KL with a real model, against the full cache."""
+"""Run methods x budgets x protocols on generated tasks and continuation KL with a real model.
+
+Every cell (one method at one budget under one protocol on the task samples, or one method at one budget on the
+continuation windows) keeps its per-sample and per-window results, so rows can be paired with a reference
+(:mod:`kvbench.paired`). Finished cells are stored in a :class:`~kvbench.cells.CellCache`; a rerun skips them.
+
+Protocols: ``"agnostic"`` compresses the context before the question is seen (the kvpress / KVzip protocol);
+``"aware"`` compresses the context *and* the question (all but its last token, which starts decoding), the
+setting of SnapKV, H2O and most LongBench numbers. Continuation windows have no question: their KL is the same
+under both protocols and is computed once per (method, budget).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +26,10 @@ from tqdm.auto import tqdm
 from kv_hf.cache import compressed_cache
 from kv_hf.prefill import prefill
 from kv_hf.reuse import generate_answer
+from kvbench.cells import CellCache
+from kvbench.match import match_budget
 from kvbench.memory import peak_memory
+from kvbench.methods import GridItem
 from kvbench.report import Row
 from kvbench.tasks import TaskSample, score
 from kvcore import Budget, Compressor
@@ -28,13 +43,21 @@ class Workload:
     samples: list[TaskSample]
     kl_pairs: list[tuple[list[int], list[int]]] = field(default_factory=list)
 
+    def fingerprint(self) -> str:
+        """Hash of the exact prompts, answers and windows (cells of a different workload are never reused)."""
+        data = [[s.context, s.question, s.answers, s.task, s.target_length] for s in self.samples]
+        digest = hashlib.sha256(json.dumps([data, self.kl_pairs]).encode())
+        return digest.hexdigest()[:16]
 
-def _full_cache_bytes(model, n_tokens: int) -> int:
-    """Bytes of an uncompressed K+V cache of ``n_tokens`` in the model's dtype."""
+
+PROTOCOLS = ("agnostic", "aware")
+
+
+def fp16_bytes_per_token(model) -> int:
+    """Bytes per token of an uncompressed K+V cache in fp16 (all layers and KV heads): the equal-bytes yardstick."""
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    elt = next(model.parameters()).element_size()
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * n_tokens * elt
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
 
 
 @torch.no_grad()
@@ -84,78 +107,147 @@ def decode_rate(model, cache, first_token: torch.Tensor, steps: int = 16) -> flo
         cache.rollback(length)
 
 
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
 @torch.no_grad()
-def evaluate(
+def evaluate_samples(
     model,
     tokenizer,
     compressor: Compressor,
-    work: Workload,
-    full_logits: Sequence[torch.Tensor] | None = None,
-) -> tuple[Row, list[torch.Tensor]]:
-    """Evaluate one compressor; returns its row and its continuation logits (the reference for others when
-    ``compressor`` is the full cache)."""
+    samples: Sequence[TaskSample],
+    protocol: str = "agnostic",
+    tick: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """Answer every sample through ``compressor``'s cache; per-sample scores, bytes and timings.
+
+    Parameters
+    ----------
+    model, tokenizer
+        A causal LM supported by :mod:`kv_hf` and its tokenizer.
+    compressor : kvcore.Compressor
+        Built fresh per cell (a cache is built per sample).
+    samples : sequence of TaskSample
+        Context (compressed), question (appended), answers (scored by :func:`kvbench.tasks.score`).
+    protocol : {"agnostic", "aware"}
+        Whether the question is compressed with the context (``"aware"``: all of it but its last token).
+    tick : callable, optional
+        Called after each sample (progress).
+    """
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     device = next(model.parameters()).device
-    row = Row(method=compressor.name or type(compressor.scorer).__name__, ratio=compressor.budget.ratio or 0.0)
-    acc: dict[str, list[float]] = {}
-    kv_bytes, kv_frac, prefill_s, compress_s, peaks, rates = [], [], [], [], [], []
     eos = getattr(tokenizer, "eos_token_id", None)
-    for s in work.samples:
-        ids = torch.tensor([tokenizer.encode(s.context, add_special_tokens=True)], device=device)
-        q = torch.tensor([tokenizer.encode(s.question, add_special_tokens=False)], device=device)
+    out: dict[str, Any] = {k: [] for k in ("scores", "tasks", "kv_bytes", "tokens", "prefill_s", "compress_s", "peak")}
+    out["decode_tok_s"] = None
+    for s in samples:
+        ctx = tokenizer.encode(s.context, add_special_tokens=True)
+        q = tokenizer.encode(s.question, add_special_tokens=False)
+        if not q:
+            raise ValueError(f"sample of task {s.task!r} has an empty question")
+        prompt, ask = (ctx + q[:-1], q[-1:]) if protocol == "aware" else (ctx, q)
+        ids = torch.tensor([prompt], device=device)
         cache, last, t, tc, peak = _prefill(model, tokenizer, compressor, ids)
-        kv_bytes.append(cache.nbytes())  # before any decode step (appends reserve growth slack in the Stores)
-        kv_frac.append(cache.nbytes() / _full_cache_bytes(model, ids.shape[1]))
-        if not rates:  # one measurement per method: 16 steps over the first sample's compressed context
-            rates.append(decode_rate(model, cache, last.argmax(-1)))
-        prefill_s.append(t)
-        compress_s.append(tc)
-        peaks.append(peak)
-        out = generate_answer(model, cache, q, s.max_new_tokens, eos_token_id=eos)
-        text = tokenizer.decode(out[0].tolist(), skip_special_tokens=True)
-        acc.setdefault(f"{s.task}@{s.target_length}", []).append(score(text, s))
-    logits_out, kls, nlls = [], [], []
-    for i, (ctx_ids, cont_ids) in enumerate(work.kl_pairs):
+        out["kv_bytes"].append(cache.nbytes())  # before any decode step (appends reserve growth slack)
+        out["tokens"].append(len(prompt))
+        if out["decode_tok_s"] is None:  # one measurement per cell: 16 steps over the first compressed context
+            out["decode_tok_s"] = decode_rate(model, cache, last.argmax(-1))
+        out["prefill_s"].append(t)
+        out["compress_s"].append(tc)
+        out["peak"].append(peak)
+        answer = generate_answer(model, cache, torch.tensor([ask], device=device), s.max_new_tokens, eos_token_id=eos)
+        text = tokenizer.decode(answer[0].tolist(), skip_special_tokens=True)
+        out["scores"].append(score(text, s))
+        out["tasks"].append(f"{s.task}@{s.target_length}")
+        if tick is not None:
+            tick()
+    return out
+
+
+@torch.no_grad()
+def evaluate_windows(
+    model,
+    tokenizer,
+    compressor: Compressor,
+    pairs: Sequence[tuple[list[int], list[int]]],
+    reference: Sequence[torch.Tensor] | None = None,
+    tick: Callable[[], None] | None = None,
+) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Teacher-forced continuations after compressed contexts: per-window KL(reference || compressed) and NLL.
+
+    Returns the per-window results and the continuation log-probabilities (the reference for the other cells
+    when ``compressor`` is the full cache).
+    """
+    device = next(model.parameters()).device
+    out: dict[str, Any] = {k: [] for k in ("kl", "nll", "kv_bytes", "tokens", "prefill_s", "compress_s", "peak")}
+    logprobs = []
+    for i, (ctx_ids, cont_ids) in enumerate(pairs):
         ids = torch.tensor([ctx_ids], device=device)
         cont = torch.tensor([cont_ids], device=device)
         cache, last, t, tc, peak = _prefill(model, tokenizer, compressor, ids)
-        kv_bytes.append(cache.nbytes())
-        kv_frac.append(cache.nbytes() / _full_cache_bytes(model, ids.shape[1]))
-        prefill_s.append(t)
-        compress_s.append(tc)
-        peaks.append(peak)
+        out["kv_bytes"].append(cache.nbytes())
+        out["tokens"].append(len(ctx_ids))
+        out["prefill_s"].append(t)
+        out["compress_s"].append(tc)
+        out["peak"].append(peak)
         pos = cache.next_positions().to(device)[:, None] + torch.arange(cont.shape[1] - 1, device=device)
         rest = model(input_ids=cont[:, :-1], past_key_values=cache, position_ids=pos, use_cache=True).logits
-        logits = torch.cat([last.reshape(1, 1, -1), rest], 1).float().log_softmax(-1)[0]  # [k, V]
-        logits_out.append(logits)
-        nlls.append(-logits.gather(-1, cont[0, :, None]).mean())
-        if full_logits is not None:
-            ref = full_logits[i]
-            kls.append((ref.exp() * (ref - logits)).sum(-1).mean())
-    row.accuracy = {k: sum(v) / len(v) for k, v in acc.items()}
-    row.samples = len(work.samples) + len(work.kl_pairs)
-    row.kv_bytes = sum(kv_bytes) / max(1, len(kv_bytes))
-    row.kv_fraction = sum(kv_frac) / max(1, len(kv_frac))
-    row.prefill_s = sum(prefill_s) / max(1, len(prefill_s))
-    row.compress_s = sum(compress_s) / max(1, len(compress_s))
-    known = [p for p in peaks if p is not None]
-    row.peak_bytes = max(known) if known else None
-    row.decode_tok_s = sum(rates) / len(rates) if rates else None
-    if nlls:
-        row.ppl = math.exp(float(torch.stack(nlls).mean()))
-    if kls:
-        row.kl = float(torch.stack(kls).mean())
-    return row, logits_out
+        lp = torch.cat([last.reshape(1, 1, -1), rest], 1).float().log_softmax(-1)[0]  # [k, V]
+        logprobs.append(lp)
+        out["nll"].append(float(-lp.gather(-1, cont[0, :, None]).mean()))
+        if reference is not None:
+            ref = reference[i]
+            out["kl"].append(float((ref.exp() * (ref - lp)).sum(-1).mean()))
+        if tick is not None:
+            tick()
+    if reference is None:
+        out["kl"] = None
+    return out, logprobs
+
+
+def _row(item: GridItem, protocol: str, tasks: dict | None, windows: dict | None, fp16_bpt: int) -> Row:
+    row = Row(method=item.name, budget=item.label, protocol=protocol)
+    kv, toks, pre, comp, peaks = [], [], [], [], []
+    for part in (tasks, windows):
+        if part:
+            kv += part["kv_bytes"]
+            toks += part["tokens"]
+            pre += part["prefill_s"]
+            comp += part["compress_s"]
+            peaks += [p for p in part["peak"] if p is not None]
+    if tasks:
+        row.scores = list(tasks["scores"])
+        by_task: dict[str, list[float]] = {}
+        for name, sc in zip(tasks["tasks"], tasks["scores"]):
+            by_task.setdefault(name, []).append(sc)
+        row.accuracy = {k: _mean(v) for k, v in by_task.items()}
+        row.decode_tok_s = tasks["decode_tok_s"]
+    if windows:
+        row.window_kl = windows["kl"]
+        row.kl = _mean(windows["kl"]) if windows["kl"] is not None else None
+        row.ppl = math.exp(_mean(windows["nll"])) if windows["nll"] else None
+    row.samples = len(row.scores) + (len(windows["nll"]) if windows else 0)
+    row.kv_bytes = _mean(kv)
+    row.bytes_per_token = _mean([b / t for b, t in zip(kv, toks)])
+    row.fp16_fraction = row.bytes_per_token / fp16_bpt
+    row.prefill_s, row.compress_s = _mean(pre), _mean(comp)
+    row.peak_bytes = max(peaks) if peaks else None
+    return row
 
 
 def run_grid(
     model,
     tokenizer,
     methods: dict[str, Method],
-    grid: list[tuple[str, Budget]],
+    grid: list[GridItem],
     work: Workload,
+    *,
+    protocols: Sequence[str] = ("agnostic",),
+    cache: CellCache | None = None,
     progress: bool = True,
 ) -> list[Row]:
-    """Evaluate the full cache first (the reference), then every (method name, budget) of ``grid``.
+    """Evaluate the full cache (the reference) and every grid item under every protocol; rows in grid order.
 
     Parameters
     ----------
@@ -163,42 +255,176 @@ def run_grid(
         A causal LM supported by :mod:`kv_hf` and its tokenizer.
     methods : dict of str to kvcore.registry.Method
         The registry (:func:`kvcore.registry.discover`); it must hold ``"full"`` (kv-baselines), the reference.
-    grid : list of (str, kvcore.Budget)
-        What to evaluate, e.g. from :func:`kvbench.methods.plan_grid`; ``"full"`` entries are the reference row.
+    grid : list of GridItem
+        From :func:`kvbench.methods.plan_grid`; bytes-per-token targets are matched here (:mod:`kvbench.match`)
+        on the first continuation window (else the first sample).
     work : Workload
         Task samples and continuation windows.
+    protocols : sequence of {"agnostic", "aware"}
+        Protocols of the task cells (the full cache compresses nothing, so its task cell is shared by both).
+    cache : CellCache, optional
+        Finished cells to reuse and where new ones are stored.
     progress : bool
-        Show a progress bar.
+        A tqdm bar over samples and windows of the cells still to run, with an ETA.
     """
     if "full" not in methods:
         raise ValueError("the registry must provide the 'full' method (kv-baselines) as the reference")
+    for p in protocols:
+        if p not in PROTOCOLS:
+            raise ValueError(f"protocols must be among {PROTOCOLS}, got {p!r}")
+    cache = cache if cache is not None else _MemoryCache()
+    fp16_bpt = fp16_bytes_per_token(model)
+    full = GridItem("full", methods["full"].default)
+    items = [full] + [g for g in grid if g.name != "full"]
+    items = [_resolve(model, tokenizer, methods, g, work, cache) for g in items]
+
+    def task_cell(item: GridItem, protocol: str) -> dict:
+        return {"kind": "tasks", "method": item.name, "budget": item.label, "protocol": protocol}
+
+    def kl_cell(item: GridItem) -> dict:
+        return {"kind": "kl", "method": item.name, "budget": item.label}
+
+    def protocols_of(item: GridItem) -> list[str]:
+        return ["any"] if item.name == "full" else list(protocols)
+
+    todo = 0
+    for item in items:
+        if item.budget is None:
+            continue
+        if work.samples:
+            todo += sum(len(work.samples) for p in protocols_of(item) if cache.get(task_cell(item, p)) is None)
+        if work.kl_pairs and cache.get(kl_cell(item)) is None:
+            todo += len(work.kl_pairs)
+    need_ref = work.kl_pairs and any(cache.get(kl_cell(i)) is None for i in items if i.budget is not None)
+    if need_ref:
+        todo += len(work.kl_pairs)  # the full cache's continuations, recomputed as the KL reference
+    bar = tqdm(total=todo, desc="kvbench", unit="unit", disable=not progress)
+    tick = bar.update
+    ref_logprobs = None
+    if need_ref:
+        bar.set_postfix_str("full (KL reference)")
+        t_cell = time.perf_counter()
+        res, ref_logprobs = evaluate_windows(model, tokenizer, methods["full"].build(), work.kl_pairs, tick=tick)
+        res["kl"] = [0.0] * len(work.kl_pairs)
+        res["elapsed_s"] = time.perf_counter() - t_cell
+        cache.put(kl_cell(full), res)
+
     rows: list[Row] = []
-    bar = tqdm(total=len(grid) + 1, desc="kvbench", disable=not progress)
-    ref_row, ref_logits = evaluate(model, tokenizer, methods["full"].build(), work)
-    ref_row.kl = 0.0 if work.kl_pairs else None
-    rows.append(ref_row)
-    bar.update()
-    for name, budget in grid:
-        if name == "full":
-            bar.update()
+    for item in items:
+        if item.budget is None:  # a bytes target no budget of the method could meet
+            rows += [Row(method=item.name, budget=item.label, protocol=p, error=item.target_error) for p in protocols]
             continue
-        ratio = budget.ratio or 0.0
-        bar.set_postfix_str(f"{name}@{ratio:g}")
         try:
-            row, _ = evaluate(model, tokenizer, methods[name].build(budget), work, ref_logits)
-        except (ValueError, LookupError) as exc:  # a configuration refused (budget below the protected window, no base)
-            rows.append(Row(method=name, ratio=ratio, error=str(exc)))
-            bar.update()
+            windows = None
+            if work.kl_pairs:
+                windows = cache.get(kl_cell(item))
+                if windows is None:
+                    bar.set_postfix_str(f"{item.name} {item.label} KL")
+                    t_cell = time.perf_counter()
+                    windows, _ = evaluate_windows(
+                        model, tokenizer, methods[item.name].build(item.budget), work.kl_pairs, ref_logprobs, tick=tick
+                    )
+                    windows["elapsed_s"] = time.perf_counter() - t_cell
+                    cache.put(kl_cell(item), windows)
+            if "error" in (windows or {}):
+                raise ValueError(windows["error"])
+            per_protocol = {}
+            for p in protocols_of(item):
+                tasks = None
+                if work.samples:
+                    tasks = cache.get(task_cell(item, p))
+                    if tasks is None:
+                        bar.set_postfix_str(f"{item.name} {item.label} {p}")
+                        t_cell = time.perf_counter()
+                        try:
+                            tasks = evaluate_samples(
+                                model,
+                                tokenizer,
+                                methods[item.name].build(item.budget),
+                                work.samples,
+                                "agnostic" if p == "any" else p,
+                                tick=tick,
+                            )
+                        except (ValueError, LookupError) as exc:  # refused: budget below the protected window ...
+                            cache.put(task_cell(item, p), {"error": str(exc)})
+                            raise
+                        tasks["elapsed_s"] = time.perf_counter() - t_cell
+                        cache.put(task_cell(item, p), tasks)
+                    if "error" in tasks:
+                        raise ValueError(tasks["error"])
+                per_protocol[p] = tasks
+        except (ValueError, LookupError) as exc:
+            if work.kl_pairs and cache.get(kl_cell(item)) is None:
+                cache.put(kl_cell(item), {"error": str(exc)})
+            rows += [Row(method=item.name, budget=item.label, protocol=p, error=str(exc)) for p in protocols]
             continue
-        row.method, row.ratio = name, ratio
-        rows.append(row)
-        bar.update()
+        for p in protocols:
+            row = _row(item, p, per_protocol.get("any", per_protocol.get(p)), windows, fp16_bpt)
+            if item.target is not None:
+                row.matched = {"target_bytes_per_token": item.target.value, "calibration": item.calibration}
+            rows.append(row)
     bar.close()
     return rows
 
 
-def describe_machine() -> dict[str, Any]:
-    """CPU / GPU description for the results' metadata."""
+class _MemoryCache(CellCache):
+    """A cell cache that forgets everything when the run ends."""
+
+    def __init__(self) -> None:
+        self._cells: dict[str, dict] = {}
+
+    def get(self, cell):
+        return self._cells.get(json.dumps(cell, sort_keys=True))
+
+    def put(self, cell, result):
+        self._cells[json.dumps(cell, sort_keys=True)] = result
+
+
+@dataclass(frozen=True)
+class _Resolved(GridItem):
+    target_error: str | None = None
+    calibration: float | None = None
+
+
+def _resolve(model, tokenizer, methods: dict[str, Method], item: GridItem, work: Workload, cache) -> GridItem:
+    """Turn a bytes-per-token target into the method's closest budget (measured on one calibration prompt)."""
+    if item.budget is not None:
+        return item
+    target = item.target.value
+    cell = {"kind": "match", "method": item.name, "target": target}
+    found = cache.get(cell)
+    if found is None:
+        device = next(model.parameters()).device
+        if work.kl_pairs:
+            calib = work.kl_pairs[0][0]
+        elif work.samples:
+            calib = tokenizer.encode(work.samples[0].context, add_special_tokens=True)
+        else:
+            raise ValueError("a bytes-per-token budget needs a sample or a continuation window to calibrate on")
+        ids = torch.tensor([calib], device=device)
+        method = methods[item.name]
+
+        def measure(budget: Budget) -> float:
+            cache_ = _prefill(model, tokenizer, method.build(budget), ids)[0]
+            return cache_.nbytes() / ids.shape[1]
+
+        try:
+            m = match_budget(method, target, measure, context_tokens=ids.shape[1])
+            found = {"budget": _budget_dict(m.budget), "bytes_per_token": m.bytes_per_token}
+        except ValueError as exc:
+            found = {"error": str(exc)}
+        cache.put(cell, found)
+    if "error" in found:
+        return _Resolved(item.name, None, item.target, target_error=found["error"])
+    return _Resolved(item.name, Budget(**found["budget"]), item.target, calibration=found["bytes_per_token"])
+
+
+def _budget_dict(b: Budget) -> dict[str, Any]:
+    return {k: v for k, v in (("ratio", b.ratio), ("tokens", b.tokens), ("avg_bits", b.avg_bits)) if v is not None}
+
+
+def describe_machine(device: str = "cpu") -> dict[str, Any]:
+    """CPU / GPU description for the results' metadata: platform, CPU model, threads, load, the device's name."""
     import os
     import platform
 
@@ -209,8 +435,18 @@ def describe_machine() -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
     }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        info["cpu"] = platform.processor() or None
+    if hasattr(os, "getloadavg"):
+        info["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        info["device_name"] = torch.cuda.get_device_name(dev)
+    else:
+        info["device_name"] = f"CPU ({info.get('cpu') or platform.machine()}, {info['threads']} threads)"
     try:
         import transformers
 

@@ -6,13 +6,16 @@ fraction of ``answers`` found in the model's continuation. Lengths are measured 
 tokenizer; everything is deterministic given the seed.
 
 Tasks (:data:`TASKS`): ``passkey``, ``niah_single``, ``niah_multikey``, ``niah_multivalue``,
-``kv_retrieval``, ``variable_tracking``. Text for perplexity / KL: :func:`lee_background`,
+``kv_retrieval``, ``variable_tracking`` and the RULER families ``common_words`` (aggregation) and
+``passage_qa`` (a question about one corpus passage among others). Text for perplexity / KL: :func:`lee_background`,
 :func:`continuation_split`.
 """
 
+from kvbench.tasks.common_words import common_words
 from kvbench.tasks.haystack import BuiltContext, build_context
 from kvbench.tasks.kv_retrieval import kv_retrieval
 from kvbench.tasks.needle import niah_multikey, niah_multivalue, niah_single
+from kvbench.tasks.passage_qa import passage_qa
 from kvbench.tasks.passkey import FILLER, passkey
 from kvbench.tasks.registry import TASKS, make_tasks, sample_seed
 from kvbench.tasks.sample import TaskSample
@@ -28,6 +31,7 @@ __all__ = [
     "TaskSample",
     "TokenizerLike",
     "build_context",
+    "common_words",
     "contains_answer",
     "continuation_split",
     "count_tokens",
@@ -38,6 +42,7 @@ __all__ = [
     "niah_multikey",
     "niah_multivalue",
     "niah_single",
+    "passage_qa",
     "passkey",
     "sample_seed",
     "score",

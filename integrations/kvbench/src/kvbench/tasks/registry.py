@@ -6,8 +6,10 @@ import hashlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from kvbench.tasks.common_words import common_words
 from kvbench.tasks.kv_retrieval import kv_retrieval
 from kvbench.tasks.needle import niah_multikey, niah_multivalue, niah_single
+from kvbench.tasks.passage_qa import passage_qa
 from kvbench.tasks.passkey import passkey
 from kvbench.tasks.sample import TaskSample
 from kvbench.tasks.tokens import check_count, check_depth, check_length, check_tokenizer
@@ -21,6 +23,8 @@ TASKS: dict[str, Callable[..., TaskSample]] = {
     "niah_multivalue": niah_multivalue,
     "kv_retrieval": kv_retrieval,
     "variable_tracking": variable_tracking,
+    "common_words": common_words,
+    "passage_qa": passage_qa,
 }
 
 

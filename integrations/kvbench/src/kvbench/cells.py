@@ -1,0 +1,56 @@
+"""Resumable results: one JSON file per finished cell in the output folder; a rerun skips the cells it finds.
+
+A cell is one (method, budget, protocol) on the task samples, or one (method, budget) on the continuation
+windows. Its file name is a hash of everything that decides its result: the cell itself and the run's
+*context* (model, dtype, device, seed and a fingerprint of the exact samples and windows), so changing any of them
+recomputes instead of reusing a stale result. Files are written atomically (temporary file, then rename): an
+interrupted run leaves either a finished cell or none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CellCache"]
+
+
+class CellCache:
+    """Finished cells under ``folder`` for one run context.
+
+    Parameters
+    ----------
+    folder : Path
+        Where cell files live (created on first write).
+    context : dict
+        JSON-serialisable description of what every cell of this run depends on.
+    """
+
+    def __init__(self, folder: Path, context: dict[str, Any]) -> None:
+        self.folder = Path(folder)
+        self._context = json.dumps(context, sort_keys=True, default=str)
+
+    def _path(self, cell: dict[str, Any]) -> Path:
+        key = json.dumps(cell, sort_keys=True, default=str)
+        digest = hashlib.sha256(f"{self._context}\n{key}".encode()).hexdigest()[:24]
+        return self.folder / f"{digest}.json"
+
+    def get(self, cell: dict[str, Any]) -> dict[str, Any] | None:
+        """The stored result of ``cell``, or ``None`` when it has not finished (an unreadable file counts as none)."""
+        path = self._path(cell)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return data.get("result") if data.get("cell") == json.loads(json.dumps(cell, default=str)) else None
+
+    def put(self, cell: dict[str, Any], result: dict[str, Any]) -> None:
+        """Store ``result`` for ``cell`` atomically."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self._path(cell)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"cell": cell, "result": result}, default=str))
+        os.replace(tmp, path)

@@ -1,0 +1,116 @@
+"""Equal-bytes comparisons: pick, for one method, the budget whose held KV bytes come closest to a target.
+
+Methods that evict and methods that quantize mean different bytes by "ratio"; comparing them at equal *bytes
+actually held* (``CompressedCache.nbytes()``) is the fair axis. The search runs over the budget kinds the method's
+registry entry takes (average bits first, then ratio, then tokens): a coarse grid of candidates, then a bisection
+between the two candidates that bracket the target. Every candidate is measured, never predicted, so scales, zero
+points, positions and container overheads are counted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import pairwise
+
+from kvcore import Budget
+from kvcore.registry import Method
+
+__all__ = ["Match", "match_budget"]
+
+_GRIDS: dict[str, list[float]] = {
+    "avg_bits": [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0],
+    "ratio": [0.0, 0.25, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.925, 0.95, 0.975, 0.99],
+}
+
+
+@dataclass(frozen=True)
+class Match:
+    """The chosen budget, the bytes per token it holds and the target."""
+
+    budget: Budget
+    bytes_per_token: float
+    target: float
+    tried: int
+
+    @property
+    def relative_error(self) -> float:
+        return abs(self.bytes_per_token - self.target) / self.target
+
+
+def _make(kind: str, value: float) -> Budget:
+    if kind == "avg_bits":
+        return Budget(avg_bits=value)
+    if kind == "tokens":
+        return Budget(tokens=max(1, round(value)))
+    return Budget(ratio=value)
+
+
+def match_budget(
+    method: Method,
+    target: float,
+    measure: Callable[[Budget], float],
+    *,
+    context_tokens: int = 1000,
+    steps: int = 6,
+) -> Match:
+    """The budget of ``method`` whose measured bytes per token are closest to ``target``.
+
+    Parameters
+    ----------
+    method : kvcore.registry.Method
+        Its ``budgets`` say which kinds may be searched; a method taking none is returned at its default.
+    target : float
+        Bytes of KV cache held per context token, > 0.
+    measure : callable
+        ``measure(budget) -> bytes per token`` held after compressing a calibration prompt (the same for every
+        method); it may raise ``ValueError`` for a budget the method refuses (that candidate is skipped).
+    context_tokens : int
+        Length of the calibration prompt (bounds the token-budget search).
+    steps : int
+        Bisection steps after the grid.
+
+    Raises
+    ------
+    ValueError
+        A non-positive target, or a method that refused every candidate.
+    """
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not math.isfinite(target) or target <= 0:
+        raise ValueError(f"target must be a finite number of bytes per token > 0, got {target!r}")
+    if not method.budgets:
+        return Match(method.default, measure(method.default), float(target), 1)
+    kind = next(k for k in ("avg_bits", "ratio", "tokens") if k in method.budgets)
+    grid = _GRIDS.get(kind) or sorted({max(1, round(context_tokens * f)) for f in (0.01, 0.05, 0.1, 0.25, 0.5, 1.0)})
+    seen: dict[float, float] = {}
+    errors: list[str] = []
+
+    def probe(value: float) -> float | None:
+        if value not in seen:
+            try:
+                seen[value] = float(measure(_make(kind, value)))
+            except ValueError as exc:
+                errors.append(f"{kind}={value:g}: {exc}")
+                return None
+        return seen[value]
+
+    for v in grid:
+        probe(v)
+    if not seen:
+        raise ValueError(f"method {method.name!r} refused every {kind} budget tried: {errors[:3]}")
+    pts = sorted(seen.items())
+    for (v0, b0), (v1, b1) in pairwise(pts):
+        if min(b0, b1) <= target <= max(b0, b1) and b0 != b1:
+            lo, hi, blo = v0, v1, b0
+            for _ in range(steps):
+                mid = (lo + hi) / 2 if kind != "tokens" else round((lo + hi) / 2)
+                bm = probe(mid)
+                if bm is None or mid in (lo, hi):
+                    break
+                if (bm - target) * (blo - target) > 0:
+                    lo, blo = mid, bm
+                else:
+                    hi = mid
+            break
+    value, held = min(seen.items(), key=lambda kv: abs(kv[1] - target))
+    return Match(_make(kind, value), held, float(target), len(seen) + len(errors))

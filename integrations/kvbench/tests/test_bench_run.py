@@ -1,0 +1,223 @@
+"""kvbench's evaluation loop on a tiny random model: cells, protocols, resume, pairing, equal-bytes matching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvbench import cli
+from kvbench.budgets import parse_budgets
+from kvbench.cells import CellCache
+from kvbench.match import match_budget
+from kvbench.methods import GridItem
+from kvbench.paired import pair_rows
+from kvbench.report import Row
+from kvbench.run import Workload, evaluate_samples, fp16_bytes_per_token, run_grid
+from kvbench.tasks import TaskSample
+from kvcore import Budget
+from kvcore.registry import Method, discover
+
+
+def tiny_model() -> LlamaForCausalLM:
+    """A 2-layer, hidden-64, 4 q / 2 kv heads random Llama in float32 (SDPA, eval mode)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config).eval()
+
+
+class CharTokenizer:
+    """Bytes as tokens (the tiny model's vocabulary is 256)."""
+
+    eos_token_id = None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [min(ord(c), 255) for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def workload() -> Workload:
+    samples = [
+        TaskSample("the key is 42. " * 6, " key?", ["42"], max_new_tokens=3, task="toy", target_length=100),
+        TaskSample("the key is 7. " * 6, " the key?", ["7"], max_new_tokens=3, task="toy", target_length=100),
+    ]
+    g = torch.Generator().manual_seed(0)
+    pairs = [(torch.randint(3, 256, (48,), generator=g).tolist(), torch.randint(3, 256, (8,), generator=g).tolist())]
+    pairs.append(
+        (torch.randint(3, 256, (48,), generator=g).tolist(), torch.randint(3, 256, (8,), generator=g).tolist())
+    )
+    return Workload(samples, pairs)
+
+
+GRID = [GridItem("streaming_llm", Budget(ratio=0.5)), GridItem("knorm", Budget(ratio=0.5))]
+
+
+class Recording(CellCache):
+    def __init__(self, folder, context):
+        super().__init__(folder, context)
+        self.puts = 0
+
+    def put(self, cell, result):
+        self.puts += 1
+        super().put(cell, result)
+
+
+def test_rows_carry_per_unit_results_and_a_rerun_reuses_every_cell(tmp_path):
+    model, tok, registry, work = tiny_model(), CharTokenizer(), discover(), workload()
+    cache = Recording(tmp_path, {"work": work.fingerprint()})
+    rows = run_grid(model, tok, registry, GRID, work, protocols=["agnostic", "aware"], cache=cache, progress=False)
+    assert [(r.method, r.budget, r.protocol) for r in rows] == [
+        (m, b, p)
+        for m, b in [("full", "r0"), ("streaming_llm", "r0.5"), ("knorm", "r0.5")]
+        for p in ("agnostic", "aware")
+    ]
+    assert all(len(r.scores) == 2 and len(r.window_kl) == 2 for r in rows)
+    assert rows[0].window_kl == [0.0, 0.0] and all(k > 0 for k in rows[2].window_kl)
+    assert rows[2].window_kl == rows[3].window_kl  # windows have no question: one KL cell per (method, budget)
+    # aware compresses the question with the context: more tokens in, so a ratio budget holds more bytes
+    assert rows[3].kv_bytes > rows[2].kv_bytes
+    full_bpt = fp16_bytes_per_token(model)
+    assert rows[2].fp16_fraction == pytest.approx(rows[2].bytes_per_token / full_bpt)
+    assert rows[2].bytes_per_token < rows[0].bytes_per_token
+    first = cache.puts
+    assert first == 2 + 2 * 3  # full: tasks (shared by both protocols) + KL; each method: 2 protocols + KL
+    again = Recording(tmp_path, {"work": work.fingerprint()})
+    rows2 = run_grid(model, tok, registry, GRID, work, protocols=["agnostic", "aware"], cache=again, progress=False)
+    assert again.puts == 0
+    assert [(r.scores, r.window_kl, r.kv_bytes) for r in rows2] == [(r.scores, r.window_kl, r.kv_bytes) for r in rows]
+    other = Recording(tmp_path, {"work": "another workload"})  # a different context never reuses a cell
+    run_grid(model, tok, registry, GRID[:1], work, cache=other, progress=False)
+    assert other.puts == 2 + 2
+
+
+def test_paired_rows_against_the_full_cache_and_a_named_base():
+    model, tok, registry, work = tiny_model(), CharTokenizer(), discover(), workload()
+    rows = run_grid(model, tok, registry, GRID, work, progress=False)
+    pair_rows(rows, "full")
+    assert rows[1].reference == "full r0"
+    assert rows[1].d_kl.mean == pytest.approx(rows[1].kl)  # vs the full cache, whose KL is 0 on every window
+    assert rows[1].d_acc.mean == pytest.approx(sum(rows[1].scores) / 2 - sum(rows[0].scores) / 2)
+    pair_rows(rows, "streaming_llm")
+    assert rows[2].reference == "streaming_llm r0.5"
+    expect = sum(a - b for a, b in zip(rows[2].window_kl, rows[1].window_kl)) / 2
+    assert rows[2].d_kl.mean == pytest.approx(expect)
+    with pytest.raises(ValueError, match="no row of method 'snapkv'"):
+        pair_rows(rows, "snapkv")
+
+
+def test_a_refused_budget_is_a_row_with_its_reason_and_is_not_retried(tmp_path):
+    model, tok, work = tiny_model(), CharTokenizer(), workload()
+    registry = discover()
+
+    def refuse(budget):
+        raise ValueError("budget below the protected count")
+
+    registry["refuser"] = Method("refuser", refuse, "always refuses")
+    cache = Recording(tmp_path, {})
+    rows = run_grid(model, tok, registry, [GridItem("refuser", Budget(ratio=0.5))], work, cache=cache, progress=False)
+    assert rows[1].error == "budget below the protected count"
+    again = Recording(tmp_path, {})
+    rows = run_grid(model, tok, registry, [GridItem("refuser", Budget(ratio=0.5))], work, cache=again, progress=False)
+    assert again.puts == 0 and rows[1].error == "budget below the protected count"
+
+
+def test_unknown_protocol_is_refused():
+    with pytest.raises(ValueError, match="protocol must be one of"):
+        evaluate_samples(tiny_model(), CharTokenizer(), discover()["full"].build(), workload().samples, "sideways")
+
+
+def _fake(kinds):
+    return Method("fake", lambda b: None, "fake", budgets=frozenset(kinds))
+
+
+def test_match_budget_finds_the_closest_measured_budget():
+    # held bytes fall linearly with the ratio: 1000 * (1 - r); the 400 B/token target is r = 0.6
+    m = match_budget(_fake({"ratio", "tokens"}), 400.0, lambda b: 1000 * (1 - b.ratio))
+    assert m.budget.ratio == pytest.approx(0.6, abs=0.01) and m.relative_error < 0.03
+    # average bits are searched before ratio: 100 B/token per bit plus a fixed 30; 305 B is 2.75 bits
+    m = match_budget(_fake({"ratio", "avg_bits"}), 305.0, lambda b: 100 * b.avg_bits + 30)
+    assert m.budget.avg_bits == pytest.approx(2.75, abs=0.02)
+
+    def refuses_low(b):  # a method that refuses budgets under 2 bits: they are skipped, not fatal
+        if b.avg_bits < 2:
+            raise ValueError("too few bits")
+        return 100 * b.avg_bits
+
+    assert match_budget(_fake({"avg_bits"}), 50.0, refuses_low).budget.avg_bits == 2.0
+    with pytest.raises(ValueError, match="refused every avg_bits budget"):
+        match_budget(_fake({"avg_bits"}), 50.0, lambda b: (_ for _ in ()).throw(ValueError("no")))
+    with pytest.raises(ValueError, match="target must be"):
+        match_budget(_fake({"ratio"}), 0.0, lambda b: 1.0)
+
+
+@pytest.mark.filterwarnings("ignore:.*too short for the budget")  # the grid's high ratios on a 48-token prompt
+def test_match_bytes_through_run_grid_uses_real_held_bytes():
+    model, tok, registry, work = tiny_model(), CharTokenizer(), discover(), workload()
+    full = fp16_bytes_per_token(model) * 2  # the tiny model runs in float32: twice the fp16 bytes per token
+    target = 0.4 * full
+    grid = [GridItem("streaming_llm", None, parse_budgets(f"{target}bpt")[0])]
+    rows = run_grid(model, tok, registry, grid, work, progress=False)
+    assert rows[1].matched["target_bytes_per_token"] == target
+    assert abs(rows[1].matched["calibration"] - target) / target < 0.1  # within a grid/bisection step
+    assert rows[1].budget.startswith("r")
+
+
+def test_cli_validates_everything_before_loading_the_model(monkeypatch, capsys):
+    import kvbench.models
+
+    def boom(*a, **k):
+        raise AssertionError("the model must not be loaded for a bad option")
+
+    monkeypatch.setattr(kvbench.models, "load_smollm2", boom)
+    for argv, needle in [
+        (["--tasks", "bogus"], "valid: "),
+        (["--methods", "nope"], "registered:"),
+        (["--budgets", "abc"], "is not a budget"),
+        (["--reference", "nope"], "--reference: unknown method"),
+        (["--reference", "snapkv", "--methods", "knorm"], "must also be among --methods"),
+        (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "tpu"], "--device"),
+    ]:
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and needle in err, (argv, err)
+    for argv in (["--lengths", "abc"], ["--depths", "2"], ["--samples", "0"], ["--protocol", "x"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.parse_args(argv)
+        assert exc.value.code == 2
+        assert "Traceback" not in capsys.readouterr().err
+
+
+def test_help_shows_defaults_without_markup(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "``" not in text and ":func:" not in text
+    assert "(default: agnostic)" in text and "(default: quick)" in text and "quick 1000, paper 2000" in text
+    assert "381 s measured" in text
+
+
+def test_profiles_fill_defaults_and_options_override():
+    quick = cli.parse_args([])
+    assert (quick.lengths, quick.samples, quick.kl_samples) == ([1000], 1, 2)
+    paper = cli.parse_args(["--profile", "paper"])
+    assert paper.lengths == [2000] and paper.kl_samples >= 32 and paper.kl_context >= 1000
+    assert len(paper.depths) * paper.samples >= 50
+    assert cli.parse_args(["--profile", "paper", "--kl-samples", "3"]).kl_samples == 3
+
+
+def test_rows_of_the_reference_are_skipped_when_pairing():
+    rows = [Row("full", scores=[1.0, 0.0], window_kl=[0.0, 0.0]), Row("x", "r0.5", scores=[0.0, 0.0])]
+    pair_rows(rows)
+    assert rows[0].d_acc is None and rows[1].d_acc.mean == -0.5 and rows[1].kl_ci is None
