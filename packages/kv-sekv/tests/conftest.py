@@ -1,7 +1,9 @@
 """Test configuration for kv-sekv: the Triton interpreter when CUDA is absent (set before triton is imported), and
-one torch thread for the tiny tensors of these tests."""
+one torch thread for the tiny tensors of these tests; ``sekv_testkit`` importable under ``--import-mode=importlib``."""
 
 import os
+import sys
+from pathlib import Path
 
 import torch
 
@@ -9,6 +11,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(autouse=True)

@@ -44,20 +44,22 @@ def test_segment_invariants(h, thr, min_span, window):
 
 
 @settings(max_examples=40, deadline=None)
-@given(seqs, st.floats(0.05, 1.0), st.floats(0.0, 0.5))
-def test_default_rule_fits_the_budget_or_raises(h, budget, summary_cost):
-    """strict=False: the persistent part (resident tokens + coarse entries + summaries) fits the capacity, and the
-    α used is at least the configured one; otherwise a ValueError explains the budget."""
+@given(seqs, st.floats(0.05, 1.0), st.floats(0.0, 0.5), st.sampled_from((0.0, 0.25, 0.5)))
+def test_default_rule_fits_the_budget_or_raises(h, budget, summary_cost, zoom_share):
+    """strict=False: the persistent part (resident tokens + coarse entries + summaries) fits the capacity less the
+    zoom-in reserve, and the α used is at least the configured one; otherwise a ValueError explains the budget."""
     n = h.numel()
     cap = int(n * budget)
     try:
-        seg = fit_segmentation(h, alpha=1.0, min_span=3, window=8, capacity=cap, summary_cost=summary_cost)
+        seg = fit_segmentation(
+            h, alpha=1.0, min_span=3, window=8, capacity=cap, summary_cost=summary_cost, zoom_share=zoom_share
+        )
     except ValueError as err:
         assert "budget too small" in str(err)
         return
-    assert seg.cost <= cap
+    assert seg.cost <= cap * (1 - zoom_share)
     assert seg.alpha >= 1.0 - 1e-9
-    assert seg.window <= 0.5 * cap
+    assert seg.window <= 0.25 * cap
     resident = int((seg.span_id < 0).sum())
     assert seg.cost == pytest.approx(resident + seg.n_spans * (1 + summary_cost))
 

@@ -56,9 +56,12 @@ class SEKVConfig:
         paper, this is our choice). In [0, 1).
     budget : float, default 0.1
         Accelerator budget as a fraction of the full KV cache (§4.1). In (0, 1].
-    window_share : float, default 0.5
+    window_share : float, default 0.25
         Only with ``strict=False`` (our choice, the paper gives none): the window is shrunk to at most this share of
         the budget, since w = 512 alone exceeds 10 % of a 4K context. In (0, 1].
+    zoom_share : float, default 0.25
+        Only with ``strict=False`` (our choice): the share of the budget kept free for the spans reconstructed at a
+        decoding step; α is raised until the persistent part fits the rest. In [0, 1).
     lambda_zoom, lambda_recon, lambda_budget : float, default 1.0, 0.5, 0.1
         ``λ1, λ2, λ3`` of the training loss (Eq. 10). >= 0.
     beta : float, default 0.1
@@ -84,7 +87,8 @@ class SEKVConfig:
     tau_init: float = 0.05
     gate_eps: float = 0.05
     budget: float = 0.1
-    window_share: float = 0.5
+    window_share: float = 0.25
+    zoom_share: float = 0.25
     lambda_zoom: float = 1.0
     lambda_recon: float = 0.5
     lambda_budget: float = 0.1
@@ -101,6 +105,7 @@ class SEKVConfig:
             "gate_eps": (0.0, 1.0, True),
             "budget": (0.0, 1.0, False),
             "window_share": (0.0, 1.0, False),
+            "zoom_share": (0.0, 1.0, True),
             "lambda_zoom": (0.0, None, True),
             "lambda_recon": (0.0, None, True),
             "lambda_budget": (0.0, None, True),

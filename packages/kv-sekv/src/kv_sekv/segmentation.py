@@ -9,8 +9,9 @@ Budget rule. The paper's budget (§3.3) is the peak accelerator-resident KV, "in
 summaries, coarse means, and any spans reconstructed at that step". With the paper's α = 1 and w = 512 the
 persistent part alone can exceed a 10 % budget, so (our choice) ``strict=True`` applies α and w literally and
 reports the budget actually used, while the default shrinks the window to ``window_share`` of the budget and raises
-α per sequence (a bisection over the surprisal values) until the persistent part fits; when even no anchor but the
-first token does not fit, it raises ``ValueError``.
+α per sequence (a bisection over the surprisal values) until the persistent part fits in the budget less a
+``zoom_share`` reserved for the spans reconstructed at a decoding step; when even no anchor but the first token does
+not fit, it raises ``ValueError``.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def fit_segmentation(
     capacity: int,
     summary_cost: float = 0.0,
     strict: bool = False,
-    window_share: float = 0.5,
+    window_share: float = 0.25,
+    zoom_share: float = 0.0,
     forced: torch.Tensor | None = None,
 ) -> Segmentation:
     """Segment one sequence under the budget rule (module docstring).
@@ -149,6 +151,9 @@ def fit_segmentation(
         Apply α and w literally (the budget used may exceed ``capacity``; see :attr:`Segmentation.used`).
     window_share : float
         With ``strict=False``: the window is at most this share of ``capacity``.
+    zoom_share : float
+        With ``strict=False``: the share of ``capacity`` kept free for reconstructed spans (the persistent part must
+        fit ``(1 − zoom_share) · capacity``).
     forced : Tensor, optional
         ``[n]`` bool tokens that are always anchors (protected tokens).
 
@@ -160,6 +165,7 @@ def fit_segmentation(
     h = h.float()
     n = h.numel()
     mu, sigma = _stats(h)
+    limit = capacity * (1.0 - zoom_share)
     if not strict:
         window = min(window, math.floor(window_share * capacity))
 
@@ -169,36 +175,37 @@ def fit_segmentation(
         return Segmentation(span_id, anchors, n_spans, a, window, cost, capacity)
 
     seg = build(mu + alpha * sigma, alpha)
-    if strict or seg.cost <= capacity:
+    if strict or seg.cost <= limit:
         return seg
     body = h[1 : max(1, n - window)]
     thr0 = mu + alpha * sigma
     cands = torch.unique(body[body > thr0]).tolist()  # ascending; raising the threshold to c drops anchors <= c
     if not cands:
-        raise ValueError(_nothing_fits(seg, capacity, n))
+        raise ValueError(_nothing_fits(seg, limit, n))
 
     def at(k: int) -> Segmentation:
         return build(cands[k], (cands[k] - mu) / sigma if sigma > 0 else alpha)
 
     hi = len(cands) - 1
     best = at(hi)
-    if best.cost > capacity:
-        raise ValueError(_nothing_fits(best, capacity, n))
+    if best.cost > limit:
+        raise ValueError(_nothing_fits(best, limit, n))
     lo = -1  # cost(lo) does not fit (lo = -1 is the configured α)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         s = at(mid)
-        if s.cost <= capacity:
+        if s.cost <= limit:
             hi, best = mid, s
         else:
             lo = mid
     return best
 
 
-def _nothing_fits(seg: Segmentation, capacity: int, n: int) -> str:
+def _nothing_fits(seg: Segmentation, limit: float, n: int) -> str:
     return (
-        f"SEKV budget too small: the budget keeps {capacity} of {n} tokens per KV head, but the always-resident part "
+        f"SEKV budget too small: the budget leaves {limit:.1f} of {n} tokens per KV head for the always-resident part "
+        f"(the budget {seg.capacity} less the share reserved for zoom-in), but it "
         f"needs {seg.cost:.1f} (window {seg.window}, {seg.n_spans} spans with their coarse entries and summaries, "
-        "anchors and short spans) even with no anchor but the first token; raise the budget, lower min_span or "
-        "window_share, or pass strict=True to apply α and w literally"
+        "anchors and short spans) even with no anchor but the first token; raise the budget, lower min_span, "
+        "window_share or zoom_share, or pass strict=True to apply α and w literally"
     )

@@ -92,6 +92,7 @@ class SpanSelector(Selector):
                 summary_cost=summary_cost,
                 strict=self.strict,
                 window_share=self.config.window_share,
+                zoom_share=self.config.zoom_share,
                 forced=forced,
             )
             span_id[b, idx] = seg.span_id
