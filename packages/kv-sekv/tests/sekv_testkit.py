@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcore import ScoringContext
 from kv_sekv import SEKVConfig, SEKVRouter, sekv
+from kvcore import ScoringContext
 
 SMALL = SEKVConfig(window=4, min_span=3, max_rank=8, proj_dim=8)
 

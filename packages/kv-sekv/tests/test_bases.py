@@ -28,7 +28,7 @@ def test_gated_reconstruction_error_is_tail_energy(L, D, rank, seed):
     torch.testing.assert_close(((rank_R - gated) ** 2).sum(), reconstruction_error(s, m), rtol=1e-4, atol=1e-4)
     full = torch.linalg.svdvals(x)
     torch.testing.assert_close(((x - rank_R) ** 2).sum(), (full[R:] ** 2).sum(), rtol=1e-3, atol=1e-4)
-    if R == min(L, D):
+    if min(L, D) == R:
         torch.testing.assert_close(rank_R, x, rtol=1e-4, atol=1e-4)
 
 

@@ -96,7 +96,7 @@ def test_each_span_appears_once_per_head(args):
             pos = view.positions[b, h]
             bias = view.logit_bias[b, h]
             held = {int(p): float(bb) for p, bb in zip(pos, bias) if p >= 0}
-            for s, tp in enumerate(sp.token_pos[b]):
+            for _s, tp in enumerate(sp.token_pos[b]):
                 tokens = [int(p) for p in tp]
                 inside = [p in held for p in tokens]
                 if all(inside):
@@ -111,24 +111,37 @@ def test_each_span_appears_once_per_head(args):
 def test_cap_keeps_the_highest_gates_within_the_budget(budget, B, group, seed):
     """Spans to expand are {α̃ > τ} (Eq. 9, GQA union), cut to the longest prefix of descending gate whose tokens fit
     what the budget leaves after the persistent part; recomputed here from W, τ and the coarse keys."""
-    store, x, q, r = _store(budget, B, group, 0.05, seed, T=96, config=ZOOM)
+    store, _x, q, r = _store(budget, B, group, 0.05, seed, T=96, config=ZOOM)
     store.read(q)
     sp = store._spans
     W, tau = r.W[0].detach(), r.tau[0].detach()
     Hkv = 2
     summ = routing_summaries(sp.coarse_k.float(), W)
-    gate = torch.sigmoid((q @ W.transpose(-1, -2)) @ summ.transpose(-1, -2) / math.sqrt(W.shape[1])
-                         + torch.log(sp.length.clamp_min(1).float())[:, None, None, :])
+    gate = torch.sigmoid(
+        (q @ W.transpose(-1, -2)) @ summ.transpose(-1, -2) / math.sqrt(W.shape[1])
+        + torch.log(sp.length.clamp_min(1).float())[:, None, None, :]
+    )
     z = (gate > tau[None, :, None, None]) & (sp.length > 0)[:, None, None, :]
     zk = z.reshape(B, Hkv, -1, sp.length.shape[1]).any(2)
     prio = torch.where(z, gate, -1).reshape(B, Hkv, -1, sp.length.shape[1]).amax(2)
     view = store.read(q)
     cost = r.summary_cost(Hkv, 16)
     for b in range(B):
-        expanded = {(h, s) for h in range(Hkv) for s, tp in enumerate(sp.token_pos[b])
-                    if int(tp[0]) in set(view.positions[b, h].tolist())}
-        cand = sorted(((float(prio[b, h, s]), h * 100 + s) for h in range(Hkv) for s in range(len(sp.token_pos[b]))
-                       if zk[b, h, s]), key=lambda t: (-t[0], t[1]))
+        expanded = {
+            (h, s)
+            for h in range(Hkv)
+            for s, tp in enumerate(sp.token_pos[b])
+            if int(tp[0]) in set(view.positions[b, h].tolist())
+        }
+        cand = sorted(
+            (
+                (float(prio[b, h, s]), h * 100 + s)
+                for h in range(Hkv)
+                for s in range(len(sp.token_pos[b]))
+                if zk[b, h, s]
+            ),
+            key=lambda t: (-t[0], t[1]),
+        )
         room = Hkv * sp.capacity[b] - float(store._dense.seq_lengths()[b].sum()) - float(sp.alive[b].sum()) * (1 + cost)
         want, total = set(), 0
         for _, key in cand:
@@ -172,12 +185,21 @@ def _span_device_bytes(store):
     from kvcore.memory import storage_bytes
 
     sp = store._spans
-    return storage_bytes([sp.length, sp.last_pos, sp.alive, sp.coarse_k, sp.coarse_v, sp.summary,
-                          *[t for row in sp.token_pos for t in row]])
+    return storage_bytes(
+        [
+            sp.length,
+            sp.last_pos,
+            sp.alive,
+            sp.coarse_k,
+            sp.coarse_v,
+            sp.summary,
+            *[t for row in sp.token_pos for t in row],
+        ]
+    )
 
 
 def test_decoded_tokens_are_full_precision_and_crop_reorder_work():
-    store, x, q, _ = _store(1.0, 2, 2, 0.05, 5)
+    store, _x, q, _ = _store(1.0, 2, 2, 0.05, 5)
     g = torch.Generator().manual_seed(9)
     k, v = torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g)
     before = store.seq_lengths().clone()

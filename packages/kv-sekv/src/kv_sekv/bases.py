@@ -17,7 +17,7 @@ __all__ = ["SpanBasis", "factored_size", "reconstruction_error", "truncated_svd"
 
 
 def truncated_svd(x: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rank-``min(L, D, rank)`` SVD of ``x`` ``[..., L, D]`` in float32: ``(U [..., L, R], σ [..., R], Vᵀ [..., R, D])``.
+    """Rank-``min(L, D, rank)`` SVD of ``x`` ``[..., L, D]`` in float32: ``(U [.., L, R], σ [.., R], Vᵀ [.., R, D])``.
 
     Exact (``torch.linalg.svd``); Eq. 6 allows a randomized SVD, which pays only for spans far longer than the rank.
     """

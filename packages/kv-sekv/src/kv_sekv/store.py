@@ -134,7 +134,7 @@ class SEKVStore(Store):
             self._dense, self._spans, self.alpha, self.used = dense, None, [], []
             return
         check_tensor("keys", keys, ndim=4)
-        B, H, T, D = keys.shape
+        B, H, T, _D = keys.shape
         if tuple(plan.key_bits.shape) != (B, H, T):
             raise ValueError(f"plan must be a SpanPlan of shape [B={B}, H={H}, T={T}]")
         span_id = plan.span_id.to(keys.device)
@@ -247,7 +247,7 @@ class SEKVStore(Store):
         (``src`` = span index)."""
         base = self._dense.read()
         sp = self._spans
-        B, H, N, D = base.keys.shape
+        B, H, N, _D = base.keys.shape
         if sp is None:
             kind = torch.where(base.positions >= 0, 1, 0)
             return base, kind, torch.arange(N, device=base.keys.device).expand(B, H, N)
@@ -314,7 +314,7 @@ class SEKVStore(Store):
     def _expanded_tokens(self, expanded: torch.Tensor, device, dtype):
         """Reconstructed tokens of the expanded spans, per head, as ``(keys, values, positions)`` lists."""
         sp = self._spans
-        B, H, M = expanded.shape
+        B, H, _M = expanded.shape
         per_head = [[[] for _ in range(H)] for _ in range(B)]
         fetched = 0
         for b, s in {(b, s) for b, _, s in expanded.nonzero().tolist()}:
@@ -334,7 +334,7 @@ class SEKVStore(Store):
         base = self._dense.read()
         q = check_query(query, base.keys.shape[1], base.keys.shape[-1], base.keys.shape[0])
         expanded, stats = self._zoom(q)
-        view, kind, _ = self._coarse_view(expanded)
+        view, _kind, _ = self._coarse_view(expanded)
         per_head, stats.fetched_bytes = self._expanded_tokens(expanded, view.keys.device, view.keys.dtype)
         self.last_step = stats
         B, H, _, D = view.keys.shape
@@ -441,7 +441,7 @@ class SEKVStore(Store):
     def _drop_spans(self, drop: torch.Tensor) -> None:
         """Remove spans ``drop`` ``[B, M]`` (their coarse entries, summaries and CPU bases)."""
         sp = self._spans
-        B, M = drop.shape
+        B, _M = drop.shape
         keep = [[s for s in range(int((sp.length[b] > 0).sum())) if not bool(drop[b, s])] for b in range(B)]
         M2 = max((len(k) for k in keep), default=0)
         if M2 == 0:

@@ -29,7 +29,8 @@ def span_weights(h: torch.Tensor, span_id: torch.Tensor) -> torch.Tensor:
 
 
 def coarse_entries(x: torch.Tensor, span_id: torch.Tensor, weights: torch.Tensor, n_spans: int) -> torch.Tensor:
-    """Segmented weighted reduction: ``[Hkv, n, D]`` keys (or values) -> ``[Hkv, n_spans, D]`` float32 coarse entries."""
+    """Segmented weighted reduction: ``[Hkv, n, D]`` keys (or values) -> ``[Hkv, n_spans, D]`` float32 coarse
+    entries."""
     H, _, D = x.shape
     in_span = span_id >= 0
     out = torch.zeros(H, n_spans, D, dtype=torch.float32, device=x.device)

@@ -36,7 +36,7 @@ def biased_attention_torch(
     (out, lse)
         ``[B, Hq, Q, D]`` and ``[B, Hq, Q]`` float32; a row with no finite logit gives ``out = 0``, ``lse = -inf``.
     """
-    B, Hkv, N, D = keys.shape
+    B, Hkv, _N, D = keys.shape
     Hq, Q = query.shape[1], query.shape[2]
     g = Hq // Hkv
     q = query.float().reshape(B, Hkv, g * Q, D)

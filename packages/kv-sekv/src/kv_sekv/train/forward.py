@@ -82,7 +82,7 @@ def _attention(module: Any, query, key, value, attention_mask, scaling=None, dro
 
 def sekv_layer(state: SEKVTraining, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """``[B, Hq, T, D]`` attention output of one layer (module docstring); appends the layer's loss record."""
-    B, Hq, T, D = q.shape
+    B, Hq, T, _D = q.shape
     g = Hq // k.shape[1]
     c = state.split
     router = state.router
@@ -149,8 +149,10 @@ def _row(state, b, layer, q, k, v, kq, vq, scale, W, tau, rec):
             rec["recon_norm"].append((sig**2).sum())
             rec["m"].append(m.mean())
             rebuilt = (U * (m * sig)[..., None, :]) @ Vh  # [Hkv, n, L, D]
-            out = out.index_put((torch.arange(Hkv, device=q.device)[:, None, None], slots[None].expand(Hkv, -1, -1)),
-                                rebuilt.reshape(Hkv, len(grp), L, D))
+            out = out.index_put(
+                (torch.arange(Hkv, device=q.device)[:, None, None], slots[None].expand(Hkv, -1, -1)),
+                rebuilt.reshape(Hkv, len(grp), L, D),
+            )
             if is_value:
                 v_hat = out
             else:

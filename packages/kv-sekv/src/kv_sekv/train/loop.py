@@ -121,7 +121,11 @@ def losses(
             zoom_rate.setdefault(layer, []).extend(rates)
     zero = kl.new_zeros(())
     zoom = torch.stack(rec["zoom"]).mean() if rec["zoom"] else zero
-    recon = torch.stack(rec["recon"]).sum() / torch.stack(rec["recon_norm"]).sum().clamp_min(1e-12) if rec["recon"] else zero
+    recon = (
+        torch.stack(rec["recon"]).sum() / torch.stack(rec["recon_norm"]).sum().clamp_min(1e-12)
+        if rec["recon"]
+        else zero
+    )
     budget = (torch.stack(rec["z"]).mean() if rec["z"] else zero) + router.config.beta * (
         torch.stack(rec["m"]).mean() if rec["m"] else zero
     )
@@ -200,8 +204,16 @@ def train_router(
     model.eval()
     opt = torch.optim.AdamW(router.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(tc))
-    state: dict[str, Any] = {"step": 0, "history": [], "evals": [], "best": math.inf, "best_step": 0, "bad": 0,
-                             "best_state": None, "stopped_early": False}
+    state: dict[str, Any] = {
+        "step": 0,
+        "history": [],
+        "evals": [],
+        "best": math.inf,
+        "best_step": 0,
+        "bad": 0,
+        "best_state": None,
+        "stopped_early": False,
+    }
     ckpt = None if out_dir is None else Path(out_dir) / "checkpoint.pt"
     if ckpt is not None and resume and ckpt.is_file():
         saved = torch.load(ckpt, weights_only=False)
@@ -216,8 +228,16 @@ def train_router(
         if ckpt is None:
             return
         ckpt.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"router": router.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                    "state": state, "train_config": asdict(tc)}, ckpt)
+        torch.save(
+            {
+                "router": router.state_dict(),
+                "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(),
+                "state": state,
+                "train_config": asdict(tc),
+            },
+            ckpt,
+        )
 
     bar = _bar(tc.steps, state["step"], progress)
     done_here = 0
@@ -231,7 +251,7 @@ def train_router(
         terms["total"].backward()
         opt.step()
         sched.step()
-        state["history"].append({k: float(v) for k, v in terms.items()})
+        state["history"].append({k: float(v.detach()) for k, v in terms.items()})
         state["step"] = step + 1
         done_here += 1
         if bar is not None:
