@@ -16,7 +16,7 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
 
 
-@pytest.mark.parametrize(("B", "Hkv", "group", "Q", "N", "D"), [(1, 1, 1, 1, 5, 8), (2, 2, 2, 2, 70, 16)])
+@pytest.mark.parametrize(("B", "Hkv", "group", "Q", "N", "D"), [(1, 1, 1, 1, 5, 8), (2, 2, 2, 2, 40, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_biased_attention_matches_reference(B, Hkv, group, Q, N, D, dtype):
     """Random bias with -inf padding and log|S| entries, a head with no entry (lse -inf, out 0), bf16 inputs."""

@@ -52,7 +52,7 @@ def _store(budget, B, group, tau, seed, T=48, config=SMALL, gate_bias=30.0):
     return store, x, q, r
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(cases)
 def test_two_stage_merge_equals_one_softmax(args):
     """attend(q): Stage 1 (resident + coarse with log|S|) and Stage 2 (factored spans) merged by lse equal one softmax
@@ -106,7 +106,7 @@ def test_each_span_appears_once_per_head(args):
                     assert held[tokens[-1]] == pytest.approx(math.log(len(tokens)))
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(st.sampled_from((0.35, 0.5, 0.7)), st.integers(1, 2), st.sampled_from((1, 2)), st.integers(0, 999))
 def test_cap_keeps_the_highest_gates_within_the_budget(budget, B, group, seed):
     """Spans to expand are {α̃ > τ} (Eq. 9, GQA union), cut to the longest prefix of descending gate whose tokens fit

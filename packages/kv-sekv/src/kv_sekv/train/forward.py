@@ -67,6 +67,11 @@ class SEKVTraining:
     records: dict[str, list[torch.Tensor]] = field(
         default_factory=lambda: {"zoom": [], "recon": [], "recon_norm": [], "z": [], "m": []}
     )
+    svd_cache: dict | None = None
+    """Optional cache of span SVDs across steps, keyed by (sequence, layer, span length, keys/values): the factors
+    depend only on the frozen backbone and the sequence, not on the router."""
+    keys: list[bytes] | None = None
+    """Per batch row, a key identifying the sequence in ``svd_cache``."""
     zoom_rate: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     """Per layer, per batch row: the fraction of (query, span) pairs zoomed per query head ``[Hq]`` (Fig. 5)."""
 
@@ -143,7 +148,13 @@ def _row(state, b, layer, q, k, v, kq, vq, scale, W, tau, rec):
         idx = torch.stack([order[int(starts[s]) : int(starts[s]) + L] for s in grp.tolist()])
         slots = torch.stack([torch.arange(int(starts[s]), int(starts[s]) + L, device=q.device) for s in grp.tolist()])
         for x, out, is_value in ((k, k_hat, False), (v, v_hat, True)):
-            U, sig, Vh = (t.detach() for t in truncated_svd(x[:, idx], router.config.max_rank))
+            key = None if state.svd_cache is None or state.keys is None else (state.keys[b], layer, L, is_value)
+            if key is not None and key in state.svd_cache:
+                U, sig, Vh = state.svd_cache[key]
+            else:
+                U, sig, Vh = (t.detach() for t in truncated_svd(x[:, idx].detach(), router.config.max_rank))
+                if key is not None:
+                    state.svd_cache[key] = (U, sig, Vh)
             m = router.gate(sig, gsum[:, grp], is_value)  # [Hkv, n, R]
             rec["recon"].append(reconstruction_error(sig, m).sum())
             rec["recon_norm"].append((sig**2).sum())

@@ -102,15 +102,18 @@ def losses(
     tc: TrainConfig,
     lambda_budget: float,
     zoom_rate: dict[int, list[torch.Tensor]] | None = None,
+    svd_cache: dict | None = None,
 ) -> dict[str, torch.Tensor]:
     """The loss terms of Eq. 10 for a batch ``ids`` ``[B, T]`` (``"total"`` included); the per-layer zoom rates are
-    added to ``zoom_rate`` when given."""
+    added to ``zoom_rate`` when given; ``svd_cache`` keeps the span SVDs of each sequence across calls."""
     T = ids.shape[1]
     c = max(1, math.floor(tc.split * T))
     with torch.no_grad():
         teacher = model(ids).logits.float()
     h = surprisal_from_logits(teacher, ids)
     state = SEKVTraining(router, router.config, c, _segment(router, model, h, c), h[:, :c], tc.local_window)
+    if svd_cache is not None:
+        state.svd_cache, state.keys = svd_cache, [row.cpu().numpy().tobytes() for row in ids]
     with sekv_training(model, state):
         student = model(ids).logits[:, c:].float()
     logp_t = torch.log_softmax(teacher[:, c:], -1)
@@ -239,6 +242,7 @@ def train_router(
             ckpt,
         )
 
+    svd_cache: dict = {}  # span SVDs per training sequence (they do not depend on the router)
     bar = _bar(tc.steps, state["step"], progress)
     done_here = 0
     while state["step"] < tc.steps and not state["stopped_early"]:
@@ -246,7 +250,7 @@ def train_router(
         g = torch.Generator().manual_seed(tc.seed * 1_000_003 + step)
         rows = torch.randint(0, train.shape[0], (tc.batch_size,), generator=g)
         lam3 = router.config.lambda_budget * min(1.0, step / max(1.0, 0.5 * tc.steps))  # annealed from 0
-        terms = losses(model, router, train[rows], tc, lam3)
+        terms = losses(model, router, train[rows], tc, lam3, svd_cache=svd_cache)
         opt.zero_grad(set_to_none=True)
         terms["total"].backward()
         opt.step()
