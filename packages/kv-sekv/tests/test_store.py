@@ -256,3 +256,20 @@ def test_budget_outside_range_and_report():
         sekv(1.5, router())
     store, _, _ = written(0.5)
     assert 0 < store.used[0] <= 0.5 and store.alpha[0] >= 1.0
+
+
+def test_threaded_fetch_gives_the_same_result_and_counts_eq_20_bytes():
+    """fetch='thread' (factors fetched while Stage 1 runs) equals the synchronous path; the bytes fetched are those
+    of the expanded spans' per-head factors (Eq. 20)."""
+    r = router(Hq=4, Hkv=2, config=ZOOM, tau=0.05, seed=0)
+    x = context(T=96, seed=0)
+    q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(1)) * 3
+    sync = sekv(0.4, r, ZOOM).compress(x)
+    threaded = sekv(0.4, r, ZOOM, fetch="thread").compress(x)
+    a, b = sync.attend(q), threaded.attend(q)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert sync.last_step == threaded.last_step and sync.last_step.expanded > 0
+    sync.read(q)
+    assert sync.last_step.fetched_bytes == threaded.last_step.fetched_bytes
+    with pytest.raises(ValueError, match="fetch"):
+        sekv(0.4, r, ZOOM, fetch="stream")

@@ -23,6 +23,7 @@ def sekv(
     config: SEKVConfig | None = None,
     *,
     strict: bool = False,
+    fetch: str = "sync",
     name: str = "sekv",
 ) -> Compressor:
     """SEKV: surprisal segmentation, accelerator-resident summaries, CPU low-rank bases, trained zoom-in.
@@ -40,6 +41,8 @@ def sekv(
     strict : bool
         Apply α and w literally (``SpanPlan.used`` reports the budget used); default: raise α per sequence until
         the always-resident part fits (see :mod:`kv_sekv.segmentation`).
+    fetch : {"sync", "thread"}
+        How the store fetches the selected spans' CPU factors during ``attend`` (see :class:`~kv_sekv.SEKVStore`).
     name : str
         Display name.
 
@@ -55,13 +58,15 @@ def sekv(
         if isinstance(budget, bool) or not isinstance(budget, Real):
             raise TypeError(f"budget must be a number in (0, 1], got {type(budget).__name__}")
         config = dataclasses.replace(config, budget=float(budget))  # validated by SEKVConfig
+    if fetch not in ("sync", "thread"):
+        raise ValueError(f"fetch must be 'sync' or 'thread', got {fetch!r}")
     source = ShippedRouter() if router is None else router
     if not isinstance(source, RouterSource):
         raise TypeError(f"router must be a kv_sekv.SEKVRouter (or RouterSource), got {type(router).__name__}")
     return Compressor(
         scorer=SurprisalScorer(),
         selector=SpanSelector(config, strict, source),
-        store=functools.partial(SEKVStore, source, config),
+        store=functools.partial(SEKVStore, source, config, fetch),
         budget=Budget(ratio=max(0.0, 1.0 - config.budget)),
         protect=Protection(),
         name=name,

@@ -90,6 +90,9 @@ class SEKVStore(Store):
         The router (``W``, ``τ``, ``g_φ``); required to write a :class:`~kv_sekv.SpanPlan` with spans.
     config : SEKVConfig
         ``R_max`` and the gate-drop threshold ``ε`` (``gate_eps``).
+    fetch : {"sync", "thread"}
+        How ``attend`` fetches the selected spans' factors: synchronously after Stage 1, or on a worker thread while
+        Stage 1 runs (the overlap of §3.3; CUDA streams are not used yet). Same result either way.
     """
 
     supported_bits = frozenset({EVICT, FULL})
@@ -98,8 +101,11 @@ class SEKVStore(Store):
 
     router: RouterSource | None = None
     config: SEKVConfig = field(default_factory=SEKVConfig)
+    fetch: str = "sync"
 
     def __post_init__(self) -> None:
+        if self.fetch not in ("sync", "thread"):
+            raise ValueError(f"fetch must be 'sync' or 'thread', got {self.fetch!r}")
         if self.router is not None and not isinstance(self.router, RouterSource):
             raise TypeError(f"router must be a kv_sekv.SEKVRouter or RouterSource, got {type(self.router).__name__}")
         if not isinstance(self.config, SEKVConfig):
@@ -368,24 +374,32 @@ class SEKVStore(Store):
         if self._spans is None:
             return biased_attention(base.keys, base.values, base.logit_bias, q, scale)
         expanded, stats = self._zoom(q)
+        sp = self._spans
+        pairs = sorted({(b, h) for b, h, _ in expanded.nonzero().tolist()})
+        spans = {(b, h): expanded[b, h].nonzero()[:, 0].tolist() for b, h in pairs}
+
+        def fetch() -> dict:
+            return {
+                (b, h, s): (_factors(sp.key_basis[b][s], h, q.device), _factors(sp.value_basis[b][s], h, q.device))
+                for (b, h), ss in spans.items()
+                for s in ss
+            }
+
+        pending = _executor().submit(fetch) if self.fetch == "thread" and pairs else None
         view, _, _ = self._coarse_view(expanded)
-        stage1 = biased_attention(view.keys, view.values, view.logit_bias, q, scale)
+        stage1 = biased_attention(view.keys, view.values, view.logit_bias, q, scale)  # overlaps the fetch
+        factors = pending.result() if pending is not None else fetch()
         Hq, Q = q.shape[1], q.shape[2]
         g = Hq // H
         out2 = torch.zeros(B, Hq, Q, D, device=q.device)
         lse2 = torch.full((B, Hq, Q), float("-inf"), device=q.device)
-        sp = self._spans
-        fetched = 0
-        for b, h in {(b, h) for b, h, _ in expanded.nonzero().tolist()}:
+        for b, h in pairs:
             qh = q[b, h * g : (h + 1) * g].float()  # [g, Q, D]
-            parts = []
-            for s in expanded[b, h].nonzero()[:, 0].tolist():
-                kb, vb = sp.key_basis[b][s], sp.value_basis[b][s]
-                kf, vf = _factors(kb, h, q.device), _factors(vb, h, q.device)
-                fetched += sum(t.numel() * t.element_size() for t in (*kf, *vf))
-                parts.append(factored_attention(qh, kf, vf, scale))
+            parts = [factored_attention(qh, *factors[b, h, s], scale) for s in spans[b, h]]
             out2[b, h * g : (h + 1) * g], lse2[b, h * g : (h + 1) * g] = merge_attention(parts)
-        stats.fetched_bytes = fetched
+        stats.fetched_bytes = sum(
+            _head_bytes(sp.key_basis[b][s], h) + _head_bytes(sp.value_basis[b][s], h) for b, h, s in factors
+        )
         self.last_step = stats
         return merge_attention([stage1, (out2, lse2)])
 
@@ -505,6 +519,23 @@ class SEKVStore(Store):
                 [sp.prefill_last[r] for r in rows],
                 sp.budget,
             )
+
+
+def _head_bytes(basis: SpanBasis, h: int) -> int:
+    """Bytes of KV head ``h``'s part of a span basis (what is moved to the accelerator, Eq. 20)."""
+    return sum(t[h].numel() * t.element_size() for t in basis.tensors())
+
+
+_EXECUTOR: list = []
+
+
+def _executor():
+    """One shared worker thread for the asynchronous fetch (created on first use)."""
+    if not _EXECUTOR:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _EXECUTOR.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-sekv-fetch"))
+    return _EXECUTOR[0]
 
 
 def _expand_index(idx: torch.Tensor, t: torch.Tensor, dims: int) -> torch.Tensor:
