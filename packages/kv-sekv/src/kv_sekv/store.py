@@ -131,6 +131,16 @@ class SEKVStore(Store):
         spans = [] if self._spans is None else self._spans.tensors()
         return self._dense.nbytes(device) + storage_bytes(spans, device)
 
+    def bytes_by_tier(self) -> dict[str, int]:
+        """``{"resident": ..., "bases": ...}``: bytes of what lives on the accelerator (resident tokens, coarse entries,
+        summaries, span metadata) and of the span bases kept in CPU memory, whatever device this runs on."""
+        sp = self._spans
+        if sp is None:
+            return {"resident": self._dense.nbytes(), "bases": 0}
+        bases = [t for rows in (sp.key_basis, sp.value_basis) for row in rows for basis in row for t in basis.tensors()]
+        on_acc = [t for t in sp.tensors() if all(t is not u for u in bases)]
+        return {"resident": self._dense.nbytes() + storage_bytes(on_acc), "bases": storage_bytes(bases)}
+
     # -- write -----------------------------------------------------------------------------------------------
     def write(self, keys: torch.Tensor, values: torch.Tensor, plan: Plan, positions: torch.Tensor) -> None:
         """Replace the content per ``plan``; all-or-nothing (everything is built before anything is swapped in)."""

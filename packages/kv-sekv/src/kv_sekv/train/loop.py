@@ -260,7 +260,7 @@ def train_router(
         done_here += 1
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{float(terms['total']):.4f}", kl=f"{float(terms['distill']):.4f}")
+            bar.set_postfix(loss=f"{float(terms['total'].detach()):.4f}", kl=f"{float(terms['distill'].detach()):.4f}")
         if state["step"] % tc.eval_every == 0 or state["step"] == tc.steps:
             ev = evaluate(model, router, held_out, tc)
             state["evals"].append({"step": state["step"], **ev})
