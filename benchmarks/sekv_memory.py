@@ -24,7 +24,9 @@ def main() -> None:
     torch.manual_seed(0)
     config = SEKVConfig()
     router = SEKVRouter.untrained(1, HQ, HKV, D, config, model_id="smollm2-shapes")
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(
+        f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}"
+    )
     print("| tokens | full KV (MB) | resident (MB) | resident / full | CPU bases (MB) | α used | fetched / step (MB) |")
     print("|---|---|---|---|---|---|---|")
     gamma = torch.distributions.Gamma(torch.tensor((3.3 / 3.0) ** 2), torch.tensor(3.3 / 3.0**2))
