@@ -14,11 +14,11 @@ from kvcore import Scorer, Scores
 
 
 @dataclass(frozen=True)
-class SurprisalScorer(Scorer):
-    needs_extras: ClassVar[frozenset] = frozenset({"surprisal"})
+class SurprisalScorer(Scorer):  # reads an extra no kv_hf provider supplies
+    needs_extras: ClassVar[frozenset] = frozenset({"hidden_states"})
 
     def score(self, ctx):
-        return Scores(ctx.extras["surprisal"][:, None].expand(ctx.keys.shape[:3]).float())
+        return Scores(ctx.extras["hidden_states"][:, None].expand(ctx.keys.shape[:3]).float())
 
 
 def test_unsupported_architecture():
@@ -48,7 +48,7 @@ def test_flash_attention_is_refused():
 
 def test_scorer_needs_the_adapter_cannot_supply():
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match=r"needs extras \['surprisal'\]"):
+    with pytest.raises(ValueError, match=r"needs extras \['hidden_states'\]"):
         kv_hf.compressed_cache(model, make(SurprisalScorer()))
     with pytest.raises(ValueError, match="query_window >= 1"):
         kv_hf.compressed_cache(model, make(WindowScorer()), query_window=0)

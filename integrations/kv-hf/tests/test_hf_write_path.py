@@ -173,22 +173,22 @@ def test_provider_table_refuses_unknown_extras_and_options():
     from kvcore import Scorer, Scores
 
     @dataclass(frozen=True)
-    class NeedsSurprisal(Scorer):
-        needs_extras: ClassVar[frozenset[str]] = frozenset({"surprisal"})
+    class NeedsSurprisal(Scorer):  # an extra no provider supplies
+        needs_extras: ClassVar[frozenset[str]] = frozenset({"hidden_states"})
 
         def score(self, ctx):
-            return Scores(ctx.extras["surprisal"])
+            return Scores(ctx.extras["hidden_states"])
 
     assert "kvzip_scores" in kv_hf.PROVIDERS
     from kv_hf.providers import providers_for
 
-    with pytest.raises(ValueError, match=r"no kv_hf provider supplies the extras \['surprisal'\].*'kvzip_scores'"):
-        providers_for({"surprisal", "kvzip_scores"})
+    with pytest.raises(ValueError, match=r"no kv_hf provider supplies the extras \['hidden_states'\].*'kvzip_scores'"):
+        providers_for({"hidden_states", "kvzip_scores"})
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match=r"\['surprisal'\].*kvzip_scores"):
+    with pytest.raises(ValueError, match=r"\['hidden_states'\].*kvzip_scores"):
         kv_hf.compressed_cache(model, make(NeedsSurprisal()))
     cache = kv_hf.compressed_cache(model, make(KnormScorer()))
-    with pytest.raises(TypeError, match=r"unknown prefill options \['kvzipp'\].*\['kvzip'\]"):
+    with pytest.raises(TypeError, match=r"unknown prefill options \['kvzipp'\].*\['kvzip', 'surprisal'\]"):
         kv_hf.prefill(model, cache, prompt(8), kvzipp=None)
     with pytest.raises(TypeError, match="KVzipConfig"):
         kv_hf.prefill(
@@ -223,3 +223,24 @@ def test_prefill_runs_the_provider_the_scorer_declares():
         assert seen == [config]  # the Knorm scorer declares no extras: no provider runs
     finally:
         providers.PROVIDERS["kvzip_scores"] = real
+
+
+def test_surprisal_provider_equals_the_full_log_softmax():
+    """The "surprisal" extra comes from the prefill's own hidden states (no second forward pass), streamed over the
+    vocabulary in chunks, and equals −log softmax(logits[t−1])[x_t] of an ordinary forward pass (0 at t = 0)."""
+    from kv_hf.surprisal import SurprisalConfig, capture, provide
+
+    model = tiny_model("llama")
+    ids = prompt(20)
+    cache = kv_hf.compressed_cache(model, make(KnormScorer()))
+    with torch.no_grad(), capture(model) as found:
+        logits = model(ids).logits
+    got = provide(
+        model, cache, ids, tokenizer=None, context_start=0, config=SurprisalConfig(vocab_chunk=7), captured=found
+    )
+    want = -torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    assert set(got) == {layer.layer_idx for layer in cache.layers}
+    torch.testing.assert_close(got[0]["surprisal"][:, 1:], want, rtol=1e-4, atol=1e-4)
+    assert float(got[0]["surprisal"][0, 0]) == 0.0
+    with pytest.raises(ValueError, match="vocab_chunk"):
+        SurprisalConfig(vocab_chunk=0)

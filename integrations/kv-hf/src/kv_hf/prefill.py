@@ -3,6 +3,7 @@ providers (:mod:`kv_hf.providers`), compress once."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -109,16 +110,18 @@ def prefill(
     cache.collect()
     step = T if chunk_size is None else chunk_size
     out = None
-    for a in range(0, T, step):
-        b = min(a + step, T)
-        out = model(
-            input_ids=input_ids[:, a:b],
-            attention_mask=full_mask[:, : seen + b],
-            position_ids=positions[:, a:b],
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+    with contextlib.ExitStack() as stack:  # providers that read the prefill's own activations (surprisal)
+        captured = {p.name: stack.enter_context(p.capture(model)) for p in needed if p.capture is not None}
+        for a in range(0, T, step):
+            b = min(a + step, T)
+            out = model(
+                input_ids=input_ids[:, a:b],
+                attention_mask=full_mask[:, : seen + b],
+                position_ids=positions[:, a:b],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
     logits = out.logits[:, -1]
     extras = None
     if needed:
@@ -131,6 +134,8 @@ def prefill(
                 tokenizer=tokenizer,
                 context_start=context_start,
                 configs=provider_options,
+                captured=captured,
+                attention_mask=mask,
             )
     cache.compress(extras=extras, protect_before=context_start or None)
     return logits

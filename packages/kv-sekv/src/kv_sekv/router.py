@@ -1,0 +1,291 @@
+"""The SEKV router: routing projections ``W``, zoom thresholds ``τ`` and the gate network ``g_φ`` (SEKV §3.2–3.4).
+
+Trainable parameters with the backbone frozen (§3.4): ``W ∈ R^{L×H×d′×d_h}`` (Eqs. 3–4), ``τ ∈ R^{L×H}`` (Eq. 9)
+and a shared gate network ``g_φ`` (Eq. 7). The paper does not describe ``g_φ`` beyond "< 0.1M parameters"; ours
+(a choice) is an MLP ``in → 128 → ReLU → 128 → ReLU → R_max`` whose input is ``σ_{1..R_max}/σ_1`` (zero padded),
+``log σ_1``, the component mask, the span's routing summary (group mean over the query heads, detached) and a
+key/value flag.
+
+An artifact is a safetensors file of the tensors plus a JSON sidecar (same stem, ``.json``) with the shapes, the
+settings, the model identity and the SHA-256 of the tensor file; :meth:`SEKVRouter.load` checks all of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from .config import SEKVConfig
+
+__all__ = ["FORMAT_VERSION", "GateNet", "RouterSource", "SEKVRouter", "ShippedRouter"]
+
+FORMAT_VERSION = 1
+"""Version of the artifact's JSON layout."""
+
+
+@runtime_checkable
+class RouterSource(Protocol):
+    """Anything that gives a router when it is first needed (a router gives itself)."""
+
+    def resolve(self) -> SEKVRouter: ...
+
+
+class GateNet(nn.Module):
+    """``g_φ``: per-component gate logits of a span's keys or values (Eq. 7)."""
+
+    def __init__(self, max_rank: int, proj_dim: int, hidden: int = 128) -> None:
+        super().__init__()
+        self.max_rank, self.proj_dim = max_rank, proj_dim
+        self.net = nn.Sequential(
+            nn.Linear(2 * max_rank + 2 + proj_dim, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, max_rank),
+        )
+
+    def features(self, sigma: torch.Tensor, summary: torch.Tensor, is_value: bool) -> torch.Tensor:
+        """Input of the net: ``σ`` ``[..., R]`` (``R <= R_max``, descending) and a summary ``[..., d′]``."""
+        R = sigma.shape[-1]
+        s = torch.nn.functional.pad(sigma.float(), (0, self.max_rank - R))
+        s1 = s[..., :1].clamp_min(1e-30)
+        mask = torch.nn.functional.pad(torch.ones_like(sigma, dtype=torch.float32), (0, self.max_rank - R))
+        flag = torch.full_like(s1, float(is_value))
+        return torch.cat([s / s1, torch.log(s1), mask, summary.float().detach(), flag], -1)
+
+    def forward(self, sigma: torch.Tensor, summary: torch.Tensor, is_value: bool) -> torch.Tensor:
+        """Gates ``m = sigmoid(g_φ(σ, K̄_S))`` ``[..., R]`` (Eq. 7)."""
+        R = sigma.shape[-1]
+        return torch.sigmoid(self.net(self.features(sigma, summary, is_value))[..., :R])
+
+
+@dataclass(frozen=True)
+class LayerRouting:
+    """One layer's routing parameters: ``W`` ``[Hq, d′, D]`` and ``τ`` ``[Hq]`` (float32, detached)."""
+
+    W: torch.Tensor
+    tau: torch.Tensor
+
+
+class SEKVRouter(nn.Module):
+    """Routing projections, zoom thresholds and gate network of one backbone.
+
+    Parameters
+    ----------
+    num_layers, num_heads, num_kv_heads, head_dim : int
+        The backbone's shapes (``num_heads`` query heads, a multiple of ``num_kv_heads``).
+    config : SEKVConfig
+        ``d′``, ``R_max`` and ``τ`` init (and the settings recorded in the artifact).
+    model_id : str
+        Identity of the backbone (recorded and checked on load).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        config: SEKVConfig | None = None,
+        model_id: str = "",
+    ) -> None:
+        super().__init__()
+        config = SEKVConfig() if config is None else config
+        if not isinstance(config, SEKVConfig):
+            raise TypeError(f"config must be a kv_sekv.SEKVConfig, got {type(config).__name__}")
+        for name, v in (
+            ("num_layers", num_layers),
+            ("num_heads", num_heads),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if not isinstance(model_id, str):
+            raise TypeError(f"model_id must be a str, got {type(model_id).__name__}")
+        self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = (
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        )
+        self.config, self.model_id = config, model_id
+        d = config.proj_dim
+        self.W = nn.Parameter(torch.zeros(num_layers, num_heads, d, head_dim))
+        self.tau = nn.Parameter(torch.full((num_layers, num_heads), config.tau_init))
+        self.gate = GateNet(config.max_rank, d)
+
+    # -- construction ----------------------------------------------------------------------------------------
+    @classmethod
+    def untrained(
+        cls,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        config: SEKVConfig | None = None,
+        model_id: str = "untrained",
+        seed: int = 0,
+        gate_bias: float = 4.0,
+    ) -> SEKVRouter:
+        """A deterministic untrained router: semi-orthogonal rows of ``W`` (our init), ``τ = τ_init`` and a gate
+        net whose output is the constant ``gate_bias`` (``sigmoid(4) ≈ 0.98``: every component kept; ``30`` gives
+        gates of exactly 1 in float32). Same arguments, same router."""
+        router = cls(num_layers, num_heads, num_kv_heads, head_dim, config, model_id)
+        g = torch.Generator().manual_seed(seed)
+        d = router.config.proj_dim
+        with torch.no_grad():
+            x = torch.randn(num_layers, num_heads, head_dim, d, generator=g)
+            if d <= head_dim:
+                q, _ = torch.linalg.qr(x)  # [.., D, d'] orthonormal columns
+                router.W.copy_(q.transpose(-1, -2))
+            else:
+                router.W.copy_(x.transpose(-1, -2) / math.sqrt(head_dim))
+            for m in router.gate.net:
+                if isinstance(m, nn.Linear):
+                    bound = 1.0 / math.sqrt(m.in_features)
+                    m.weight.copy_((torch.rand(m.weight.shape, generator=g) * 2 - 1) * bound)
+                    m.bias.copy_((torch.rand(m.bias.shape, generator=g) * 2 - 1) * bound)
+            last = router.gate.net[-1]
+            last.weight.zero_()
+            last.bias.fill_(float(gate_bias))
+        return router
+
+    def resolve(self) -> SEKVRouter:
+        return self
+
+    # -- use ---------------------------------------------------------------------------------------------------
+    def check(self, layer: int, num_kv_heads: int, head_dim: int) -> None:
+        """``ValueError`` when this router does not fit a layer with these shapes (a router of another model)."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} is outside this router's {self.num_layers} layers ({self.describe()})")
+        if num_kv_heads != self.num_kv_heads or head_dim != self.head_dim:
+            raise ValueError(
+                f"the router was trained for {self.num_kv_heads} KV heads of dim {self.head_dim} ({self.describe()}), "
+                f"the cache has {num_kv_heads} KV heads of dim {head_dim}: train a router for this model "
+                "(kv-sekv train)"
+            )
+
+    def describe(self) -> str:
+        return (
+            f"model {self.model_id!r}: L={self.num_layers}, H={self.num_heads}, Hkv={self.num_kv_heads}, "
+            f"d_h={self.head_dim}, d'={self.config.proj_dim}, R_max={self.config.max_rank}"
+        )
+
+    def layer(self, layer: int) -> LayerRouting:
+        """Layer ``layer``'s ``W`` and ``τ``, detached float32."""
+        return LayerRouting(self.W[layer].detach().float(), self.tau[layer].detach().float())
+
+    def summary_cost(self, num_kv_heads: int, head_dim: int) -> float:
+        """Accelerator cost of one span's routing summaries in token equivalents per KV head: ``g·d′ / (2 d_h)``."""
+        return (self.num_heads / num_kv_heads) * self.config.proj_dim / (2.0 * head_dim)
+
+    @torch.no_grad()
+    def gates(self, sigma: torch.Tensor, summary: torch.Tensor, is_value: bool) -> torch.Tensor:
+        """Inference gates (Eq. 7) with the net on ``sigma``'s device."""
+        self.gate.to(sigma.device)
+        return self.gate(sigma, summary, is_value)
+
+    # -- artifact ----------------------------------------------------------------------------------------------
+    def metadata(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "format_version": FORMAT_VERSION,
+            "model_id": self.model_id,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "config": {f: getattr(c, f) for f in c.__dataclass_fields__},
+            "shapes": {k: list(v.shape) for k, v in self.state_dict().items()},
+        }
+
+    def save(self, path: str | Path) -> Path:
+        """Write ``path`` (safetensors) and its JSON sidecar ``path.with_suffix('.json')``; returns the JSON path."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}, str(path))
+        meta = self.metadata() | {"sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+        side = path.with_suffix(".json")
+        side.write_text(json.dumps(meta, indent=1, sort_keys=True))
+        return side
+
+    @classmethod
+    def load(cls, path: str | Path, model_id: str | None = None) -> SEKVRouter:
+        """Load an artifact written by :meth:`save`, checking its checksum, shapes and (if given) the model id.
+
+        Raises
+        ------
+        FileNotFoundError
+            The tensor file or its JSON sidecar is missing.
+        ValueError
+            Checksum mismatch, a tensor whose shape differs from the JSON, another format version, or another model.
+        """
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        side = path.with_suffix(".json")
+        for p in (path, side):
+            if not p.is_file():
+                raise FileNotFoundError(f"SEKV router artifact: {p} is missing (written by SEKVRouter.save)")
+        meta = json.loads(side.read_text())
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{side}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        if digest != meta.get("sha256"):
+            raise ValueError(f"{path}: SHA-256 {digest} does not match the one recorded in {side.name}")
+        if model_id is not None and meta["model_id"] != model_id:
+            raise ValueError(f"{path} is a router for model {meta['model_id']!r}, not {model_id!r}")
+        config = SEKVConfig(**meta["config"])
+        router = cls(
+            meta["num_layers"], meta["num_heads"], meta["num_kv_heads"], meta["head_dim"], config, meta["model_id"]
+        )
+        tensors = load_file(str(path))
+        want = {k: list(v.shape) for k, v in router.state_dict().items()}
+        got = {k: list(v.shape) for k, v in tensors.items()}
+        if got != want or meta.get("shapes") != want:
+            raise ValueError(f"{path}: tensor shapes {got} do not match the router described in {side.name} ({want})")
+        router.load_state_dict(tensors)
+        return router
+
+
+class ShippedRouter:
+    """The router shipped with kv-sekv for a model, loaded when first needed.
+
+    Parameters
+    ----------
+    name : str
+        File stem under ``kv_sekv/routers/`` (``"smollm2-135m"``).
+    """
+
+    def __init__(self, name: str = "smollm2-135m") -> None:
+        self.name = name
+        self._router: SEKVRouter | None = None
+
+    def path(self) -> Path:
+        return Path(__file__).parent / "routers" / f"{self.name}.safetensors"
+
+    def resolve(self) -> SEKVRouter:
+        if self._router is None:
+            if not self.path().is_file():
+                raise ValueError(
+                    f"kv-sekv ships no trained router named {self.name!r} yet: train one with "
+                    "`kv-sekv train` and pass router=kv_sekv.SEKVRouter.load(path), or use "
+                    "kv_sekv.SEKVRouter.untrained(...) for tests"
+                )
+            self._router = SEKVRouter.load(self.path())
+        return self._router
+
+    def __repr__(self) -> str:
+        return f"ShippedRouter({self.name!r})"

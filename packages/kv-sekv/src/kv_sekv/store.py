@@ -1,0 +1,579 @@
+"""The SEKV store: accelerator-resident anchors, window and span summaries, CPU low-rank span bases, and the
+two-stage query-dependent decode of SEKV §3.3.
+
+Written from a :class:`~kv_sekv.SpanPlan`, one layer holds
+
+* on the accelerator: resident tokens at full precision (anchors, short spans, the window, decoded tokens) in a
+  :class:`kvcore.DenseStore`; per span and KV head a coarse entry ``(k̄_S, v̄_S)`` (Eq. 2); per span and query head
+  a unit routing summary ``K̄_S`` (Eq. 3);
+* on the CPU (pinned when CUDA is available): each span's keys and values as gated low-rank factors, or raw when
+  the factors would be larger (Eqs. 6–8, 18). The original span K/V are discarded: the span tier is lossy, its error
+  per component bounded by Eq. 14.
+
+Decode (``read(query)`` / ``attend(query, scale)``): the gate ``α̃_S = sigmoid(q′·K̄_S/√d′ + log|S|)`` with
+``q′ = W q`` (Eqs. 4–5) selects spans with ``α̃_S > τ`` (Eq. 9); a KV-head span is reconstructed when any query head
+of its group (and any query of the step) selects it, with priority the largest such gate (GQA choice); when the
+selections exceed the budget, the (KV head, span) pairs are kept in decreasing gate order until it is filled (a
+prefix). Expanded spans are attended as their reconstructed tokens (bias 0) in place of their coarse entry; every
+other span is one coarse entry with logit bias ``+log|S|``; one softmax covers all of it (Stage 1 over the
+accelerator-resident entries and Stage 2 over the fetched spans, merged by log-sum-exp). Every query head of a group
+sees the group's reconstructed spans (they are on the accelerator anyway), so the view stays at KV-head granularity.
+
+A plain :class:`kvcore.Plan` (no segmentation) is held as resident full-precision tokens, like ``DenseStore``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcore import EVICT, FULL, DenseStore, KVView, Plan, Store
+from kvcore.attention import check_query, check_scale, merge_attention
+from kvcore.checks import check_finite, check_int, check_integer_tensor, check_positions, check_tensor
+from kvcore.memory import storage_bytes
+
+from .bases import SpanBasis, truncated_svd
+from .config import SEKVConfig
+from .kernels import biased_attention, factored_attention
+from .plan import SpanPlan
+from .router import RouterSource
+from .summaries import coarse_entries, routing_summaries
+
+__all__ = ["SEKVStore", "StepStats"]
+
+
+@dataclass
+class _Spans:
+    """Span state of one layer (rows padded to ``M`` spans)."""
+
+    length: torch.Tensor  # [B, M] int64, 0 = padding
+    last_pos: torch.Tensor  # [B, M] int64, -1 = padding
+    alive: torch.Tensor  # [B, Hkv, M] bool
+    coarse_k: torch.Tensor  # [B, Hkv, M, D]
+    coarse_v: torch.Tensor  # [B, Hkv, M, D]
+    summary: torch.Tensor  # [B, Hq, M, d'] unit routing summaries (keys dtype)
+    token_pos: list[list[torch.Tensor]]  # [b][s] -> [|S|] int64 true positions (accelerator)
+    key_basis: list[list[SpanBasis]]  # [b][s] (CPU)
+    value_basis: list[list[SpanBasis]]
+    capacity: list[int]  # budget in tokens per KV head at prefill, per row
+    prefill_last: list[int]  # last prefill position per row (decoded tokens come after)
+    budget: float  # fraction of the full cache; 1.0 = no cap
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [self.length, self.last_pos, self.alive, self.coarse_k, self.coarse_v, self.summary]
+        out += [t for row in self.token_pos for t in row]
+        for rows in (self.key_basis, self.value_basis):
+            out += [t for row in rows for basis in row for t in basis.tensors()]
+        return out
+
+
+@dataclass
+class StepStats:
+    """What the last ``read(query)`` / ``attend`` did: spans expanded, tokens reconstructed, bytes fetched from the
+    CPU (Eq. 20) and gates selected before the cap."""
+
+    expanded: int = 0
+    selected: int = 0
+    tokens: int = 0
+    fetched_bytes: int = 0
+
+
+@dataclass
+class SEKVStore(Store):
+    """One layer of SEKV's cache (module docstring).
+
+    Parameters
+    ----------
+    router : RouterSource, optional
+        The router (``W``, ``τ``, ``g_φ``); required to write a :class:`~kv_sekv.SpanPlan` with spans.
+    config : SEKVConfig
+        ``R_max`` and the gate-drop threshold ``ε`` (``gate_eps``).
+    fetch : {"sync", "thread"}
+        How ``attend`` fetches the selected spans' factors: synchronously after Stage 1, or on a worker thread while
+        Stage 1 runs (the overlap of §3.3; CUDA streams are not used yet). Same result either way.
+    """
+
+    supported_bits = frozenset({EVICT, FULL})
+    query_dependent = True
+    can_attend = True
+
+    router: RouterSource | None = None
+    config: SEKVConfig = field(default_factory=SEKVConfig)
+    fetch: str = "sync"
+
+    def __post_init__(self) -> None:
+        if self.fetch not in ("sync", "thread"):
+            raise ValueError(f"fetch must be 'sync' or 'thread', got {self.fetch!r}")
+        if self.router is not None and not isinstance(self.router, RouterSource):
+            raise TypeError(f"router must be a kv_sekv.SEKVRouter or RouterSource, got {type(self.router).__name__}")
+        if not isinstance(self.config, SEKVConfig):
+            raise TypeError(f"config must be a kv_sekv.SEKVConfig, got {type(self.config).__name__}")
+        # the router is shared by every layer: hold it behind a bound method so the memory walker (and nbytes)
+        # counts only this layer's cache
+        self._resolve = None if self.router is None else self.router.resolve
+        self.router = None
+        self.layer = 0
+        self.last_step = StepStats()
+        self.reset()
+
+    # -- state ---------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self._dense = DenseStore()
+        self._spans: _Spans | None = None
+        self.alpha: list[float] = []
+        self.used: list[float] = []
+
+    def nbytes(self, device: torch.device | str | None = None) -> int:
+        """Bytes held on ``device`` (``"cpu"``: the span bases; the accelerator: resident tokens, coarse entries
+        and summaries), or everywhere."""
+        spans = [] if self._spans is None else self._spans.tensors()
+        return self._dense.nbytes(device) + storage_bytes(spans, device)
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        """``{"resident": ..., "bases": ...}``: bytes of what lives on the accelerator (resident tokens, coarse entries,
+        summaries, span metadata) and of the span bases kept in CPU memory, whatever device this runs on."""
+        sp = self._spans
+        if sp is None:
+            return {"resident": self._dense.nbytes(), "bases": 0}
+        bases = [t for rows in (sp.key_basis, sp.value_basis) for row in rows for basis in row for t in basis.tensors()]
+        on_acc = [t for t in sp.tensors() if all(t is not u for u in bases)]
+        return {"resident": self._dense.nbytes() + storage_bytes(on_acc), "bases": storage_bytes(bases)}
+
+    # -- write -----------------------------------------------------------------------------------------------
+    def write(self, keys: torch.Tensor, values: torch.Tensor, plan: Plan, positions: torch.Tensor) -> None:
+        """Replace the content per ``plan``; all-or-nothing (everything is built before anything is swapped in)."""
+        dense = DenseStore()
+        if not isinstance(plan, SpanPlan):
+            dense.write(keys, values, plan, positions)
+            self._dense, self._spans, self.alpha, self.used = dense, None, [], []
+            return
+        check_tensor("keys", keys, ndim=4)
+        B, H, T, _D = keys.shape
+        if tuple(plan.key_bits.shape) != (B, H, T):
+            raise ValueError(f"plan must be a SpanPlan of shape [B={B}, H={H}, T={T}]")
+        span_id = plan.span_id.to(keys.device)
+        in_span = span_id >= 0
+        if bool((plan.key_bits.to(keys.device)[:, :, :] != FULL)[in_span[:, None, :].expand(B, H, T)].any()):
+            raise ValueError("span tokens (span_id >= 0) must be kept (FULL) in every KV head of the plan")
+        resident = plan.keep_keys.to(keys.device) & ~in_span[:, None, :]
+        vres = plan.keep_values.to(keys.device) & ~in_span[:, None, :]
+        dense.write(keys, values, Plan.from_keep(resident, vres), positions)  # validates keys, values, positions
+        check_positions("positions", positions, (B, T), keep=plan.keep_keys.to(keys.device))
+        check_finite("keys", keys[:, :, in_span.any(0)] if bool(in_span.any()) else keys[..., :0, :])
+        check_finite("values", values[:, :, in_span.any(0)] if bool(in_span.any()) else values[..., :0, :])
+        spans = None
+        if bool(in_span.any()):
+            spans = self._build_spans(keys, values, plan, positions.to(keys.device).long(), span_id)
+        self._dense, self._spans, self.layer = dense, spans, plan.layer
+        self.alpha = [] if plan.alpha is None else [float(a) for a in plan.alpha]
+        self.used = [] if plan.used is None else [float(u) for u in plan.used]
+
+    def _router(self):
+        if self._resolve is None:
+            raise ValueError("SEKVStore(router=...) is needed to hold spans (a SpanPlan with span_id >= 0)")
+        return self._resolve()
+
+    def _build_spans(self, keys, values, plan: SpanPlan, positions, span_id) -> _Spans:
+        router = self._router()
+        B, H, T, D = keys.shape
+        router.check(plan.layer, H, D)
+        routing = router.layer(plan.layer)
+        W = routing.W.to(keys.device)
+        Hq, dp = W.shape[0], W.shape[1]
+        g = Hq // H
+        counts = [int(span_id[b].max()) + 1 if bool((span_id[b] >= 0).any()) else 0 for b in range(B)]
+        M = max(counts)
+        length = torch.zeros(B, M, dtype=torch.long, device=keys.device)
+        last_pos = torch.full((B, M), -1, dtype=torch.long, device=keys.device)
+        coarse_k = torch.zeros(B, H, M, D, dtype=keys.dtype, device=keys.device)
+        coarse_v = torch.zeros_like(coarse_k)
+        summary = torch.zeros(B, Hq, M, dp, dtype=keys.dtype, device=keys.device)
+        token_pos, kb, vb = [], [], []
+        weights = plan.weights.to(keys.device).float()
+        R = self.config.max_rank
+        for b in range(B):
+            m = counts[b]
+            token_pos.append([])
+            kb.append([None] * m)
+            vb.append([None] * m)
+            if m == 0:
+                continue
+            sid = span_id[b]
+            ck = coarse_entries(keys[b], sid, weights[b], m)
+            cv = coarse_entries(values[b], sid, weights[b], m)
+            summ = routing_summaries(ck, W)  # [Hq, m, d']
+            coarse_k[b, :, :m], coarse_v[b, :, :m] = ck.to(keys.dtype), cv.to(keys.dtype)
+            summary[b, :, :m] = summ.to(keys.dtype)
+            gsum = summ.view(H, g, m, dp).mean(1)  # g_φ input: the group mean (GQA choice)
+            lens = torch.bincount(sid[sid >= 0], minlength=m)
+            length[b, :m] = lens
+            order = torch.argsort(sid.masked_fill(sid < 0, m), stable=True)[: int(lens.sum())]
+            starts = torch.cumsum(lens, 0) - lens
+            for s in range(m):
+                idx = order[int(starts[s]) : int(starts[s] + lens[s])]
+                token_pos[b].append(positions[b, idx].clone())
+            last_pos[b, :m] = torch.stack([p[-1] for p in token_pos[b]])
+            for L in torch.unique(lens).tolist():
+                group = (lens == L).nonzero()[:, 0]
+                idx = torch.stack([order[int(starts[s]) : int(starts[s]) + L] for s in group.tolist()])  # [n, L]
+                for x, out, is_value in ((keys[b], kb, False), (values[b], vb, True)):
+                    X = x[:, idx]  # [H, n, L, D]
+                    U, sig, Vh = truncated_svd(X, R)
+                    gates = router.gates(sig, gsum[:, group], is_value)
+                    for j, s in enumerate(group.tolist()):
+                        out[b][s] = SpanBasis.build(
+                            X[:, j], U[:, j], sig[:, j], Vh[:, j], gates[:, j], self.config.gate_eps, "cpu"
+                        )
+        valid = plan.key_bits[:, 0] != EVICT
+        prefill_last = [int(positions[b][valid[b]].max()) if bool(valid[b].any()) else -1 for b in range(B)]
+        capacity = [int(c) for c in plan.capacity] if plan.capacity is not None else [T] * B
+        return _Spans(
+            length,
+            last_pos,
+            (length > 0)[:, None, :].expand(B, H, M).clone(),
+            coarse_k,
+            coarse_v,
+            summary,
+            token_pos,
+            kb,
+            vb,
+            capacity,
+            prefill_last,
+            float(plan.budget),
+        )
+
+    # -- decode ------------------------------------------------------------------------------------------------
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Decoded tokens are held at full precision with the resident tokens."""
+        if self._spans is not None:
+            B = self._spans.length.shape[0]
+            pos = check_integer_tensor("positions", positions, ndim=2)
+            if pos.shape[0] == B and pos.numel():
+                last = self._spans.last_pos.max(-1).values.to(pos.device)
+                if bool((pos.long().min(-1).values <= last).any()):
+                    raise ValueError("positions of appended entries must come after every position held in their row")
+        self._dense.append(keys, values, positions)
+
+    def _coarse_view(self, expanded: torch.Tensor | None) -> tuple[KVView, torch.Tensor, torch.Tensor]:
+        """Resident entries + coarse entries of the non-expanded alive spans, sorted by position per head.
+
+        Returns ``(view, kind, src)``: ``kind`` 0 padding, 1 resident (``src`` = index in the dense read), 2 coarse
+        (``src`` = span index)."""
+        base = self._dense.read()
+        sp = self._spans
+        B, H, N, _D = base.keys.shape
+        if sp is None:
+            kind = torch.where(base.positions >= 0, 1, 0)
+            return base, kind, torch.arange(N, device=base.keys.device).expand(B, H, N)
+        M = sp.length.shape[1]
+        show = sp.alive if expanded is None else sp.alive & ~expanded
+        pos = torch.cat([base.positions, torch.where(show, sp.last_pos[:, None, :], -1)], -1)
+        bias_c = torch.where(show, torch.log(sp.length.clamp_min(1).float())[:, None, :], float("-inf"))
+        bias = torch.cat([base.logit_bias.float(), bias_c], -1)
+        keys = torch.cat([base.keys, sp.coarse_k.to(base.keys.dtype)], 2)
+        values = torch.cat([base.values, sp.coarse_v.to(base.values.dtype)], 2)
+        ar = torch.arange(N + M, device=pos.device)
+        kind = torch.cat([torch.ones(B, H, N, dtype=torch.long), torch.full((B, H, M), 2)], -1).to(pos.device)
+        src = torch.where(ar < N, ar, ar - N).expand(B, H, N + M)
+        return _sorted(keys, values, pos, bias, kind, src)
+
+    def _zoom(self, query: torch.Tensor) -> tuple[torch.Tensor, StepStats]:
+        """``[B, Hkv, M]`` spans to reconstruct for ``query`` (gate, threshold, GQA union, budget cap)."""
+        sp = self._spans
+        router = self._router()
+        routing = router.layer(self.layer)
+        B, H, M = sp.alive.shape
+        Hq, Q = query.shape[1], query.shape[2]
+        if Hq != routing.W.shape[0]:
+            raise ValueError(f"query has {Hq} heads; the router was trained for {routing.W.shape[0]} query heads")
+        g = Hq // H
+        W, tau = routing.W.to(query.device), routing.tau.to(query.device)
+        qp = torch.einsum("hed,bhqd->bhqe", W, query.float())  # Eq. 4
+        dp = W.shape[1]
+        logits = qp @ sp.summary.float().transpose(-1, -2) / math.sqrt(dp)  # [B, Hq, Q, M]
+        gate = torch.sigmoid(logits + torch.log(sp.length.clamp_min(1).float())[:, None, None, :])  # Eq. 5
+        alive = sp.alive.repeat_interleave(g, 1)[:, :, None, :]
+        z = (gate > tau[None, :, None, None]) & alive  # Eq. 9
+        zk = z.reshape(B, H, g * Q, M).any(2)
+        prio = torch.where(z, gate, -1.0).reshape(B, H, g * Q, M).amax(2)
+        stats = StepStats(selected=int(zk.sum()))
+        if sp.budget < 1.0:
+            lens = self._dense.seq_lengths().to(query.device)  # resident per head (includes decoded tokens)
+            rview = self._dense.read()
+            decoded = (
+                (rview.positions > torch.tensor(sp.prefill_last, device=rview.positions.device)[:, None, None])
+                .sum(-1)
+                .amax(-1)
+            )
+            cost = router.summary_cost(H, sp.coarse_k.shape[-1])
+            for b in range(B):
+                cap = H * (sp.capacity[b] + math.ceil(sp.budget * int(decoded[b])))
+                used = float(lens[b].sum()) + float(sp.alive[b].sum()) * (1.0 + cost)
+                room = cap - used
+                flat = zk[b].flatten()
+                if not bool(flat.any()):
+                    continue
+                cand = flat.nonzero()[:, 0]
+                order = torch.sort(-prio[b].flatten()[cand], stable=True).indices  # descending gate, lower index first
+                cand = cand[order]
+                size = sp.length[b].repeat(H)[cand].float()
+                keep = torch.cumsum(size, 0) <= room
+                row = torch.zeros_like(flat)
+                row[cand[keep]] = True
+                zk[b] = row.view(H, M)
+        stats.expanded = int(zk.sum())
+        stats.tokens = int((zk * sp.length[:, None, :]).sum())
+        return zk, stats
+
+    def _expanded_tokens(self, expanded: torch.Tensor, device, dtype):
+        """Reconstructed tokens of the expanded spans, per head, as ``(keys, values, positions)`` lists."""
+        sp = self._spans
+        B, H, _M = expanded.shape
+        per_head = [[[] for _ in range(H)] for _ in range(B)]
+        fetched = 0
+        for b, s in {(b, s) for b, _, s in expanded.nonzero().tolist()}:
+            heads = expanded[b, :, s].nonzero()[:, 0].cpu()
+            kb, vb = sp.key_basis[b][s].select(heads), sp.value_basis[b][s].select(heads)
+            fetched += sum(t.numel() * t.element_size() for t in kb.tensors() + vb.tensors())
+            k, v = kb.reconstruct(device).to(dtype), vb.reconstruct(device).to(dtype)
+            for j, h in enumerate(heads.tolist()):
+                per_head[b][h].append((k[j], v[j], sp.token_pos[b][s]))
+        return per_head, fetched
+
+    def read(self, query: torch.Tensor | None = None) -> KVView:
+        """Without ``query``: resident entries and every span as its coarse entry (bias ``log|S|``). With ``query``
+        ``[B, Hq, Q, D]``: the spans the gate selects (under the budget) as reconstructed tokens instead."""
+        if self._spans is None or query is None:
+            return self._coarse_view(None)[0]
+        base = self._dense.read()
+        q = check_query(query, base.keys.shape[1], base.keys.shape[-1], base.keys.shape[0])
+        expanded, stats = self._zoom(q)
+        view, _kind, _ = self._coarse_view(expanded)
+        per_head, stats.fetched_bytes = self._expanded_tokens(expanded, view.keys.device, view.keys.dtype)
+        self.last_step = stats
+        B, H, _, D = view.keys.shape
+        E = max((sum(x[0].shape[0] for x in per_head[b][h]) for b in range(B) for h in range(H)), default=0)
+        if E == 0:
+            return view
+        ek = view.keys.new_zeros(B, H, E, D)
+        ev = view.values.new_zeros(B, H, E, D)
+        ep = torch.full((B, H, E), -1, dtype=torch.long, device=view.keys.device)
+        for b in range(B):
+            for h in range(H):
+                if per_head[b][h]:
+                    k, v, p = (torch.cat(x) for x in zip(*per_head[b][h]))
+                    n = k.shape[0]
+                    ek[b, h, :n], ev[b, h, :n], ep[b, h, :n] = k, v, p
+        eb = torch.where(ep >= 0, 0.0, float("-inf"))
+        keys = torch.cat([view.keys, ek], 2)
+        values = torch.cat([view.values, ev], 2)
+        pos = torch.cat([view.positions, ep], 2)
+        bias = torch.cat([view.logit_bias, eb], 2)
+        return _sorted(keys, values, pos, bias, pos, pos)[0]
+
+    def attend(self, query: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two-stage decode attention (§3.3): Stage 1 over the accelerator-resident entries with the ``log|S|`` bias
+        of non-expanded spans, Stage 2 over the expanded spans from their factors (never rebuilding ``K̂``/``V̂``),
+        merged by log-sum-exp — equal to :func:`kvcore.reference_attention` over ``read(query)``."""
+        base = self._dense.read()
+        B, H, _, D = base.keys.shape
+        q = check_query(query, H, D, B)
+        scale = check_scale(scale, D)
+        if self._spans is None:
+            return biased_attention(base.keys, base.values, base.logit_bias, q, scale)
+        expanded, stats = self._zoom(q)
+        sp = self._spans
+        pairs = sorted({(b, h) for b, h, _ in expanded.nonzero().tolist()})
+        spans = {(b, h): expanded[b, h].nonzero()[:, 0].tolist() for b, h in pairs}
+
+        def fetch() -> dict:
+            return {
+                (b, h, s): (_factors(sp.key_basis[b][s], h, q.device), _factors(sp.value_basis[b][s], h, q.device))
+                for (b, h), ss in spans.items()
+                for s in ss
+            }
+
+        pending = _executor().submit(fetch) if self.fetch == "thread" and pairs else None
+        view, _, _ = self._coarse_view(expanded)
+        stage1 = biased_attention(view.keys, view.values, view.logit_bias, q, scale)  # overlaps the fetch
+        factors = pending.result() if pending is not None else fetch()
+        Hq, Q = q.shape[1], q.shape[2]
+        g = Hq // H
+        out2 = torch.zeros(B, Hq, Q, D, device=q.device)
+        lse2 = torch.full((B, Hq, Q), float("-inf"), device=q.device)
+        for b, h in pairs:
+            qh = q[b, h * g : (h + 1) * g].float()  # [g, Q, D]
+            parts = [factored_attention(qh, *factors[b, h, s], scale) for s in spans[b, h]]
+            out2[b, h * g : (h + 1) * g], lse2[b, h * g : (h + 1) * g] = merge_attention(parts)
+        stats.fetched_bytes = sum(
+            _head_bytes(sp.key_basis[b][s], h) + _head_bytes(sp.value_basis[b][s], h) for b, h, s in factors
+        )
+        self.last_step = stats
+        return merge_attention([stage1, (out2, lse2)])
+
+    # -- protocol bookkeeping ------------------------------------------------------------------------------------
+    def tiers(self) -> Plan:
+        """``FULL`` for every entry of ``read()`` (resident tokens and coarse span entries), ``EVICT`` on padding."""
+        view = self.read()
+        return Plan(torch.where(view.positions >= 0, FULL, EVICT).to(torch.uint8))
+
+    def retier(self, plan: Plan) -> None:
+        """Evict entries of ``read()``: resident tokens per head, and spans (a coarse entry) only in every KV head of
+        their row at once; validated before anything changes."""
+        view, kind, src = self._coarse_view(None)
+        B, H, N = view.positions.shape
+        if not isinstance(plan, Plan) or tuple(plan.key_bits.shape) != (B, H, N):
+            raise ValueError(f"plan must be a kvcore.Plan laid out like read(): [B={B}, H={H}, T={N}]")
+        for name, bits in (("key_bits", plan.key_bits), ("value_bits", plan.bits_for_values)):
+            bits = bits.to(view.positions.device)
+            if bool((bits[kind == 0] != EVICT).any()):
+                raise ValueError(f"plan.{name} must be EVICT on padding")
+            if bool(((bits != EVICT) & (bits != FULL))[kind > 0].any()):
+                raise ValueError(f"plan.{name}: SEKVStore holds tiers {sorted(self.supported_bits)} and cannot demote")
+        kb, vb = plan.key_bits.to(kind.device), plan.bits_for_values.to(kind.device)
+        if bool((kb != vb)[kind == 2].any()):
+            raise ValueError("a span's coarse key and value entries must be evicted together")
+        dense_view = self._dense.read()
+        Nd = dense_view.positions.shape[-1]
+        dense_bits = torch.zeros(B, H, Nd, dtype=torch.uint8, device=kind.device)
+        dense_vbits = torch.zeros_like(dense_bits)
+        res = kind == 1
+        bi, hi, _ = res.nonzero(as_tuple=True)
+        dense_bits[bi, hi, src[res]] = kb[res]
+        dense_vbits[bi, hi, src[res]] = vb[res]
+        drop = None
+        if self._spans is not None:
+            sp = self._spans
+            M = sp.length.shape[1]
+            evict = torch.zeros(B, H, M, dtype=torch.bool, device=kind.device)
+            co = kind == 2
+            bi, hi, _ = co.nonzero(as_tuple=True)
+            evict[bi, hi, src[co]] = kb[co] == EVICT
+            partial = (evict.any(1) & ~evict.all(1)) & (sp.length > 0)
+            if bool(partial.any()):
+                raise ValueError(
+                    "SEKVStore evicts a span in every KV head of its row at once (a span's bases are "
+                    "shared by the heads); the plan evicts some heads only"
+                )
+            drop = evict.all(1) & (sp.length > 0)
+        self._dense.retier(Plan(dense_bits, dense_vbits))
+        if drop is not None and bool(drop.any()):
+            self._drop_spans(drop)
+
+    def _drop_spans(self, drop: torch.Tensor) -> None:
+        """Remove spans ``drop`` ``[B, M]`` (their coarse entries, summaries and CPU bases)."""
+        sp = self._spans
+        B, _M = drop.shape
+        keep = [[s for s in range(int((sp.length[b] > 0).sum())) if not bool(drop[b, s])] for b in range(B)]
+        M2 = max((len(k) for k in keep), default=0)
+        if M2 == 0:
+            self._spans = None
+            return
+        idx = torch.zeros(B, M2, dtype=torch.long, device=sp.length.device)
+        ok = torch.zeros(B, M2, dtype=torch.bool, device=sp.length.device)
+        for b, k in enumerate(keep):
+            idx[b, : len(k)] = torch.tensor(k, dtype=torch.long)
+            ok[b, : len(k)] = True
+        take = lambda t, dims: t.gather(2 if dims == 4 else 1, _expand_index(idx, t, dims))  # noqa: E731
+        self._spans = _Spans(
+            torch.where(ok, sp.length.gather(1, idx), 0),
+            torch.where(ok, sp.last_pos.gather(1, idx), -1),
+            take(sp.alive, 3) & ok[:, None, :],
+            take(sp.coarse_k, 4) * ok[:, None, :, None],
+            take(sp.coarse_v, 4) * ok[:, None, :, None],
+            take(sp.summary, 4) * ok[:, None, :, None],
+            [[sp.token_pos[b][s] for s in k] for b, k in enumerate(keep)],
+            [[sp.key_basis[b][s] for s in k] for b, k in enumerate(keep)],
+            [[sp.value_basis[b][s] for s in k] for b, k in enumerate(keep)],
+            sp.capacity,
+            sp.prefill_last,
+            sp.budget,
+        )
+
+    def seq_lengths(self) -> torch.Tensor:
+        """``[B, Hkv]`` entries of ``read()``: resident tokens plus one coarse entry per span."""
+        lens = self._dense.seq_lengths()
+        if self._spans is not None:
+            lens = lens + self._spans.alive.sum(-1).to(lens.device)
+        return lens
+
+    def crop(self, position: int) -> None:
+        """Drop entries at true position ``>= position``; a span whose last token is cropped is dropped whole."""
+        position = check_int("position", position, low=0)
+        self._dense.crop(position)
+        if self._spans is not None:
+            drop = (self._spans.last_pos >= position) & (self._spans.length > 0)
+            if bool(drop.any()):
+                self._drop_spans(drop)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Batch rows ``index`` (beam search); validated by the resident store before anything changes."""
+        self._dense.reorder(index)
+        if self._spans is not None:
+            sp = self._spans
+            i = index.to(sp.length.device).long()
+            rows = i.tolist()
+            self._spans = _Spans(
+                sp.length[i],
+                sp.last_pos[i],
+                sp.alive[i],
+                sp.coarse_k[i],
+                sp.coarse_v[i],
+                sp.summary[i],
+                [sp.token_pos[r] for r in rows],
+                [sp.key_basis[r] for r in rows],
+                [sp.value_basis[r] for r in rows],
+                [sp.capacity[r] for r in rows],
+                [sp.prefill_last[r] for r in rows],
+                sp.budget,
+            )
+
+
+def _head_bytes(basis: SpanBasis, h: int) -> int:
+    """Bytes of KV head ``h``'s part of a span basis (what is moved to the accelerator, Eq. 20)."""
+    return sum(t[h].numel() * t.element_size() for t in basis.tensors())
+
+
+_EXECUTOR: list = []
+
+
+def _executor():
+    """One shared worker thread for the asynchronous fetch (created on first use)."""
+    if not _EXECUTOR:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _EXECUTOR.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-sekv-fetch"))
+    return _EXECUTOR[0]
+
+
+def _expand_index(idx: torch.Tensor, t: torch.Tensor, dims: int) -> torch.Tensor:
+    if dims == 3:
+        return idx[:, None, :].expand(t.shape[0], t.shape[1], idx.shape[1])
+    return idx[:, None, :, None].expand(t.shape[0], t.shape[1], idx.shape[1], t.shape[3])
+
+
+def _factors(basis: SpanBasis, h: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(U, σ, Vᵀ)`` of head ``h`` on ``device``; a raw span is ``(X, 1, I)``."""
+    if basis.raw is not None:
+        x = basis.raw[h].to(device, non_blocking=True)
+        D = x.shape[-1]
+        return x, torch.ones(D, device=device), torch.eye(D, device=device)
+    return tuple(t[h].to(device, non_blocking=True) for t in (basis.U, basis.sigma, basis.Vh))
+
+
+def _sorted(keys, values, pos, bias, kind, src):
+    """Sort entries by position per head (padding last) and trim trailing padding."""
+    big = torch.iinfo(torch.long).max
+    order = torch.argsort(torch.where(pos >= 0, pos, big), dim=-1, stable=True)
+    n = int((pos >= 0).sum(-1).max()) if pos.numel() else 0
+    order = order[..., :n]
+    D = keys.shape[-1]
+    oi = order[..., None].expand(*order.shape, D)
+    k, v = keys.gather(2, oi), values.gather(2, oi)
+    p, bb = pos.gather(2, order), bias.gather(2, order)
+    valid = p >= 0
+    k, v = k.masked_fill(~valid[..., None], 0), v.masked_fill(~valid[..., None], 0)
+    bb = bb.masked_fill(~valid, float("-inf"))
+    return KVView(k, v, p, bb.float()), torch.where(valid, kind.gather(2, order), 0), src.gather(2, order)

@@ -1,0 +1,321 @@
+"""The router's training loop (SEKV §3.4, Eqs. 10–15; optimisation of §4.1).
+
+``L = L_distill + λ1 L_zoom + λ2 L_recon + λ3 L_budget`` (Eq. 10), each term a mean (our normalisation: the
+paper's sums need it for its λ values): the KL of the frozen backbone with full KV (teacher) to the same backbone
+with SEKV attention over the compressed prefix (student) at every continuation position (Eq. 11); the weighted BCE
+of the gates against the ρ-coverage targets at mined positions (Eqs. 12–13); the gated tail energy over the total
+energy (Eq. 14); the zoom rate plus β times the mean gate (Eq. 15, value gates included), with λ3 annealed linearly
+from 0 over the first half. AdamW (lr 1e-3, weight decay 0.01) with 10 % linear warm-up then cosine decay, early
+stopping on the held-out KL, resumable checkpoints, tqdm progress and a loss-curve PNG.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..router import SEKVRouter
+from ..segmentation import fit_segmentation
+from ..surprisal import surprisal_from_logits
+from .forward import SEKVTraining, sekv_training
+
+__all__ = ["TrainConfig", "evaluate", "train_router"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Training settings (paper §4.1 where it gives them; the small-recipe values are ours).
+
+    Parameters
+    ----------
+    steps : int
+        Optimisation steps (the paper: ≈3K on 8×A100; the small recipe: a few hundred).
+    batch_size : int
+        Sequences per step (paper: 8).
+    lr, weight_decay, warmup : float
+        AdamW learning rate and weight decay, warm-up fraction of the cosine schedule (1e-3, 0.01, 0.1).
+    split : float
+        The prefix ``[0, c)``, ``c = floor(split · T)``, is compressed; the continuation is scored.
+    local_window : int
+        Mining window of the zoom loss (the paper: 512; ≈128 for short sequences).
+    eval_every, patience : int
+        Held-out evaluation period (steps) and the number of evaluations without improvement before stopping.
+    seed : int
+        Batch order (a function of the seed and the step, so a resumed run sees the same batches).
+    """
+
+    steps: int = 300
+    batch_size: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup: float = 0.1
+    split: float = 0.5
+    local_window: int = 128
+    eval_every: int = 25
+    patience: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "eval_every", "patience"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not 0.0 < self.split < 1.0:
+            raise ValueError(f"split must lie in (0, 1), got {self.split}")
+        if not (self.lr > 0 and self.weight_decay >= 0 and 0 <= self.warmup < 1 and self.local_window >= 0):
+            raise ValueError("lr must be > 0, weight_decay >= 0, warmup in [0, 1), local_window >= 0")
+
+
+def _shapes(model: Any) -> tuple[int, int]:
+    c = model.config
+    heads = c.num_attention_heads
+    return getattr(c, "num_key_value_heads", heads) or heads, getattr(c, "head_dim", None) or c.hidden_size // heads
+
+
+def _segment(router: SEKVRouter, model: Any, h: torch.Tensor, c: int) -> list:
+    Hkv, D = _shapes(model)
+    cfg = router.config
+    cost = router.summary_cost(Hkv, D)
+    return [
+        fit_segmentation(
+            h[b, :c],
+            alpha=cfg.alpha,
+            min_span=cfg.min_span,
+            window=cfg.window,
+            capacity=math.floor(cfg.budget * c),
+            summary_cost=cost,
+            window_share=cfg.window_share,
+            zoom_share=cfg.zoom_share,
+        )
+        for b in range(h.shape[0])
+    ]
+
+
+def losses(
+    model: Any,
+    router: SEKVRouter,
+    ids: torch.Tensor,
+    tc: TrainConfig,
+    lambda_budget: float,
+    zoom_rate: dict[int, list[torch.Tensor]] | None = None,
+    svd_cache: dict | None = None,
+) -> dict[str, torch.Tensor]:
+    """The loss terms of Eq. 10 for a batch ``ids`` ``[B, T]`` (``"total"`` included); the per-layer zoom rates are
+    added to ``zoom_rate`` when given; ``svd_cache`` keeps the span SVDs of each sequence across calls."""
+    T = ids.shape[1]
+    c = max(1, math.floor(tc.split * T))
+    with torch.no_grad():
+        teacher = model(ids).logits.float()
+    h = surprisal_from_logits(teacher, ids)
+    state = SEKVTraining(router, router.config, c, _segment(router, model, h, c), h[:, :c], tc.local_window)
+    if svd_cache is not None:
+        state.svd_cache, state.keys = svd_cache, [row.cpu().numpy().tobytes() for row in ids]
+    with sekv_training(model, state):
+        student = model(ids).logits[:, c:].float()
+    logp_t = torch.log_softmax(teacher[:, c:], -1)
+    kl = (logp_t.exp() * (logp_t - torch.log_softmax(student, -1))).sum(-1).mean()
+    rec = state.records
+    if zoom_rate is not None:
+        for layer, rates in state.zoom_rate.items():
+            zoom_rate.setdefault(layer, []).extend(rates)
+    zero = kl.new_zeros(())
+    zoom = torch.stack(rec["zoom"]).mean() if rec["zoom"] else zero
+    recon = (
+        torch.stack(rec["recon"]).sum() / torch.stack(rec["recon_norm"]).sum().clamp_min(1e-12)
+        if rec["recon"]
+        else zero
+    )
+    budget = (torch.stack(rec["z"]).mean() if rec["z"] else zero) + router.config.beta * (
+        torch.stack(rec["m"]).mean() if rec["m"] else zero
+    )
+    cfg = router.config
+    total = kl + cfg.lambda_zoom * zoom + cfg.lambda_recon * recon + lambda_budget * budget
+    return {"total": total, "distill": kl, "zoom": zoom, "recon": recon, "budget": budget}
+
+
+@torch.no_grad()
+def evaluate(
+    model: Any, router: SEKVRouter, seqs: torch.Tensor, tc: TrainConfig, zoom_rate: dict | None = None
+) -> dict[str, float]:
+    """Mean loss terms over ``seqs`` (one sequence at a time); ``distill`` is the held-out KL. ``zoom_rate``, when
+    given, receives ``{layer: [Hq] mean zoom rate}`` (SEKV Fig. 5)."""
+    sums: dict[str, float] = {}
+    rates: dict[int, list[torch.Tensor]] = {}
+    for i in range(seqs.shape[0]):
+        for k, v in losses(model, router, seqs[i : i + 1], tc, router.config.lambda_budget, rates).items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    if zoom_rate is not None:
+        zoom_rate.update({layer: torch.stack(r).mean(0) for layer, r in sorted(rates.items())})
+    return {k: v / seqs.shape[0] for k, v in sums.items()}
+
+
+def _schedule(tc: TrainConfig):
+    warm = max(1, round(tc.warmup * tc.steps))
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, tc.steps - warm))))
+
+    return factor
+
+
+def train_router(
+    model: Any,
+    router: SEKVRouter,
+    train: torch.Tensor,
+    held_out: torch.Tensor,
+    tc: TrainConfig | None = None,
+    out_dir: str | Path | None = None,
+    *,
+    resume: bool = True,
+    progress: bool = True,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """Train ``router`` in place on ``train`` ``[N, T]`` token sequences with ``model`` frozen.
+
+    Parameters
+    ----------
+    model : transformers causal LM
+        The frozen backbone (Llama-style attention modules with ``layer_idx``).
+    router : SEKVRouter
+        Trained in place; at the end it holds the parameters of the best held-out KL.
+    train, held_out : Tensor
+        Token sequences.
+    tc : TrainConfig
+        Settings.
+    out_dir : path, optional
+        Checkpoints (``checkpoint.pt``, written at every evaluation and at the end) and ``loss_curve.png``.
+    resume : bool
+        Continue from ``out_dir/checkpoint.pt`` when it exists (same batches, schedule and optimiser state).
+    progress : bool
+        tqdm progress bar (when tqdm is installed).
+    stop_after : int, optional
+        Stop (with a checkpoint) after this many steps of this call, as if interrupted.
+
+    Returns
+    -------
+    dict
+        ``history`` (per-step loss terms), ``evals`` (step, held-out terms), ``best_step``, ``stopped_early``.
+    """
+    tc = TrainConfig() if tc is None else tc
+    model.requires_grad_(False)
+    model.eval()
+    opt = torch.optim.AdamW(router.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(tc))
+    state: dict[str, Any] = {
+        "step": 0,
+        "history": [],
+        "evals": [],
+        "best": math.inf,
+        "best_step": 0,
+        "bad": 0,
+        "best_state": None,
+        "stopped_early": False,
+    }
+    ckpt = None if out_dir is None else Path(out_dir) / "checkpoint.pt"
+    if ckpt is not None and resume and ckpt.is_file():
+        saved = torch.load(ckpt, weights_only=False)
+        if saved["train_config"] != asdict(tc):
+            raise ValueError(f"{ckpt} was written with other training settings: {saved['train_config']}")
+        router.load_state_dict(saved["router"])
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["scheduler"])
+        state = saved["state"]
+
+    def save() -> None:
+        if ckpt is None:
+            return
+        ckpt.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(
+            {
+                "router": router.state_dict(),
+                "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(),
+                "state": state,
+                "train_config": asdict(tc),
+            },
+            ckpt,
+        )
+
+    svd_cache: dict = {}  # span SVDs per training sequence (they do not depend on the router)
+    bar = _bar(tc.steps, state["step"], progress)
+    done_here = 0
+    while state["step"] < tc.steps and not state["stopped_early"]:
+        step = state["step"]
+        g = torch.Generator().manual_seed(tc.seed * 1_000_003 + step)
+        rows = torch.randint(0, train.shape[0], (tc.batch_size,), generator=g)
+        lam3 = router.config.lambda_budget * min(1.0, step / max(1.0, 0.5 * tc.steps))  # annealed from 0
+        terms = losses(model, router, train[rows], tc, lam3, svd_cache=svd_cache)
+        opt.zero_grad(set_to_none=True)
+        terms["total"].backward()
+        opt.step()
+        sched.step()
+        state["history"].append({k: float(v.detach()) for k, v in terms.items()})
+        state["step"] = step + 1
+        done_here += 1
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(terms['total'].detach()):.4f}", kl=f"{float(terms['distill'].detach()):.4f}")
+        if state["step"] % tc.eval_every == 0 or state["step"] == tc.steps:
+            ev = evaluate(model, router, held_out, tc)
+            state["evals"].append({"step": state["step"], **ev})
+            if ev["distill"] < state["best"]:
+                state["best"], state["best_step"], state["bad"] = ev["distill"], state["step"], 0
+                state["best_state"] = {k: v.detach().clone() for k, v in router.state_dict().items()}
+            else:
+                state["bad"] += 1
+                state["stopped_early"] = state["bad"] >= tc.patience
+            save()
+        if stop_after is not None and done_here >= stop_after:
+            save()
+            break
+    if bar is not None:
+        bar.close()
+    finished = state["step"] >= tc.steps or state["stopped_early"]
+    if finished and state["best_state"] is not None:
+        router.load_state_dict(state["best_state"])
+    if out_dir is not None:
+        save()
+        plot_losses(state, Path(out_dir) / "loss_curve.png")
+    return {k: state[k] for k in ("history", "evals", "best_step", "stopped_early", "step")}
+
+
+def _bar(total: int, initial: int, progress: bool):
+    if not progress:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, initial=initial, desc="kv-sekv train", unit="step")
+
+
+def plot_losses(state: dict[str, Any], path: Path) -> Path | None:
+    """Training terms per step and held-out KL per evaluation, as a PNG (``None`` without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = range(1, len(state["history"]) + 1)
+    for key in ("total", "distill", "zoom", "recon", "budget"):
+        ax.plot(steps, [h[key] for h in state["history"]], label=f"train {key}", lw=1)
+    if state["evals"]:
+        ax.plot([e["step"] for e in state["evals"]], [e["distill"] for e in state["evals"]], "ko-", label="held-out KL")
+    ax.set_xlabel("step")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    ax.set_title("SEKV router training (Eq. 10)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

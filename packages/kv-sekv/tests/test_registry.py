@@ -1,0 +1,21 @@
+"""The registered method ``sekv`` (entry-point group ``kvcompress.methods``)."""
+
+import pytest
+
+from kv_sekv import SEKVStore, SpanSelector, SurprisalScorer
+from kv_sekv.registry import METHODS
+from kvcore import Budget
+from kvcore import registry as kvregistry
+
+
+def test_sekv_is_registered_and_builds_by_ratio():
+    (method,) = METHODS
+    assert method.name == "sekv" and method.budgets == {"ratio"}
+    assert "sekv" in kvregistry.discover()
+    c = method.build()
+    assert c.budget.ratio == pytest.approx(0.9)  # the paper's 10 % accelerator budget
+    assert isinstance(c.scorer, SurprisalScorer) and isinstance(c.selector, SpanSelector)
+    assert isinstance(c.new_store(), SEKVStore) and c.new_store() is not c.new_store()
+    assert method.build(Budget(ratio=0.8)).selector.config.budget == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="takes budgets by ratio"):
+        method.build(Budget(tokens=10))

@@ -1,0 +1,275 @@
+"""SEKVStore: the kvcore Store suite (plain plans) and SEKV's decode properties (spec §3, properties 4–8)."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sekv_testkit import SMALL, context, router, written
+
+from kv_sekv import SEKVConfig, SEKVStore, routing_summaries, sekv
+from kvcore import ScoringContext, reference_attention
+from kvcore.memory import reachable_bytes
+from kvcore.testing import ScorerTests, StoreTests
+
+
+class TestSEKVStoreSuite(StoreTests):
+    """Plain kvcore plans (no segmentation) are held as resident full-precision tokens."""
+
+    @pytest.fixture
+    def store_factory(self):
+        return lambda: SEKVStore(router())
+
+
+class TestSurprisalScorerSuite(ScorerTests):
+    @pytest.fixture
+    def scorer(self):
+        from kv_sekv import SurprisalScorer
+
+        return SurprisalScorer()
+
+    def make_extras(self, shapes):
+        g = torch.Generator().manual_seed(shapes["seed"])
+        return {"surprisal": torch.rand(shapes["B"], shapes["T"], generator=g) * 4}
+
+
+ZOOM = SEKVConfig(window=4, min_span=3, max_rank=8, proj_dim=8, zoom_share=0.5)
+
+cases = st.tuples(
+    st.sampled_from((0.3, 0.5, 0.8, 1.0)),  # budget
+    st.integers(1, 2),  # B
+    st.sampled_from((1, 2)),  # group
+    st.sampled_from((0.0, 0.05, 0.9, 0.999)),  # tau
+    st.integers(0, 999),
+)
+
+
+def _store(budget, B, group, tau, seed, T=48, config=SMALL, gate_bias=30.0):
+    r = router(Hq=2 * group, Hkv=2, config=config, tau=tau, gate_bias=gate_bias, seed=seed)
+    store, x, _ = written(budget, r, config, B=B, T=T, seed=seed)
+    q = torch.randn(B, 2 * group, 1, 16, generator=torch.Generator().manual_seed(seed + 1)) * 3
+    return store, x, q, r
+
+
+@settings(max_examples=15, deadline=None)
+@given(cases)
+def test_two_stage_merge_equals_one_softmax(args):
+    """attend(q): Stage 1 (resident + coarse with log|S|) and Stage 2 (factored spans) merged by lse equal one softmax
+    over read(q) (kvcore.reference_attention)."""
+    store, _, q, _ = _store(*args, T=96, config=ZOOM)
+    view = store.read(q)
+    want = reference_attention(view, q)
+    got = store.attend(q)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(1, 2), st.sampled_from((1, 2)), st.integers(0, 999))
+def test_full_budget_zero_tau_unit_gates_is_full_attention(B, group, seed):
+    """Budget 100 %, τ = 0, all gates 1, R_max >= d_h: every span is expanded exactly, so the output is full-KV
+    attention over the original tokens."""
+    config = SEKVConfig(window=4, min_span=3, max_rank=16, proj_dim=8)
+    store, x, q, _ = _store(1.0, B, group, 0.0, seed, config=config)
+    out, lse = store.attend(q)
+    D = x.keys.shape[-1]
+    k = x.keys.repeat_interleave(group, 1)
+    v = x.values.repeat_interleave(group, 1)
+    logits = q @ k.transpose(-1, -2) / math.sqrt(D)
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, torch.softmax(logits, -1) @ v, rtol=1e-4, atol=1e-4)
+    assert store.last_step.expanded == int(store._spans.alive.sum())
+
+
+@settings(max_examples=20, deadline=None)
+@given(cases)
+def test_each_span_appears_once_per_head(args):
+    """In read(q) every span is, per KV head, either its coarse entry (at its last position, bias log|S|) or all its
+    tokens (bias 0), never both; resident tokens are all there."""
+    store, _, q, _ = _store(*args)
+    view = store.read(q)
+    sp = store._spans
+    B, H = view.positions.shape[:2]
+    for b in range(B):
+        for h in range(H):
+            pos = view.positions[b, h]
+            bias = view.logit_bias[b, h]
+            held = {int(p): float(bb) for p, bb in zip(pos, bias) if p >= 0}
+            for _s, tp in enumerate(sp.token_pos[b]):
+                tokens = [int(p) for p in tp]
+                inside = [p in held for p in tokens]
+                if all(inside):
+                    assert all(held[p] == 0.0 for p in tokens)
+                else:
+                    assert inside == [False] * (len(tokens) - 1) + [True]
+                    assert held[tokens[-1]] == pytest.approx(math.log(len(tokens)))
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.sampled_from((0.35, 0.5, 0.7)), st.integers(1, 2), st.sampled_from((1, 2)), st.integers(0, 999))
+def test_cap_keeps_the_highest_gates_within_the_budget(budget, B, group, seed):
+    """Spans to expand are {α̃ > τ} (Eq. 9, GQA union), cut to the longest prefix of descending gate whose tokens fit
+    what the budget leaves after the persistent part; recomputed here from W, τ and the coarse keys."""
+    store, _x, q, r = _store(budget, B, group, 0.05, seed, T=96, config=ZOOM)
+    store.read(q)
+    sp = store._spans
+    W, tau = r.W[0].detach(), r.tau[0].detach()
+    Hkv = 2
+    summ = routing_summaries(sp.coarse_k.float(), W)
+    gate = torch.sigmoid(
+        (q @ W.transpose(-1, -2)) @ summ.transpose(-1, -2) / math.sqrt(W.shape[1])
+        + torch.log(sp.length.clamp_min(1).float())[:, None, None, :]
+    )
+    z = (gate > tau[None, :, None, None]) & (sp.length > 0)[:, None, None, :]
+    zk = z.reshape(B, Hkv, -1, sp.length.shape[1]).any(2)
+    prio = torch.where(z, gate, -1).reshape(B, Hkv, -1, sp.length.shape[1]).amax(2)
+    view = store.read(q)
+    cost = r.summary_cost(Hkv, 16)
+    for b in range(B):
+        expanded = {
+            (h, s)
+            for h in range(Hkv)
+            for s, tp in enumerate(sp.token_pos[b])
+            if int(tp[0]) in set(view.positions[b, h].tolist())
+        }
+        cand = sorted(
+            (
+                (float(prio[b, h, s]), h * 100 + s)
+                for h in range(Hkv)
+                for s in range(len(sp.token_pos[b]))
+                if zk[b, h, s]
+            ),
+            key=lambda t: (-t[0], t[1]),
+        )
+        room = Hkv * sp.capacity[b] - float(store._dense.seq_lengths()[b].sum()) - float(sp.alive[b].sum()) * (1 + cost)
+        want, total = set(), 0
+        for _, key in cand:
+            h, s = divmod(key, 100)
+            total += len(sp.token_pos[b][s])
+            if total > room:
+                break
+            want.add((h, s))
+        assert expanded == want
+        assert sum(len(sp.token_pos[b][s]) for _, s in expanded) <= max(room, 0)
+
+
+def test_the_cap_binds_and_expands_in_a_known_case():
+    """A case where the gate selects more spans than the budget takes: some, not all, are reconstructed."""
+    store, _, q, _ = _store(0.4, 1, 2, 0.05, 0, T=96, config=ZOOM)
+    store.attend(q)
+    step = store.last_step
+    assert 0 < step.expanded < step.selected and step.fetched_bytes > 0
+
+
+def test_bytes_follow_eqs_18_and_16():
+    """CPU bytes = Σ_S 2·Hkv·r(|S| + d_h + 1)·b (raw spans: 2·Hkv·|S|·d_h·b); nbytes() is what is reachable."""
+    config = SEKVConfig(window=4, min_span=3, max_rank=2, proj_dim=8)
+    store, x, _, _ = _store(1.0, 1, 2, 0.05, 3, T=64, config=config)
+    sp = store._spans
+    D, H, b = 16, 2, 4
+    want = 0
+    for L in sp.length[0].tolist():
+        if L == 0:
+            continue
+        r = min(L, D, 2)
+        per = r * (L + D + 1) if r * (L + D + 1) < L * D else L * D
+        want += 2 * H * per * b
+    assert store.nbytes("cpu") == want + store._dense.nbytes("cpu") + _span_device_bytes(store)
+    assert store.nbytes() == reachable_bytes(store)
+    full = 2 * H * x.keys.shape[2] * D * b  # Eq. 16 for one layer
+    assert store.nbytes() < full * 2
+
+
+def _span_device_bytes(store):
+    from kvcore.memory import storage_bytes
+
+    sp = store._spans
+    return storage_bytes(
+        [
+            sp.length,
+            sp.last_pos,
+            sp.alive,
+            sp.coarse_k,
+            sp.coarse_v,
+            sp.summary,
+            *[t for row in sp.token_pos for t in row],
+        ]
+    )
+
+
+def test_decoded_tokens_are_full_precision_and_crop_reorder_work():
+    store, _x, q, _ = _store(1.0, 2, 2, 0.05, 5)
+    g = torch.Generator().manual_seed(9)
+    k, v = torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g)
+    before = store.seq_lengths().clone()
+    store.append(k, v, torch.full((2, 1), 100))
+    view = store.read()
+    assert torch.equal(store.seq_lengths(), before + 1)
+    assert torch.equal(view.keys[:, :, -1:], k) and torch.equal(view.values[:, :, -1:], v)
+    assert view.positions[:, :, -1].eq(100).all()
+    with pytest.raises(ValueError, match="positions"):
+        store.append(k, v, torch.full((2, 1), 3))
+    store.crop(100)
+    assert torch.equal(store.seq_lengths(), before)
+    one = store.attend(q)
+    store.reorder(torch.tensor([1, 0]))
+    two = store.attend(q.flip(0))
+    torch.testing.assert_close(two[0], one[0].flip(0))
+    store.crop(10)  # spans whose last token is cropped are dropped whole
+    assert bool((store._spans is None) or (store._spans.last_pos < 10).all())
+    assert store.nbytes() == reachable_bytes(store)
+
+
+def test_write_is_atomic_and_refuses_nan_in_spans():
+    store, x, _, _ = _store(1.0, 1, 1, 0.05, 2)
+    before = (store.read().keys.clone(), store.nbytes())
+    c = sekv(1.0, router(Hq=2, Hkv=2), SMALL)
+    plan = c.plan(x)
+    bad = x.keys.clone()
+    bad[0, 0, int((plan.span_id[0] >= 0).nonzero()[0])] = float("nan")
+    with pytest.raises(ValueError, match="keys"):
+        store.write(bad, x.values, plan, x.positions)
+    assert torch.equal(store.read().keys, before[0]) and store.nbytes() == before[1]
+
+
+def test_router_of_another_model_is_refused():
+    c = sekv(1.0, router(Hq=4, Hkv=2, D=8), SMALL)
+    with pytest.raises(ValueError, match="train a router"):
+        c.compress(context(D=16))
+    c = sekv(1.0, router(L=1), SMALL)
+    with pytest.raises(ValueError, match="layer 3"):
+        c.compress(context(layer=3))
+
+
+def test_missing_surprisal_is_named():
+    c = sekv(1.0, router(), SMALL)
+    x = context()
+    with pytest.raises(ValueError, match="surprisal"):
+        c.compress(ScoringContext(x.keys, x.values))
+
+
+def test_budget_outside_range_and_report():
+    with pytest.raises(ValueError, match="budget"):
+        sekv(0.0, router())
+    with pytest.raises(ValueError, match="budget"):
+        sekv(1.5, router())
+    store, _, _ = written(0.5)
+    assert 0 < store.used[0] <= 0.5 and store.alpha[0] >= 1.0
+
+
+def test_threaded_fetch_gives_the_same_result_and_counts_eq_20_bytes():
+    """fetch='thread' (factors fetched while Stage 1 runs) equals the synchronous path; the bytes fetched are those
+    of the expanded spans' per-head factors (Eq. 20)."""
+    r = router(Hq=4, Hkv=2, config=ZOOM, tau=0.05, seed=0)
+    x = context(T=96, seed=0)
+    q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(1)) * 3
+    sync = sekv(0.4, r, ZOOM).compress(x)
+    threaded = sekv(0.4, r, ZOOM, fetch="thread").compress(x)
+    a, b = sync.attend(q), threaded.attend(q)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert sync.last_step == threaded.last_step and sync.last_step.expanded > 0
+    sync.read(q)
+    assert sync.last_step.fetched_bytes == threaded.last_step.fetched_bytes
+    with pytest.raises(ValueError, match="fetch"):
+        sekv(0.4, r, ZOOM, fetch="stream")
