@@ -12,6 +12,7 @@ from kv_hqekv.quantizers import tier_quantizer
 from kv_hqekv.scorer import HqeKVScorer, token_range
 from kv_hqekv.selector import HqeKVSelector
 from kv_hqekv.shares import PRESETS, Shares, TierCounts, feasible, preset, solve_eq3, tier_counts
+from kv_hqekv.store import HqeKVStore
 
 __all__ = [
     "BIT_WIDTHS",
@@ -19,6 +20,7 @@ __all__ = [
     "HqeKVConfig",
     "HqeKVScorer",
     "HqeKVSelector",
+    "HqeKVStore",
     "NormalizedQuantizer",
     "Shares",
     "TierCounts",
