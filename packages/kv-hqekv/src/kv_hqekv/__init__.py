@@ -5,7 +5,9 @@ evict — by the rank of a joint key/value importance, with tier shares solved f
 and searched with TPE (Alg. 1).
 """
 
+from kv_hqekv.compressor import hqekv
 from kv_hqekv.config import BIT_WIDTHS, HqeKVConfig
+from kv_hqekv.decoding import requantize
 from kv_hqekv.importance import window_importance, window_importance_ref
 from kv_hqekv.normalized import NormalizedQuantizer, normal_bounds
 from kv_hqekv.quantizers import tier_quantizer
@@ -25,8 +27,10 @@ __all__ = [
     "Shares",
     "TierCounts",
     "feasible",
+    "hqekv",
     "normal_bounds",
     "preset",
+    "requantize",
     "solve_eq3",
     "tier_counts",
     "tier_quantizer",

@@ -42,6 +42,8 @@ class HqeKVSelector(Selector):
         See above.
     sharing : {"layer", "head"}
         See above.
+    decoding : bool
+        Decode-time re-plan: counts from :meth:`decode_shares` (see :func:`kv_hqekv.decoding.requantize`).
 
     Notes
     -----
@@ -59,6 +61,7 @@ class HqeKVSelector(Selector):
         fp16_blocks: int = 2,
         joint_evict: bool = False,
         sharing: str = "layer",
+        decoding: bool = False,
     ) -> None:
         if not isinstance(shares, Shares):
             raise TypeError(f"shares must be kv_hqekv.Shares, got {type(shares).__name__}")
@@ -69,17 +72,33 @@ class HqeKVSelector(Selector):
         if sharing not in SHARINGS:
             raise ValueError(f"sharing must be one of {SHARINGS}, got {sharing!r}")
         self.shares, self.block, self.fp16_blocks = shares, block, fp16_blocks
-        self.joint_evict, self.sharing = joint_evict, sharing
+        if not isinstance(decoding, bool):
+            raise TypeError(f"decoding must be a bool, got {type(decoding).__name__}")
+        self.joint_evict, self.sharing, self.decoding = joint_evict, sharing, decoding
 
     def __repr__(self) -> str:
         return (
             f"HqeKVSelector(shares={self.shares}, block={self.block}, fp16_blocks={self.fp16_blocks}, "
-            f"joint_evict={self.joint_evict}, sharing={self.sharing!r})"
+            f"joint_evict={self.joint_evict}, sharing={self.sharing!r}, decoding={self.decoding})"
         )
+
+    def for_decoding(self) -> HqeKVSelector:
+        """This selector with the decode-time shares (:meth:`decode_shares`), for the re-plan every ``T`` tokens."""
+        return HqeKVSelector(self.shares, self.block, self.fp16_blocks, self.joint_evict, self.sharing, decoding=True)
+
+    def decode_shares(self, n_blocks: int) -> Shares:
+        """Shares of a decode-time re-plan over ``n_blocks`` blocks (the authors' update after each flush):
+        ``r_e = G·δ4 / (N_kept + G) = δ4 / n_blocks`` and the quantized shares rescaled to ``1 - r_e``. So only the
+        new block's share of eviction is applied, which rounds to no eviction for ``δ4 < 0.5``."""
+        q = self.shares.q4 + self.shares.q2 + self.shares.q1
+        r_e = self.shares.evict / max(1, n_blocks)
+        f = (1 - r_e) / q if q > 0 else 0.0
+        return Shares(self.shares.q4 * f, self.shares.q2 * f, self.shares.q1 * f, r_e if q > 0 else 1.0)
 
     def counts(self, n_blocks: int) -> TierCounts:
         """Blocks per tier for ``n_blocks`` planned blocks (fp16, 4, 2, 1, evict) and the achieved bits."""
-        return tier_counts(n_blocks, self.shares, self.fp16_blocks)
+        shares = self.decode_shares(n_blocks) if self.decoding else self.shares
+        return tier_counts(n_blocks, shares, self.fp16_blocks)
 
     # -- selection -----------------------------------------------------------------------------------------
     def select(
@@ -101,7 +120,7 @@ class HqeKVSelector(Selector):
                 "HqeKVSelector is budgeted by its shares (Budget(avg_bits=...)); got a ratio/token budget "
                 f"(ratio={budget.ratio}, tokens={budget.tokens})"
             )
-        if budget.avg_bits is not None:
+        if budget.avg_bits is not None and not self.decoding:
             self.shares.check_bits(budget.avg_bits)
         B, H, N = scores.shape
         device = scores.keys.device
