@@ -2,13 +2,15 @@
 model, the paper's shares compress for real. Skipped where kv-hf / transformers are not installed (the package
 itself does not depend on them)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 kv_hf = pytest.importorskip("kv_hf")
 transformers = pytest.importorskip("transformers")
 
-from kv_hqekv import HqeKVConfig, hqekv
+from kv_hqekv import HqeKVConfig, HqeKVStore, hqekv
 
 
 def tiny_llama():
@@ -31,20 +33,32 @@ def ids(T, seed=1):
     return torch.randint(3, 256, (1, T), generator=torch.Generator().manual_seed(seed))
 
 
+class ReadPathStore(HqeKVStore):
+    can_attend = False  # decode through read() + reference attention instead of the fused attend
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["read-path", "fused-attend"])
 @torch.no_grad()
-def test_all_fp16_plan_gives_the_models_logits():
-    """With every planned block fp16 (fp16_blocks larger than the context), prefill and decode logits equal the
-    model with an ordinary cache, bit for bit."""
+def test_all_fp16_plan_gives_the_models_logits(fused):
+    """With every planned block fp16 (fp16_blocks larger than the context), prefill logits equal the model with an
+    ordinary cache bit for bit, and so do decode logits through read(); the fused attend (split per tier pair and
+    merged by log-sum-exp) equals them to float rounding."""
     model = tiny_llama()
     x = ids(100)
     ref_cache = transformers.DynamicCache(config=model.config)
-    cache = kv_hf.compressed_cache(model, hqekv(2.0, config=HqeKVConfig(fp16_blocks=10**6)))
+    c = hqekv(2.0, config=HqeKVConfig(fp16_blocks=10**6))
+    if not fused:
+        c = dataclasses.replace(c, store=ReadPathStore)
+    cache = kv_hf.compressed_cache(model, c)
     a, b = model(x, past_key_values=ref_cache), model(x, past_key_values=cache)
     assert torch.equal(a.logits, b.logits)
     for _ in range(5):
         tok = a.logits[:, -1:].argmax(-1)
         a, b = model(tok, past_key_values=ref_cache), model(tok, past_key_values=cache)
-        assert torch.equal(a.logits, b.logits)
+        if fused:
+            assert torch.allclose(a.logits, b.logits, atol=1e-5, rtol=0)
+        else:
+            assert torch.equal(a.logits, b.logits)
 
 
 @torch.no_grad()

@@ -38,6 +38,9 @@ class HqeKVStore(Store):
     the softmax denominator with a zero value (``read()`` shows ``V = 0``; ``tiers()`` shows the value ``EVICT``).
     ``kv_hqekv.HqeKVSelector(joint_evict=True)`` evicts the same blocks for both.
 
+    ``attend(query, scale)`` (``can_attend``) reads the packed codes of every tier without a dequantized copy
+    (:func:`kv_hqekv.attention.mixed_tier_attention`); the HF adapter decodes through it.
+
     ``retier(plan)`` (``can_demote``): each entry is evicted, kept untouched (bit-identical bytes), or moved to a
     lower tier — a demotion dequantizes only the demoted entries' units from the held tier and quantizes them at the
     new one (the authors' ``K_high_2_low``), never a dequantize-everything pass. Moving up is a ``ValueError``
@@ -52,7 +55,7 @@ class HqeKVStore(Store):
 
     supported_bits = frozenset({EVICT, FULL, *QUANT_TIERS})
     can_demote = True
-    can_attend = False
+    can_attend = True
 
     def __init__(self, block: int = 32) -> None:
         self.block = check_int("block", block, low=1)
@@ -291,6 +294,15 @@ class HqeKVStore(Store):
                     units.add(*QuantUnits.gather_units((rows[order], seg[order], pos[order]), S, units.unit))
             parts[kind] = tuple(staged)
         self._commit(parts)
+
+    def attend(self, query: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of ``query [B, Hq, Q, D]`` over the held cache read from the packed codes
+        (:func:`kv_hqekv.attention.mixed_tier_attention`); equals ``kvcore.reference_attention(self.read(), ...)``."""
+        if self._shape is None:
+            raise ValueError("attend() on an empty store: write() or append() first")
+        from kv_hqekv.attention import mixed_tier_attention
+
+        return mixed_tier_attention(self, query, scale)
 
     def nbytes(self, device: torch.device | str | None = None) -> int:
         """Bytes of every tensor this store holds (codes, statistics, fp16 rows, positions, indices)."""
