@@ -5,6 +5,7 @@ evict — by the rank of a joint key/value importance, with tier shares solved f
 and searched with TPE (Alg. 1).
 """
 
+from kv_hqekv.cli import load_shares
 from kv_hqekv.compressor import hqekv
 from kv_hqekv.config import BIT_WIDTHS, HqeKVConfig
 from kv_hqekv.decoding import requantize
@@ -28,6 +29,7 @@ __all__ = [
     "TierCounts",
     "feasible",
     "hqekv",
+    "load_shares",
     "normal_bounds",
     "preset",
     "requantize",
