@@ -78,3 +78,33 @@ def test_calibration_loss_on_a_tiny_model(tmp_path):
     path = tmp_path / "shares.json"
     path.write_text(json.dumps(r.to_json()))
     assert load_shares(path) == Shares(**r.to_json()["shares"])
+
+
+def test_code_compat_shifts_labels():
+    """code_compat scores position t against the full cache's argmax at t + 1 (the authors' shifted labels)."""
+    pytest.importorskip("kv_hf")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
+    cfg._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(3, 64, (1, 80), generator=torch.Generator().manual_seed(2))
+    ctx, cont = ids[:, :64], ids[:, 64:]
+    c = hqekv(2.0, config=HqeKVConfig(fp16_blocks=10**6))
+    labels = full_cache_labels(model, ctx, cont)
+    with torch.no_grad():
+        logits = model(ids).logits[0, 64:].float()
+    shifted = float(torch.nn.functional.cross_entropy(logits[:-1], labels[1:]))
+    assert prefill_cross_entropy(model, ctx, cont, c, labels, code_compat=True) == pytest.approx(shifted, rel=1e-4)
+    assert prefill_cross_entropy(model, ctx, cont, c, labels) == pytest.approx(
+        float(torch.nn.functional.cross_entropy(logits, labels)), rel=1e-4
+    )

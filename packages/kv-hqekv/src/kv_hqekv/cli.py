@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--out", default="hqekv-shares.json", help="shares file to write")
     s.add_argument("--no-progress", action="store_true")
+    s.add_argument(
+        "--code-compat", action="store_true", help="score against labels shifted by one (the authors' search code)"
+    )
     return p
 
 
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     labels = full_cache_labels(model, ctx, cont)
 
     def loss(shares: Shares) -> float:
-        return prefill_cross_entropy(model, ctx, cont, hqekv(args.bits, shares=shares), labels)
+        return prefill_cross_entropy(model, ctx, cont, hqekv(args.bits, shares=shares), labels, args.code_compat)
 
     result = search_shares(loss, args.bits, args.trials, args.seed, progress=not args.no_progress)
     out = result.to_json()
@@ -73,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": args.dtype,
             "context": args.context,
             "continuation": args.continuation,
+            "code_compat": args.code_compat,
             "calibration": "lee_background.cor, last context+continuation tokens",
         }
     )

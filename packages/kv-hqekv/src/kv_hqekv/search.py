@@ -131,7 +131,9 @@ def search_shares(
     return SearchResult(feasible(b, best["x3"], best["x4"]), best["loss"], best["calibration_loss"], log, settings)
 
 
-def prefill_cross_entropy(model, context_ids, continuation_ids, compressor, reference_labels=None) -> float:
+def prefill_cross_entropy(
+    model, context_ids, continuation_ids, compressor, reference_labels=None, code_compat: bool = False
+) -> float:
     """``L_c``: cross-entropy of the compressed-cache model on ``continuation_ids`` against the full-cache model's
     argmax at the same positions (the spec's same-position hard labels; the authors' code shifts them by one).
 
@@ -148,6 +150,10 @@ def prefill_cross_entropy(model, context_ids, continuation_ids, compressor, refe
     compressor : kvcore.Compressor
     reference_labels : Tensor, optional
         ``[M]`` full-cache argmax labels (computed when omitted; pass them to reuse across trials).
+    code_compat : bool
+        Reproduce the authors' label shift (HF ``loss_function`` shifts labels, so position ``t`` is scored
+        against the full cache's argmax at ``t + 1``). Their other search-time deviations (values fake-quantized at
+        8 bits, evicted keys set to 0 instead of removed) are not reproduced.
     """
     import torch
 
@@ -161,7 +167,10 @@ def prefill_cross_entropy(model, context_ids, continuation_ids, compressor, refe
         cache = kv_hf.compressed_cache(model, compressor)
         kv_hf.prefill(model, cache, context_ids)
         logits = model(continuation_ids, past_key_values=cache).logits[0].float()
-        return float(torch.nn.functional.cross_entropy(logits, reference_labels.to(logits.device)))
+        labels = reference_labels.to(logits.device)
+        if code_compat:
+            logits, labels = logits[:-1], labels[1:]
+        return float(torch.nn.functional.cross_entropy(logits, labels))
 
 
 def full_cache_labels(model, context_ids, continuation_ids):
