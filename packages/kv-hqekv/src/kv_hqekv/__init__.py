@@ -1,0 +1,42 @@
+"""kv_hqekv — HqeKV: hybrid quantization and eviction of the KV cache (Wang et al. 2025, "HqeKV").
+
+Every planned block of 32 tokens gets one of five actions — fp16, 4-bit uniform, 2-bit uniform, 1-bit normalized,
+evict — by the rank of a joint key/value importance, with tier shares solved from an average-bits budget (Eq. 3)
+and searched with TPE (Alg. 1).
+"""
+
+from kv_hqekv.cli import load_shares
+from kv_hqekv.compressor import hqekv
+from kv_hqekv.config import BIT_WIDTHS, HqeKVConfig
+from kv_hqekv.decoding import requantize
+from kv_hqekv.importance import window_importance, window_importance_ref
+from kv_hqekv.normalized import NormalizedQuantizer, normal_bounds
+from kv_hqekv.quantizers import tier_quantizer
+from kv_hqekv.scorer import HqeKVScorer, token_range
+from kv_hqekv.selector import HqeKVSelector
+from kv_hqekv.shares import PRESETS, Shares, TierCounts, feasible, preset, solve_eq3, tier_counts
+from kv_hqekv.store import HqeKVStore
+
+__all__ = [
+    "BIT_WIDTHS",
+    "PRESETS",
+    "HqeKVConfig",
+    "HqeKVScorer",
+    "HqeKVSelector",
+    "HqeKVStore",
+    "NormalizedQuantizer",
+    "Shares",
+    "TierCounts",
+    "feasible",
+    "hqekv",
+    "load_shares",
+    "normal_bounds",
+    "preset",
+    "requantize",
+    "solve_eq3",
+    "tier_counts",
+    "tier_quantizer",
+    "token_range",
+    "window_importance",
+    "window_importance_ref",
+]

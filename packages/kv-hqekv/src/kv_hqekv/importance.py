@@ -1,0 +1,68 @@
+"""Window importance (HqeKV §3.2, Alg. 2 l.5-9): attention of the last ``m`` queries, reduced over heads.
+
+``A[b, j] = Σ_i Σ_{h ∈ Hq} softmax_j(q_i·k_j/√d + causal mask)`` over the ``m`` window queries ``i``, computed in
+float32, divided by ``c_j = min(m, N - j)``, the number of window queries that see token ``j`` (the authors' code;
+the paper's "cumulative" attention is the plain sum, ``normalize=False``). Query ``i`` of the window sits at column
+``N - m + i`` of the keys and sees the columns up to its own.
+
+:func:`window_importance` is the dispatch point for a tiled Triton kernel (``m × N`` without materialising more
+than a tile); that kernel is not written yet, so every device runs :func:`window_importance_ref`, which materialises
+the ``[B, Hq, m, N]`` probabilities (``m = 20``: 80 bytes per key and query head).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def window_importance_ref(
+    queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None = None, normalize: bool = True
+) -> torch.Tensor:
+    """PyTorch reference of :func:`window_importance` (the CPU path).
+
+    Parameters
+    ----------
+    queries : Tensor
+        ``[B, Hq, m, D]`` post-RoPE window queries (the last ``m`` tokens), ``Hq`` a multiple of ``Hkv``.
+    keys : Tensor
+        ``[B, Hkv, N, D]`` post-RoPE keys, ``N >= m``.
+    valid : Tensor, optional
+        ``[B, N]`` bool, False on padding (excluded from the softmax; importance 0).
+    normalize : bool
+        Divide by ``c_j``.
+
+    Returns
+    -------
+    Tensor
+        float32 ``[B, N]``: per batch row, summed over query heads and window queries.
+    """
+    B, Hq, m, D = queries.shape
+    Hkv, N = keys.shape[1], keys.shape[2]
+    g = Hq // Hkv
+    q = queries.float().view(B, Hkv, g, m, D)
+    logits = torch.einsum("bhgmd,bhnd->bhgmn", q, keys.float()) / D**0.5
+    col = torch.arange(N, device=keys.device)
+    row = N - m + torch.arange(m, device=keys.device)
+    mask = col[None, :] <= row[:, None]  # [m, N] causal
+    mask = mask[None] if valid is None else mask[None] & valid[:, None, :]  # [1 or B, m, N]
+    logits = logits.masked_fill(~mask[:, None, None], float("-inf"))
+    p = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a query seeing nothing (all padding) adds nothing
+    a = p.sum(dim=(1, 2, 3))  # [B, N]
+    if normalize:
+        a = a / seen_by(N, m, keys.device)
+    return a
+
+
+def seen_by(n: int, m: int, device: torch.device | None = None) -> torch.Tensor:
+    """``c_j = min(m, n - j)``: window queries that see column ``j`` (float32 ``[n]``)."""
+    return (n - torch.arange(n, device=device)).clamp(max=m).float()
+
+
+def window_importance(
+    queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None = None, normalize: bool = True
+) -> torch.Tensor:
+    """Window importance ``A [B, N]`` (module doc); the Triton kernel on CUDA, the reference otherwise.
+
+    Arguments are checked by the caller (:class:`~kv_hqekv.HqeKVScorer`); see :func:`window_importance_ref`.
+    """
+    return window_importance_ref(queries, keys, valid, normalize)

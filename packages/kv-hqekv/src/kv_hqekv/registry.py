@@ -1,0 +1,45 @@
+"""The methods kv-hqekv registers (entry-point group ``kvcompress.methods``, see :mod:`kvcore.registry`).
+
+``hqekv-2``, ``hqekv-2.8``, ``hqekv-3.2`` and ``hqekv-3.25`` use the paper's Table 9 shares (Llama-3.1-8B-Instruct);
+``hqekv-qwen3-2`` ... the Qwen3-8B ones. Each takes an ``avg_bits`` budget equal to its bits (the shares fix it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kv_hqekv.compressor import hqekv
+from kv_hqekv.shares import PRESETS
+from kvcore import Budget, Compressor
+from kvcore.registry import Method
+
+__all__ = ["METHODS"]
+
+
+def _make(bits: float, shares: str, name: str) -> Callable[[Budget], Compressor]:
+    def make(budget: Budget) -> Compressor:
+        if budget.avg_bits is not None and abs(budget.avg_bits - bits) > 1e-6:
+            raise ValueError(
+                f"hqekv with the {shares!r} shares is a {bits:g}-bit method; got avg_bits={budget.avg_bits} "
+                "(use kv_hqekv.hqekv(bits, shares=...) for other budgets)"
+            )
+        return hqekv(bits, shares=shares, name=name)
+
+    make.__name__ = f"hqekv_{shares.replace('-', '_').replace('.', '_')}"
+    return make
+
+
+def _entry(name: str, preset_name: str) -> Method:
+    bits = float(preset_name.split("-")[-1])
+    return Method(
+        name,
+        _make(bits, preset_name, name),
+        f"HqeKV {bits:g} bits: fp16/4/2/1-bit tiers + eviction with the paper's {preset_name} shares (Table 9)",
+        budgets=frozenset({"avg_bits"}),
+        default=Budget(avg_bits=bits),
+    )
+
+
+METHODS: tuple[Method, ...] = tuple(
+    _entry(f"hqekv-{p.split('-', 1)[1]}" if p.startswith("llama-") else f"hqekv-{p}", p) for p in PRESETS
+)

@@ -1,0 +1,368 @@
+"""The HqeKV cache of one layer: fp16, 4-bit, 2-bit and 1-bit tiers for keys and values, with real eviction."""
+
+from __future__ import annotations
+
+import torch
+
+from kv_hqekv.quantizers import tier_quantizer
+from kvcodec.ragged import Entries, QuantUnits, Residual, compact_entries
+from kvcodec.segments import rank_in_segment
+from kvcore import EVICT, FULL, KVView, Plan, Store, reachable_bytes
+from kvcore.checks import check_finite, check_float, check_int, check_integer_tensor, check_positions, check_tensor
+
+QUANT_TIERS: tuple[int, ...] = (4, 2, 1)
+"""The quantized tiers of HqeKV (§3.4): 4- and 2-bit uniform, 1-bit normalized."""
+
+Parts = dict[str, tuple]  # kind -> (Residual (fp16), QuantUnits 4, QuantUnits 2, QuantUnits 1)
+
+
+def _cat(parts: list[Entries | None]) -> Entries:
+    parts = [p for p in parts if p is not None]
+    return tuple(torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
+
+
+class HqeKVStore(Store):
+    """One layer's HqeKV cache (Wang et al. 2025, "HqeKV", §3.3-3.5): packed per-tier segments for keys and values.
+
+    Every held entry sits in exactly one part per side (keys, values): the fp16 rows (the fp16 blocks and the
+    residual of fewer than ``T`` decode tokens, which ``append`` extends), or the packed codes of the 4-, 2- or
+    1-bit tier, with its true position. Keys are quantized per channel in groups of ``block`` consecutive entries
+    of a head (one block), values per token in groups of ``block`` channels (§3.4); the 4/2-bit tiers are uniform
+    min-max (:class:`kvcodec.UniformQuantizer`), the 1-bit tier normalized
+    (:class:`~kv_hqekv.normalized.NormalizedQuantizer`). Heads are ragged; evicted entries hold no memory and
+    ``nbytes`` is every tensor reachable from the store (codes, group statistics, fp16 rows, positions, indices).
+
+    Keys and values are tiered separately (HqeKV ranks them separately). The spec's choice (a) for a block whose
+    key and value tiers disagree on eviction: an entry whose **key** is evicted is out of every softmax, so its
+    value is unreachable and is not held either; an entry whose **value** is evicted while its key is kept stays in
+    the softmax denominator with a zero value (``read()`` shows ``V = 0``; ``tiers()`` shows the value ``EVICT``).
+    ``kv_hqekv.HqeKVSelector(joint_evict=True)`` evicts the same blocks for both.
+
+    ``attend(query, scale)`` (``can_attend``) reads the packed codes of every tier without a dequantized copy
+    (:func:`kv_hqekv.attention.mixed_tier_attention`); the HF adapter decodes through it.
+
+    ``retier(plan)`` (``can_demote``): each entry is evicted, kept untouched (bit-identical bytes), or moved to a
+    lower tier — a demotion dequantizes only the demoted entries' units from the held tier and quantizes them at the
+    new one (the authors' ``K_high_2_low``), never a dequantize-everything pass. Moving up is a ``ValueError``
+    (§3.5, App. A.5: blocks only move down). Every mutation is all-or-nothing (parts are edited as copies and
+    committed last, :mod:`kvcodec.ragged`).
+
+    Parameters
+    ----------
+    block : int
+        ``G``: key group length (tokens) and value group width (channels). Paper: 32.
+    """
+
+    supported_bits = frozenset({EVICT, FULL, *QUANT_TIERS})
+    can_demote = True
+    can_attend = True
+
+    def __init__(self, block: int = 32) -> None:
+        self.block = check_int("block", block, low=1)
+        self.quantizers = {
+            kind: {b: tier_quantizer(b, name, block) for b in QUANT_TIERS}
+            for kind, name in (("k", "key"), ("v", "value"))
+        }
+        self.reset()
+
+    def __repr__(self) -> str:
+        return f"HqeKVStore(block={self.block})"
+
+    # -- parts -----------------------------------------------------------------------------------------
+    @staticmethod
+    def _held_tiers() -> tuple[int, ...]:
+        return (FULL, *QUANT_TIERS)
+
+    def _unit(self, kind: str) -> int:
+        return self.block if kind == "k" else 1
+
+    def _empty_parts(self, B: int, H: int, D: int, dtype: torch.dtype, device: torch.device) -> Parts:
+        empty = torch.zeros(B, H, 0, D, dtype=dtype, device=device)
+        none = torch.zeros(B, H, 0, dtype=torch.bool, device=device)
+        idx = torch.zeros(B, H, 0, dtype=torch.int32, device=device)
+        return {
+            kind: (
+                Residual.from_mask(empty, none, idx),
+                *(QuantUnits(self.quantizers[kind][b], self._unit(kind)) for b in QUANT_TIERS),
+            )
+            for kind in ("k", "v")
+        }
+
+    def _staged(self) -> Parts:
+        return {kind: tuple(part.copy() for part in parts) for kind, parts in self._parts.items()}
+
+    def _commit(self, parts: Parts, shape=None) -> None:
+        B, H, D = self._shape if shape is None else shape
+        held = [part.positions() for part in parts["k"]]
+        device = parts["k"][0].length.device
+        row = torch.cat([seg.to(device) for seg, _ in held]).long() // H
+        pos = torch.cat([p.to(device) for _, p in held]).long()
+        last = torch.full((B,), -1, dtype=torch.long, device=device).scatter_reduce(0, row, pos, reduce="amax")
+        self._parts, self._shape, self._last_pos = parts, (B, H, D), last
+
+    @property
+    def _segments(self) -> int:
+        B, H, _ = self._shape
+        return B * H
+
+    def _slots(self, kind: str, parts: Parts | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(seg, slot in read())`` of every entry of each part of ``kind``; slots follow the key entries."""
+        parts = self._parts if parts is None else parts
+        S = self._segments
+        kheld = [part.positions() for part in parts["k"]]
+        kseg = torch.cat([sg.long() for sg, _ in kheld])
+        kpos = torch.cat([p.long() for _, p in kheld])
+        key = (kseg << 32) | kpos
+        order = torch.argsort(key)
+        sorted_key = key[order]
+        slot_sorted, _ = rank_in_segment(kseg[order], S)
+        held = kheld if kind == "k" else [part.positions() for part in parts["v"]]
+        out = []
+        for sg, p in held:
+            q = (sg.long() << 32) | p.long()
+            idx = torch.searchsorted(sorted_key, q).clamp_max(max(sorted_key.numel() - 1, 0))
+            out.append((sg.long(), slot_sorted[idx] if q.numel() else q))
+        return out
+
+    # -- checks ----------------------------------------------------------------------------------------
+    def _check_kv(self, keys: torch.Tensor, values: torch.Tensor, *, held: bool) -> None:
+        check_float("keys", check_tensor("keys", keys, ndim=4))
+        check_tensor("values", values, ndim=4)
+        if values.shape != keys.shape or values.dtype != keys.dtype or values.device != keys.device:
+            raise ValueError(
+                f"values {values.dtype} {tuple(values.shape)} must match keys {keys.dtype} {tuple(keys.shape)}"
+            )
+        if held and self._shape is not None:
+            B, H, D = self._shape
+            if keys.shape[:2] != (B, H) or keys.shape[-1] != D or keys.dtype != self._dtype:
+                raise ValueError(
+                    f"keys {keys.dtype} {tuple(keys.shape)} do not match the stored cache [B={B}, H={H}, *, D={D}] "
+                    f"{self._dtype}"
+                )
+
+    # -- protocol --------------------------------------------------------------------------------------
+    def write(self, keys: torch.Tensor, values: torch.Tensor, plan: Plan, positions: torch.Tensor) -> None:
+        """Replace the content with ``keys``/``values [B, H, T, D]`` laid out per ``plan`` (tiers 0, 1, 2, 4, 16).
+
+        Entries of a tier are quantized in groups of consecutive entries of that tier in a head (keys: ``block``
+        entries per group, one block for HqeKV plans). All-or-nothing."""
+        self._check_kv(keys, values, held=False)
+        B, H, T, D = keys.shape
+        if not isinstance(plan, Plan) or tuple(plan.key_bits.shape) != (B, H, T):
+            raise ValueError(f"plan must be a kvcore.Plan of shape [B={B}, H={H}, T={T}]")
+        if plan.full_precision is not None:
+            raise ValueError("HqeKVStore does not hold element-level full-precision masks (plan.full_precision)")
+        kb, vb = plan.key_bits.to(keys.device), plan.bits_for_values.to(keys.device)
+        for name, bits in (("key_bits", kb), ("value_bits", vb)):
+            bad = set(torch.unique(bits).tolist()) - self.supported_bits
+            if bad:
+                raise ValueError(
+                    f"plan.{name} uses tiers {sorted(bad)}; HqeKVStore holds {sorted(self.supported_bits)}"
+                )
+        keep = kb != EVICT
+        vb = torch.where(keep, vb, EVICT)  # a value whose key is evicted is unreachable (class doc)
+        positions = check_positions("positions", positions, (B, T), keep=keep).to(keys.device)
+        check_finite("keys (kept entries)", keys[keep])
+        check_finite("values (kept entries)", values[vb != EVICT])
+        parts = self._empty_parts(B, H, D, keys.dtype, keys.device)
+        pos = positions[:, None, :].expand(B, H, T).int()
+        for kind, x, bits in (("k", keys, kb), ("v", values, vb)):
+            fp16 = Residual.from_mask(x, bits == FULL, pos)
+            quant = []
+            for b, units in zip(QUANT_TIERS, parts[kind][1:]):
+                entries, _ = compact_entries(x, bits == b, pos)
+                units.add(*QuantUnits.gather_units(entries, B * H, units.unit))
+                quant.append(units)
+            parts[kind] = (fp16, *quant)
+        self.reset()
+        self._dtype = keys.dtype
+        self._commit(parts, (B, H, D))
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Add ``[B, H, n, D]`` decode entries to the fp16 residual (§3.5: quantized when the next re-plan tiers
+        them, :func:`kv_hqekv.decoding.requantize`). All-or-nothing."""
+        self._check_kv(keys, values, held=True)
+        B, H, n, D = keys.shape
+        last = None if self._shape is None else self._last_pos
+        positions = check_positions("positions", positions, (B, n), after=last).to(keys.device)
+        check_finite("keys", keys)
+        check_finite("values", values)
+        parts = self._empty_parts(B, H, D, keys.dtype, keys.device) if self._shape is None else self._staged()
+        S = B * H
+        pos = positions[:, None, :].expand(B, H, n).reshape(S, n)
+        parts["k"][0].push(keys.reshape(S, n, D), pos)
+        parts["v"][0].push(values.reshape(S, n, D), pos)
+        self._dtype = keys.dtype
+        self._commit(parts, (B, H, D))
+
+    def read(self, query: torch.Tensor | None = None) -> KVView:
+        """Dequantized, position-ordered view of the key-kept entries (value 0 where only the value is evicted);
+        heads padded with ``-inf`` bias and position ``-1``."""
+        if self._shape is None:
+            raise ValueError("read() on an empty store: write() or append() first")
+        B, H, D = self._shape
+        S = B * H
+        krows, kseg, kpos = _cat([p.entries() for p in self._parts["k"]])
+        perm = torch.argsort((kseg.long() << 32) | kpos.long())
+        krows, kseg, kpos = krows[perm], kseg[perm], kpos[perm]
+        slot, counts = rank_in_segment(kseg, S)
+        T = int(counts.max()) if counts.numel() else 0
+        device = krows.device
+        k = torch.zeros(S, T, D, dtype=self._dtype, device=device)
+        v = torch.zeros(S, T, D, dtype=self._dtype, device=device)
+        positions = torch.full((S, T), -1, dtype=torch.long, device=device)
+        k[kseg, slot], positions[kseg, slot] = krows, kpos.long()
+        for part, (vseg, vslot) in zip(self._parts["v"], self._slots("v")):
+            e = part.entries()
+            if e is not None and vseg.numel():
+                v[vseg, vslot] = e[0].to(self._dtype)
+        bias = torch.zeros(S, T, device=device).masked_fill(positions < 0, float("-inf"))
+        return KVView(k.view(B, H, T, D), v.view(B, H, T, D), positions.view(B, H, T), bias.view(B, H, T))
+
+    def tiers(self) -> Plan:
+        """The tier of every held entry (keys and values), laid out like :meth:`read`."""
+        if self._shape is None:
+            raise ValueError("tiers() on an empty store: write() or append() first")
+        B, H, _ = self._shape
+        S = self._segments
+        T = int(self.seq_lengths().max()) if S else 0
+        device = self._parts["k"][0].length.device
+        out = []
+        for kind in ("k", "v"):
+            bits = torch.zeros(S, T, dtype=torch.uint8, device=device)
+            for (seg, slot), tier in zip(self._slots(kind), self._held_tiers()):
+                bits[seg, slot] = tier
+            out.append(bits.view(B, H, T))
+        return Plan(out[0], None if torch.equal(out[0], out[1]) else out[1])
+
+    def retier(self, plan: Plan) -> None:
+        """Evict, keep or demote every held entry per ``plan`` (laid out like :meth:`read`; class doc)."""
+        if self._shape is None:
+            raise ValueError("retier() on an empty store: write() or append() first")
+        held = self.tiers()
+        if not isinstance(plan, Plan) or tuple(plan.key_bits.shape) != tuple(held.key_bits.shape):
+            raise ValueError(f"plan must be a kvcore.Plan laid out like read(): shape {tuple(held.key_bits.shape)}")
+        if plan.full_precision is not None:
+            raise ValueError("HqeKVStore does not hold element-level full-precision masks (plan.full_precision)")
+        device = held.key_bits.device
+        kb, vb = plan.key_bits.to(device), plan.bits_for_values.to(device)
+        rank = torch.tensor([0, 1, 2, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4], device=device)  # 0<1<2<4<16
+        for name, new, old in (("key_bits", kb, held.key_bits), ("value_bits", vb, held.bits_for_values)):
+            bad = set(torch.unique(new).tolist()) - self.supported_bits
+            if bad:
+                raise ValueError(
+                    f"plan.{name} uses tiers {sorted(bad)}; HqeKVStore holds {sorted(self.supported_bits)}"
+                )
+            if bool(((old == EVICT) & (new != EVICT)).any()):
+                raise ValueError(
+                    f"plan.{name} keeps entries the store does not hold (padding, or a value already evicted); "
+                    "they must be EVICT"
+                )
+            up = (new != EVICT) & (rank[new.long()] > rank[old.long()])
+            if bool(up.any()):
+                raise ValueError(
+                    f"plan.{name} moves {int(up.sum())} held entries up a tier; HqeKV blocks only move down "
+                    "(tier := min(held, planned), §3.5)"
+                )
+        vb = torch.where(kb != EVICT, vb, EVICT)
+        S = self._segments
+        new_bits = {"k": kb.flatten(0, 1), "v": vb.flatten(0, 1)}  # [S, T]
+        parts = self._staged()
+        slots = {kind: self._slots(kind) for kind in ("k", "v")}
+        for kind in ("k", "v"):
+            staged = list(parts[kind])
+            moved: dict[int, list[Entries]] = {b: [] for b in QUANT_TIERS}
+            for i, (part, (seg, slot), tier) in enumerate(zip(staged, slots[kind], self._held_tiers())):
+                target = new_bits[kind][seg, slot] if seg.numel() else seg.to(torch.uint8)
+                stay = target == tier
+                down = (target != tier) & (target != EVICT)
+                if bool(down.any()):
+                    src = part.copy()
+                    src.keep(down)
+                    rows, sseg, spos = src.entries()
+                    dest = target[down]
+                    for b in QUANT_TIERS:
+                        m = dest == b
+                        if bool(m.any()):
+                            moved[b].append((rows[m], sseg[m], spos[m]))
+                part.keep(stay)
+                staged[i] = part
+            for b, units in zip(QUANT_TIERS, staged[1:]):
+                if moved[b]:
+                    rows, seg, pos = _cat(moved[b])
+                    order = torch.argsort((seg.long() << 32) | pos.long())
+                    units.add(*QuantUnits.gather_units((rows[order], seg[order], pos[order]), S, units.unit))
+            parts[kind] = tuple(staged)
+        self._commit(parts)
+
+    def attend(self, query: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of ``query [B, Hq, Q, D]`` over the held cache read from the packed codes
+        (:func:`kv_hqekv.attention.mixed_tier_attention`); equals ``kvcore.reference_attention(self.read(), ...)``."""
+        if self._shape is None:
+            raise ValueError("attend() on an empty store: write() or append() first")
+        from kv_hqekv.attention import mixed_tier_attention
+
+        return mixed_tier_attention(self, query, scale)
+
+    def nbytes(self, device: torch.device | str | None = None) -> int:
+        """Bytes of every tensor this store holds (codes, statistics, fp16 rows, positions, indices)."""
+        return reachable_bytes(self, device)
+
+    def seq_lengths(self) -> torch.Tensor:
+        """``[B, H]`` entries held per head (the key-kept entries)."""
+        if self._shape is None:
+            return torch.zeros(0, 0, dtype=torch.long)
+        B, H, _ = self._shape
+        device = self._parts["k"][0].length.device
+        total = self._parts["k"][0].counts.clone()
+        for units in self._parts["k"][1:]:
+            total = total + units.counts(B * H, device)
+        return total.view(B, H)
+
+    def tier_counts(self) -> dict[str, torch.Tensor]:
+        """``[B, H]`` entries per tier and side: ``keys_16``, ``keys_4``, ``keys_2``, ``keys_1`` and ``values_*``."""
+        if self._shape is None:
+            return {}
+        B, H, _ = self._shape
+        device = self._parts["k"][0].length.device
+        out = {}
+        for kind, name in (("k", "keys"), ("v", "values")):
+            fp16, *quant = self._parts[kind]
+            out[f"{name}_16"] = fp16.counts.view(B, H).clone()
+            for b, units in zip(QUANT_TIERS, quant):
+                out[f"{name}_{b}"] = units.counts(B * H, device).view(B, H)
+        return out
+
+    def crop(self, position: int) -> None:
+        """Drop every entry whose true position is ``>= position`` (groups keep their statistics)."""
+        check_int("position", position)
+        if self._shape is None:
+            return
+        parts = self._staged()
+        for staged in parts.values():
+            for part in staged:
+                part.crop(position)
+        self._commit(parts)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Row ``i`` of the batch becomes old row ``index[i]`` (beam search; rows may repeat or vanish)."""
+        if self._shape is None:
+            return
+        B, H, D = self._shape
+        check_integer_tensor("index", index, ndim=1)
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= B):
+            raise ValueError(f"index must hold batch rows in [0, {B}), got {index.tolist()}")
+        device = self._parts["k"][0].length.device
+        take = (index.to(device).long()[:, None] * H + torch.arange(H, device=device)).flatten()
+        parts = self._staged()
+        for staged in parts.values():
+            for part in staged:
+                part.take_segments(take, B * H)
+        self._commit(parts, (index.numel(), H, D))
+
+    def reset(self) -> None:
+        """Drop everything and free the memory."""
+        self._shape: tuple[int, int, int] | None = None
+        self._dtype: torch.dtype | None = None
+        self._last_pos: torch.Tensor | None = None
+        self._parts: Parts = {}

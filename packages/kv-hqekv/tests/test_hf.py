@@ -1,0 +1,77 @@
+"""HqeKV through the transformers adapter (kv-hf) on a tiny random Llama: the all-fp16 plan is the unmodified
+model, the paper's shares compress for real. Skipped where kv-hf / transformers are not installed (the package
+itself does not depend on them)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+kv_hf = pytest.importorskip("kv_hf")
+transformers = pytest.importorskip("transformers")
+
+from kv_hqekv import HqeKVConfig, HqeKVStore, hqekv
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+    )
+    config._attn_implementation = "sdpa"
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def ids(T, seed=1):
+    return torch.randint(3, 256, (1, T), generator=torch.Generator().manual_seed(seed))
+
+
+class ReadPathStore(HqeKVStore):
+    can_attend = False  # decode through read() + reference attention instead of the fused attend
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["read-path", "fused-attend"])
+@torch.no_grad()
+def test_all_fp16_plan_gives_the_models_logits(fused):
+    """With every planned block fp16 (fp16_blocks larger than the context), prefill logits equal the model with an
+    ordinary cache bit for bit, and so do decode logits through read(); the fused attend (split per tier pair and
+    merged by log-sum-exp) equals them to float rounding."""
+    model = tiny_llama()
+    x = ids(100)
+    ref_cache = transformers.DynamicCache(config=model.config)
+    c = hqekv(2.0, config=HqeKVConfig(fp16_blocks=10**6))
+    if not fused:
+        c = dataclasses.replace(c, store=ReadPathStore)
+    cache = kv_hf.compressed_cache(model, c)
+    a, b = model(x, past_key_values=ref_cache), model(x, past_key_values=cache)
+    assert torch.equal(a.logits, b.logits)
+    for _ in range(5):
+        tok = a.logits[:, -1:].argmax(-1)
+        a, b = model(tok, past_key_values=ref_cache), model(tok, past_key_values=cache)
+        if fused:
+            assert torch.allclose(a.logits, b.logits, atol=1e-5, rtol=0)
+        else:
+            assert torch.equal(a.logits, b.logits)
+
+
+@torch.no_grad()
+def test_prefill_compresses_for_real():
+    """kv_hf.prefill with hqekv-2 holds fewer bytes than fp16, keeps the tail as fp16 and decodes finite logits."""
+    model = tiny_llama()
+    x = ids(300)
+    cache = kv_hf.compressed_cache(model, hqekv(2.0))
+    logits = kv_hf.prefill(model, cache, x)
+    assert bool(torch.isfinite(logits).all())
+    fp16_bytes = 2 * 2 * 2 * 300 * 32 * 4  # layers x (K, V) x heads x tokens x dim x float32
+    assert cache.nbytes() < fp16_bytes / 2  # 76 of 300 entries stay full precision at this short length
+    counts = cache.layers[0].store.tier_counts()
+    assert int(counts["keys_16"][0, 0]) == 2 * 32 + 300 % 32  # two fp16 blocks + the residual tail
+    out = model(x[:, -1:], past_key_values=cache)
+    assert bool(torch.isfinite(out.logits).all())
