@@ -39,7 +39,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MEMBERS: tuple[str, ...] = ("kvcore", "kvcodec", "kvpages", "kv-baselines", "kv-hubkv", "kv-hqekv", "kv-sekv", "kv-hf", "kvbench")
+MEMBERS: tuple[str, ...] = (
+    "kvcore",
+    "kvcodec",
+    "kvpages",
+    "kv-baselines",
+    "kv-hubkv",
+    "kv-hqekv",
+    "kv-sekv",
+    "kv-hf",
+    "kvbench",
+)
 """The distributions checked, in dependency order."""
 
 ENTRY_POINT_GROUP = "kvcompress.methods"
