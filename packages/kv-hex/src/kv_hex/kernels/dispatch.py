@@ -1,0 +1,43 @@
+"""One dispatch point for HEX's kernels: the Triton kernel for CUDA tensors when Triton is installed, the PyTorch
+reference otherwise (the reference is the CPU path, not a test-only copy)."""
+
+from __future__ import annotations
+
+import torch
+
+from kv_hex.kernels import reference
+
+__all__ = ["attention_column_sums", "decode_attention", "kcvt_codes", "triton_available", "use_triton"]
+
+
+def triton_available() -> bool:
+    """Triton is importable."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Run the Triton kernel for ``t``: a CUDA tensor with Triton installed."""
+    return t.is_cuda and triton_available()
+
+
+def kcvt_codes(x, use, bits, axis):
+    """:func:`kv_hex.kernels.reference.kcvt_codes` (no Triton kernel yet: the reference runs on every device)."""
+    return reference.kcvt_codes(x, use, bits, axis)
+
+
+def attention_column_sums(queries, keys, valid, scale, chunk: int = 256):
+    """:func:`kv_hex.kernels.reference.attention_column_sums`, or its Triton kernel on CUDA."""
+    if use_triton(keys):
+        from kv_hex.kernels.triton_colsum import attention_column_sums_triton
+
+        return attention_column_sums_triton(queries, keys, valid, scale)
+    return reference.attention_column_sums(queries, keys, valid, scale, chunk)
+
+
+def decode_attention(query, keys, values, bias, scale):
+    """:func:`kv_hex.kernels.reference.decode_attention` (dense view; the Triton kernel over codes is not built)."""
+    return reference.decode_attention(query, keys, values, bias, scale)
