@@ -47,7 +47,7 @@ def degrees(n: int, d: int, rho: float) -> tuple[int, int | None]:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if isinstance(rho, bool) or not isinstance(rho, float | int) or not 0.0 < float(rho) < 1.0:
         raise ValueError(f"rho must lie in the open interval (0, 1), got {rho!r}")
-    d1 = int(round(float(rho) * d))
+    d1 = round(float(rho) * d)
     return d1, (n * d1 // d if (n * d1) % d == 0 else None)
 
 
@@ -132,8 +132,8 @@ def _configuration(n: int, d: int, d1: int, rng: np.random.Generator) -> np.ndar
             return np.sort(table, axis=1)
         r = int(dup_rows[0])
         row = table[r]
-        vals, first = np.unique(row, return_index=True)
-        dup_j = [j for j in range(d1) if j not in set(first.tolist())][0]
+        _vals, first = np.unique(row, return_index=True)
+        dup_j = next(j for j in range(d1) if j not in set(first.tolist()))
         r2, j2 = int(rng.integers(n)), int(rng.integers(d1))
         a, b = table[r, dup_j], table[r2, j2]
         if r2 != r and b not in table[r] and a not in table[r2]:

@@ -23,6 +23,7 @@ from kv_hex.config import HEXConfig
 from kv_hex.expander import dense_mask, mask_table
 from kv_hex.kernels import dispatch
 from kvcodec.packing import pack_unchecked, unpack_unchecked
+from kvcore import packed_width
 
 __all__ = ["Segment", "compress_segment", "segment_mask"]
 
@@ -30,6 +31,8 @@ __all__ = ["Segment", "compress_segment", "segment_mask"]
 def segment_mask(cfg: HEXConfig, n: int, H: int, D: int, device) -> torch.Tensor | None:
     """``[n, H, D]`` bool element mask of an ``n``-slot segment (``None`` for ``mask_kind="none"``)."""
     C = H * D if cfg.mask_scope == "layer" else D
+    if n == 0:
+        return None
     table = mask_table(cfg.mask_kind, n, C, cfg.rho, cfg.seed)
     if table is None:
         return None
@@ -213,6 +216,17 @@ def compress_segment(
     parts = {}
     for kind, x, tier in (("k", keys, key_tier), ("v", values, value_tier)):
         coded = held & (tier != FULL)
+        if not bool(coded.any()):  # no codes and no statistics held for a tensor with no coded entry
+            empty = torch.zeros(0, dtype=x.dtype, device=x.device)
+            parts[kind] = dict(
+                full=torch.zeros(0, dtype=torch.bool, device=x.device),
+                rows=x[held].clone(),
+                codes=torch.zeros(0, packed_width(D, bits), dtype=torch.uint8, device=x.device),
+                over=empty.clone(),
+                scale=empty.clone(),
+                zero=empty.clone(),
+            )
+            continue
         use = coded[..., None] & (~emask if cfg.masked_stats else torch.ones_like(emask))
         if kind == "k":
             codes, scale, zero = dispatch.kcvt_codes(x.reshape(B * H, n, D), use.reshape(B * H, n, D), bits, "channel")
@@ -227,10 +241,8 @@ def compress_segment(
             codes, scale, zero = dispatch.kcvt_codes(x.reshape(B * H, n, D), use.reshape(B * H, n, D), bits, "token")
             scale, zero = scale.reshape(B, H, n)[coded], zero.reshape(B, H, n)[coded]
         codes = codes.reshape(B, H, n, D)
-        if not bool(coded.any()):  # no statistics held for a tensor with no coded entry
-            scale, zero = scale.new_zeros(0), zero.new_zeros(0)
         parts[kind] = dict(
-            full=(tier[held] == FULL) if bool(coded.any()) else torch.zeros(0, dtype=torch.bool, device=x.device),
+            full=(tier[held] == FULL),
             rows=x[held & (tier == FULL)].clone(),
             codes=pack_unchecked(codes[coded], bits),
             over=x[coded][emask[coded]].clone(),

@@ -22,10 +22,11 @@ class HEXStore(Store):
     an fp16 residual of fewer than ``block_size`` tokens (HEX §3.5, §4.1). HEX evicts nothing; this store follows
     any eviction a plan asks for too (evicted entries hold no memory).
 
-    ``write(keys, values, plan, positions)``: the slots ``[0, T - T mod block_size)`` become one compressed segment
-    laid out as ``plan`` says (``FULL`` rows bit-exact, ``bits`` rows KCVT-coded with the expander overlay applied
-    in full precision, ``EVICT`` dropped); the trailing ``T mod block_size`` slots go to the residual as they are
-    (compressed when decoding fills the block, as in the paper's streaming setup). ``plan.full_precision`` must be
+    ``write(keys, values, plan, positions)``: the trailing ``T mod block_size`` slots go to the fp16 residual when
+    the plan keeps all their entries ``FULL`` (HEX's prefill layout, :class:`~kv_hex.HEXSelector`: they are
+    compressed when decoding fills the block, as in the paper's streaming setup, §4.1); every other slot becomes one
+    compressed segment laid out exactly as ``plan`` says (``FULL`` rows bit-exact, ``bits`` rows KCVT-coded with the
+    expander overlay kept in full precision, ``EVICT`` dropped). ``plan.full_precision`` must be
     ``None``: the element-level mask is the store's static expander mask (regenerated from ``(n, d, ρ, seed)``,
     never stored as a dense bool).
 
@@ -151,6 +152,9 @@ class HEXStore(Store):
         check_finite("keys (kept entries)", keys[keep])
         check_finite("values (kept entries)", values[keep])
         end = T - T % self.config.block_size
+        tail = keep[:, :, end:]
+        if bool((tail & ((kb[:, :, end:] != FULL) | (vb[:, :, end:] != FULL))).any()):
+            end = T  # the plan codes a trailing entry: no residual, everything follows the plan now
         held_slot = keep[:, :, :end].any(1)
         slot_pos = torch.where(held_slot, positions[:, :end], -1)
         acc = torch.zeros(B, H, end, device=keys.device) if self.config.mode == "full" else None

@@ -82,7 +82,7 @@ def decode_attention(
     ``lse = -inf`` and zero sums.
     """
     B, Hq, Q, D = query.shape
-    H, T = keys.shape[1], keys.shape[2]
+    H, _T = keys.shape[1], keys.shape[2]
     G = Hq // H
     q = query.float().reshape(B, H, G, Q, D)
     logits = torch.einsum("bhgqd,bhtd->bhgqt", q, keys.float()) * scale + bias.float()[:, :, None, None, :]
