@@ -125,19 +125,20 @@ def _configuration(n: int, d: int, d1: int, rng: np.random.Generator) -> np.ndar
     col_deg[rng.permutation(d)[:extra]] += 1  # balanced ⌊·⌋/⌈·⌉ degrees (exact when biregular)
     stubs = rng.permutation(np.repeat(np.arange(d), col_deg))
     table = stubs.reshape(n, d1)
-    for _ in range(100 * total + 100):
+    for _ in range(1000):
         srt = np.sort(table, axis=1)
         dup_rows = np.nonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))[0] if d1 > 1 else np.zeros(0, int)
         if dup_rows.size == 0:
-            return np.sort(table, axis=1)
-        r = int(dup_rows[0])
-        row = table[r]
-        _vals, first = np.unique(row, return_index=True)
-        dup_j = next(j for j in range(d1) if j not in set(first.tolist()))
-        r2, j2 = int(rng.integers(n)), int(rng.integers(d1))
-        a, b = table[r, dup_j], table[r2, j2]
-        if r2 != r and b not in table[r] and a not in table[r2]:
-            table[r, dup_j], table[r2, j2] = b, a
+            return srt
+        for r in dup_rows.tolist():  # one random swap per row holding a duplicate edge, then check again
+            _, first = np.unique(table[r], return_index=True)
+            dup_j = next((j for j in range(d1) if j not in set(first.tolist())), None)
+            if dup_j is None:  # fixed by an earlier swap of this pass
+                continue
+            r2, j2 = int(rng.integers(n)), int(rng.integers(d1))
+            a, b = table[r, dup_j], table[r2, j2]
+            if r2 != r and b not in table[r] and a not in table[r2]:
+                table[r, dup_j], table[r2, j2] = b, a
     raise RuntimeError(f"could not repair duplicate edges of a ({n}, {d}) mask with d1={d1}")  # pragma: no cover
 
 
