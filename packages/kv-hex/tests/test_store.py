@@ -48,7 +48,7 @@ def test_scorer_makes_heavy_hitters_global_through_the_compressor():
     """Through hex(3): a token that draws all of one head's attention is FULL in every head (HEX's global
     selection), and a compressor with per-head scores would not make it so."""
     B, H, T, D = 1, 2, 96, 16
-    k, v, pos = layer(B, H, T, D, seed=3)
+    k, v, _pos = layer(B, H, T, D, seed=3)
     k[0, 0, 40] = 30 * torch.ones(D)  # head 0 attends to token 40
     q = torch.ones(B, 4, T, D)
     ctx = ScoringContext(keys=k, values=v, queries=q)
