@@ -25,13 +25,19 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 def kcvt_codes(x, use, bits, axis):
-    """:func:`kv_hex.kernels.reference.kcvt_codes` (no Triton kernel yet: the reference runs on every device)."""
+    """:func:`kv_hex.kernels.reference.kcvt_codes`, or its Triton version (statistics reduced in Triton) on CUDA."""
+    if use_triton(x):
+        from kv_hex.kernels.triton_kcvt import kcvt_codes_triton
+
+        return kcvt_codes_triton(x, use, bits, axis)
     return reference.kcvt_codes(x, use, bits, axis)
 
 
 def attention_column_sums(queries, keys, valid, scale, chunk: int = 256):
-    """:func:`kv_hex.kernels.reference.attention_column_sums`, or its Triton kernel on CUDA."""
-    if use_triton(keys):
+    """:func:`kv_hex.kernels.reference.attention_column_sums`, or its Triton kernel on CUDA (power-of-two head dims
+    >= 16)."""
+    D = keys.shape[-1]
+    if use_triton(keys) and D >= 16 and not D & (D - 1):
         from kv_hex.kernels.triton_colsum import attention_column_sums_triton
 
         return attention_column_sums_triton(queries, keys, valid, scale)
@@ -39,5 +45,6 @@ def attention_column_sums(queries, keys, valid, scale, chunk: int = 256):
 
 
 def decode_attention(query, keys, values, bias, scale):
-    """:func:`kv_hex.kernels.reference.decode_attention` (dense view; the Triton kernel over codes is not built)."""
+    """:func:`kv_hex.kernels.reference.decode_attention` over the dense view on every device: the fused Triton
+    kernel over codes + overlay + full rows + residual is not built yet."""
     return reference.decode_attention(query, keys, values, bias, scale)
