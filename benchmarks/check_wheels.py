@@ -39,7 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MEMBERS: tuple[str, ...] = ("kvcore", "kvcodec", "kv-baselines", "kv-hubkv", "kv-hf", "kvbench")
+MEMBERS: tuple[str, ...] = ("kvcore", "kvcodec", "kv-baselines", "kv-hubkv", "kv-hex", "kv-hf", "kvbench")
 """The distributions checked, in dependency order."""
 
 ENTRY_POINT_GROUP = "kvcompress.methods"
