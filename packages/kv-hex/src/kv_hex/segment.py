@@ -15,6 +15,7 @@ token, over the token's coded channels of every head (``value_scope="layer"``, `
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,15 +29,22 @@ from kvcore import packed_width
 __all__ = ["Segment", "compress_segment", "segment_mask"]
 
 
+@functools.lru_cache(maxsize=64)
+def _dense(kind: str, n: int, C: int, rho: float, seed: int | None) -> torch.Tensor | None:
+    table = mask_table(kind, n, C, rho, seed)
+    return None if table is None else torch.from_numpy(dense_mask(table))
+
+
 def segment_mask(cfg: HEXConfig, n: int, H: int, D: int, device) -> torch.Tensor | None:
-    """``[n, H, D]`` bool element mask of an ``n``-slot segment (``None`` for ``mask_kind="none"``)."""
+    """``[n, H, D]`` bool element mask of an ``n``-slot segment (``None`` for ``mask_kind="none"``), expanded from
+    the cached index table (a transient; the store never holds it)."""
     C = H * D if cfg.mask_scope == "layer" else D
     if n == 0:
         return None
-    table = mask_table(cfg.mask_kind, n, C, cfg.rho, cfg.seed)
-    if table is None:
+    m = _dense(cfg.mask_kind, n, C, cfg.rho, cfg.seed)
+    if m is None:
         return None
-    m = torch.from_numpy(dense_mask(table)).to(device)
+    m = m.to(device)
     return m.view(n, H, D) if cfg.mask_scope == "layer" else m[:, None, :].expand(n, H, D)
 
 
