@@ -47,6 +47,7 @@ MEMBERS: tuple[str, ...] = (
     "kv-hubkv",
     "kv-hqekv",
     "kv-sekv",
+    "kv-hex",
     "kv-hf",
     "kvbench",
 )

@@ -1,0 +1,282 @@
+"""One compressed HEX segment: packed KCVT codes, full-precision rows, and the expander overlay's values.
+
+A segment covers ``n`` token *slots* per batch row (``slot_pos [B, n]``: the true position of each slot, ``-1``
+where the row holds nothing). Its entries are ragged per (batch row, KV head) — ``seg = b·H + h`` — sorted by
+``(seg, pos)``. Each entry's key (and value) is either a whole full-precision row or a row of ``bits``-wide codes;
+inside a coded row the elements selected by the static mask (row = the entry's slot, columns = its head's
+channels) are held as full-precision *overlay values* only: their coordinates are regenerated from the mask's
+``(kind, n, d, ρ, seed)`` (:mod:`kv_hex.expander`), never stored.
+
+Keys are quantized per channel over the segment's coded entries of one head (``scale/zero [S, D]``); values per
+token, over the token's coded channels of every head (``value_scope="layer"``, ``[B, n]``) or of one head
+(``"head"``, one per coded entry). Statistics skip overlay elements (``masked_stats``; HEX §3.4-3.5).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from kv_hex.config import HEXConfig
+from kv_hex.expander import dense_mask, mask_table
+from kv_hex.kernels import dispatch
+from kvcodec.packing import pack_unchecked, unpack_unchecked
+from kvcore import packed_width
+
+__all__ = ["Segment", "compress_segment", "segment_mask"]
+
+
+@functools.lru_cache(maxsize=64)
+def _dense(kind: str, n: int, C: int, rho: float, seed: int | None) -> torch.Tensor | None:
+    table = mask_table(kind, n, C, rho, seed)
+    return None if table is None else torch.from_numpy(dense_mask(table))
+
+
+def segment_mask(cfg: HEXConfig, n: int, H: int, D: int, device) -> torch.Tensor | None:
+    """``[n, H, D]`` bool element mask of an ``n``-slot segment (``None`` for ``mask_kind="none"``), expanded from
+    the cached index table (a transient; the store never holds it)."""
+    C = H * D if cfg.mask_scope == "layer" else D
+    if n == 0:
+        return None
+    m = _dense(cfg.mask_kind, n, C, cfg.rho, cfg.seed)
+    if m is None:
+        return None
+    m = m.to(device)
+    return m.view(n, H, D) if cfg.mask_scope == "layer" else m[:, None, :].expand(n, H, D)
+
+
+@dataclass
+class Segment:
+    """See the module docstring. Tensors only (``nbytes`` counts them); ``n``/``H``/``D`` are ints."""
+
+    n: int
+    H: int
+    D: int
+    slot_pos: torch.Tensor  # [B, n] int32
+    counts: torch.Tensor  # [S] int64
+    pos: torch.Tensor  # [N] int32
+    k_full: torch.Tensor  # [N] bool, or [0] when every entry is full precision
+    v_full: torch.Tensor  # [N] bool, or [0] when every entry is full precision
+    k_rows: torch.Tensor  # [Nkf, D]
+    v_rows: torch.Tensor  # [Nvf, D]
+    k_codes: torch.Tensor  # [Nkq, PW] uint8
+    v_codes: torch.Tensor  # [Nvq, PW] uint8
+    k_scale: torch.Tensor  # [S, D] (or [0, D])
+    k_zero: torch.Tensor
+    v_scale: torch.Tensor  # [B, n] (layer) or [Nvq] (head) (or empty)
+    v_zero: torch.Tensor
+    k_over: torch.Tensor  # [Nko] overlay values of coded keys
+    v_over: torch.Tensor
+    acc: torch.Tensor | None  # [N] float32 accumulated attention (full mode only)
+
+    def copy(self) -> Segment:
+        return copy.copy(self)
+
+    @property
+    def num_entries(self) -> int:
+        return int(self.pos.numel())
+
+    def full(self, kind: str) -> torch.Tensor:
+        """``[N]`` bool: the entry's key (``"k"``) or value (``"v"``) is a full-precision row."""
+        f = getattr(self, f"{kind}_full")
+        return torch.ones_like(self.pos, dtype=torch.bool) if f.numel() != self.pos.numel() else f
+
+    @property
+    def coded(self) -> bool:
+        """Some entry is coded (its flags are stored); otherwise every entry is a full-precision row."""
+        return bool(self.k_full.numel() or self.v_full.numel())
+
+    def seg(self) -> torch.Tensor:
+        return torch.repeat_interleave(torch.arange(self.counts.numel(), device=self.pos.device), self.counts)
+
+    def slots(self, seg: torch.Tensor | None = None) -> torch.Tensor:
+        """Slot of every entry (its position's index in its row's ``slot_pos``)."""
+        seg = self.seg() if seg is None else seg
+        sp = self.slot_pos.long()
+        filled = torch.cummax(sp, dim=-1).values  # -1 slots take the running max: non-decreasing rows
+        out = torch.zeros_like(seg)
+        row = seg // self.H
+        for b in range(sp.shape[0]):
+            sel = row == b
+            if bool(sel.any()):
+                out[sel] = torch.searchsorted(filled[b], self.pos.long()[sel])
+        return out
+
+    def element_mask(self, cfg: HEXConfig, seg: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """``[N, D]`` bool overlay mask of every entry (whether coded or not)."""
+        m = segment_mask(cfg, self.n, self.H, self.D, self.pos.device)
+        if m is None:
+            return torch.zeros(seg.numel(), self.D, dtype=torch.bool, device=self.pos.device)
+        return m[slot.long(), seg % self.H]
+
+    def decode(self, cfg: HEXConfig, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys [N, D], values [N, D], seg [N], pos [N])`` reconstructed (full rows bit-exact, overlay exact)."""
+        seg = self.seg()
+        slot = self.slots(seg) if self.coded else torch.zeros_like(seg)
+        emask = self.element_mask(cfg, seg, slot) if self.coded else None
+        out = []
+        for kind in ("k", "v"):
+            full = self.full(kind)
+            rows = torch.zeros(full.numel(), self.D, dtype=getattr(self, f"{kind}_rows").dtype, device=full.device)
+            rows[full] = getattr(self, f"{kind}_rows")
+            coded = ~full
+            if bool(coded.any()):
+                codes = unpack_unchecked(getattr(self, f"{kind}_codes"), bits, self.D).float()
+                if kind == "k":
+                    s, z = self.k_scale.float()[seg[coded]], self.k_zero.float()[seg[coded]]
+                elif cfg.value_scope == "layer":
+                    b = seg[coded] // self.H
+                    s, z = self.v_scale.float()[b, slot[coded]][:, None], self.v_zero.float()[b, slot[coded]][:, None]
+                else:
+                    s, z = self.v_scale.float()[:, None], self.v_zero.float()[:, None]
+                deq = (codes * s + z).to(rows.dtype)
+                em = emask[coded]
+                deq[em] = getattr(self, f"{kind}_over")
+                rows[coded] = deq
+            out.append(rows)
+        return out[0], out[1], seg, self.pos
+
+    def take(
+        self, cfg: HEXConfig, idx: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> Segment:
+        """A new segment of entries ``idx`` (old entry indices, sorted by new ``(seg, pos)``) with new per-segment
+        ``counts``; ``rows`` (old batch rows of the new rows) for a reorder. Kept bytes are copied as they are."""
+        seg = self.seg()
+        coded = self.coded
+        emask = self.element_mask(cfg, seg, self.slots(seg)) if coded else None
+        new = self.copy()
+        H = self.H
+        if rows is not None:
+            take_seg = (rows[:, None] * H + torch.arange(H, device=rows.device)).flatten()
+            new.slot_pos = self.slot_pos[rows].clone()
+        else:
+            take_seg = None
+        for kind in ("k", "v"):
+            full = self.full(kind)
+            if not coded:
+                setattr(new, f"{kind}_rows", getattr(self, f"{kind}_rows")[idx].clone())
+                continue
+            rank_full = torch.cumsum(full, 0) - 1
+            rank_code = torch.cumsum(~full, 0) - 1
+            sel_full = idx[full[idx]]
+            sel_code = idx[~full[idx]]
+            flags = full[idx]
+            setattr(new, f"{kind}_full", flags[:0].clone() if bool(flags.all()) else flags.clone())
+            setattr(new, f"{kind}_rows", getattr(self, f"{kind}_rows")[rank_full[sel_full]].clone())
+            setattr(new, f"{kind}_codes", getattr(self, f"{kind}_codes")[rank_code[sel_code]].clone())
+            # overlay values of coded entries: per-entry counts -> offsets -> gather
+            n_over = emask[~full].sum(-1)
+            start = torch.cumsum(n_over, 0) - n_over
+            take_n = n_over[rank_code[sel_code]]
+            base = start[rank_code[sel_code]]
+            off = torch.repeat_interleave(base - (torch.cumsum(take_n, 0) - take_n), take_n)
+            gather = torch.arange(int(take_n.sum()), device=idx.device) + off
+            setattr(new, f"{kind}_over", getattr(self, f"{kind}_over")[gather].clone())
+            if kind == "v" and cfg.value_scope == "head" and self.v_scale.numel():
+                new.v_scale = self.v_scale[rank_code[sel_code]].clone()
+                new.v_zero = self.v_zero[rank_code[sel_code]].clone()
+        if take_seg is not None and self.k_scale.numel():
+            new.k_scale, new.k_zero = self.k_scale[take_seg].clone(), self.k_zero[take_seg].clone()
+        if rows is not None and cfg.value_scope == "layer" and self.v_scale.numel():
+            new.v_scale, new.v_zero = self.v_scale[rows].clone(), self.v_zero[rows].clone()
+        if not coded and rows is not None:
+            new.slot_pos = self.slot_pos[:, :0][rows].clone()
+        new.pos = self.pos[idx].clone()
+        new.counts = counts.clone()
+        new.acc = None if self.acc is None else self.acc[idx].clone()
+        return new
+
+
+def compress_segment(
+    cfg: HEXConfig,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_tier: torch.Tensor,
+    value_tier: torch.Tensor,
+    slot_pos: torch.Tensor,
+    acc: torch.Tensor | None = None,
+) -> Segment:
+    """Compress a dense staging of one segment.
+
+    Parameters
+    ----------
+    cfg : HEXConfig
+    keys, values : Tensor
+        ``[B, H, n, D]`` (slot order).
+    key_tier, value_tier : Tensor
+        ``[B, H, n]`` uint8: ``EVICT`` (not held), ``FULL`` or ``cfg.bits``.
+    slot_pos : Tensor
+        ``[B, n]`` true positions of the slots (``-1``: empty slot).
+    acc : Tensor, optional
+        ``[B, H, n]`` accumulated attention to keep per entry (full mode).
+    """
+    from kvcore import EVICT, FULL
+
+    B, H, n, D = keys.shape
+    bits = cfg.bits
+    held = key_tier != EVICT
+    emask = segment_mask(cfg, n, H, D, keys.device)
+    emask = torch.zeros(n, H, D, dtype=torch.bool, device=keys.device) if emask is None else emask
+    emask = emask.permute(1, 0, 2)[None].expand(B, H, n, D)
+    parts = {}
+    for kind, x, tier in (("k", keys, key_tier), ("v", values, value_tier)):
+        coded = held & (tier != FULL)
+        if not bool(coded.any()):  # no codes and no statistics held for a tensor with no coded entry
+            empty = torch.zeros(0, dtype=x.dtype, device=x.device)
+            parts[kind] = dict(
+                full=torch.zeros(0, dtype=torch.bool, device=x.device),
+                rows=x[held].clone(),
+                codes=torch.zeros(0, packed_width(D, bits), dtype=torch.uint8, device=x.device),
+                over=empty.clone(),
+                scale=empty.clone(),
+                zero=empty.clone(),
+            )
+            continue
+        use = coded[..., None] & (~emask if cfg.masked_stats else torch.ones_like(emask))
+        if kind == "k":
+            codes, scale, zero = dispatch.kcvt_codes(x.reshape(B * H, n, D), use.reshape(B * H, n, D), bits, "channel")
+            scale, zero = scale.reshape(B * H, D), zero.reshape(B * H, D)
+        elif cfg.value_scope == "layer":
+            xt = x.permute(0, 2, 1, 3).reshape(B, n, H * D)
+            ut = use.permute(0, 2, 1, 3).reshape(B, n, H * D)
+            codes, scale, zero = dispatch.kcvt_codes(xt, ut, bits, "token")
+            codes = codes.reshape(B, n, H, D).permute(0, 2, 1, 3)
+            scale, zero = scale.reshape(B, n), zero.reshape(B, n)
+        else:
+            codes, scale, zero = dispatch.kcvt_codes(x.reshape(B * H, n, D), use.reshape(B * H, n, D), bits, "token")
+            scale, zero = scale.reshape(B, H, n)[coded], zero.reshape(B, H, n)[coded]
+        codes = codes.reshape(B, H, n, D)
+        parts[kind] = dict(
+            full=(tier[held] == FULL),
+            rows=x[held & (tier == FULL)].clone(),
+            codes=pack_unchecked(codes[coded], bits),
+            over=x[coded][emask[coded]].clone(),
+            scale=scale.clone(),
+            zero=zero.clone(),
+        )
+    pos = slot_pos[:, None, :].expand(B, H, n)[held].int()
+    coded_any = bool((held & ((key_tier != FULL) | (value_tier != FULL))).any())
+    return Segment(
+        n=n,
+        H=H,
+        D=D,
+        slot_pos=slot_pos.int().clone() if coded_any else slot_pos[:, :0].int().clone(),
+        counts=held.reshape(B * H, n).sum(-1),
+        pos=pos,
+        k_full=parts["k"]["full"],
+        v_full=parts["v"]["full"],
+        k_rows=parts["k"]["rows"],
+        v_rows=parts["v"]["rows"],
+        k_codes=parts["k"]["codes"],
+        v_codes=parts["v"]["codes"],
+        k_scale=parts["k"]["scale"],
+        k_zero=parts["k"]["zero"],
+        v_scale=parts["v"]["scale"],
+        v_zero=parts["v"]["zero"],
+        k_over=parts["k"]["over"],
+        v_over=parts["v"]["over"],
+        acc=None if acc is None else acc[held].float().clone(),
+    )

@@ -1,0 +1,544 @@
+"""The HEX KV cache of one layer as a ``kvcore.Store`` (HEX §3.5, §4.1)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kv_hex.config import HEXConfig
+from kv_hex.kernels import dispatch
+from kv_hex.segment import Segment, compress_segment
+from kv_hex.selector import hex_tiers
+from kvcore import EVICT, FULL, KVView, Plan, Store, reachable_bytes
+from kvcore.attention import check_query, check_scale
+from kvcore.checks import check_finite, check_float, check_int, check_integer_tensor, check_positions, check_tensor
+
+__all__ = ["HEXStore"]
+
+
+class HEXStore(Store):
+    """HEX's cache: KCVT codes, whole full-precision rows (heavy hitters, recent), the static expander overlay and
+    an fp16 residual of fewer than ``block_size`` tokens (HEX §3.5, §4.1). HEX evicts nothing; this store follows
+    any eviction a plan asks for too (evicted entries hold no memory).
+
+    ``write(keys, values, plan, positions)``: the trailing ``T mod block_size`` slots go to the fp16 residual when
+    the plan keeps all their entries ``FULL`` (HEX's prefill layout, :class:`~kv_hex.HEXSelector`: they are
+    compressed when decoding fills the block, as in the paper's streaming setup, §4.1); every other slot becomes one
+    compressed segment laid out exactly as ``plan`` says (``FULL`` rows bit-exact, ``bits`` rows KCVT-coded with the
+    expander overlay kept in full precision, ``EVICT`` dropped). ``plan.full_precision`` must be
+    ``None``: the element-level mask is the store's static expander mask (regenerated from ``(n, d, ρ, seed)``,
+    never stored as a dense bool).
+
+    ``append`` adds tokens to the residual; when a batch row holds ``block_size`` residual tokens they are
+    compressed: heavy hitters by the attention accumulated through :meth:`attend` (summed over every head; spec A5)
+    and the last ``recent`` tokens whole in full precision, the rest KCVT with the expander overlay. In
+    ``mode="append"`` earlier segments' bytes never change; in ``mode="full"`` the whole cache is re-compressed, from
+    its held representation, as one segment (spec A10).
+
+    ``attend(query, scale)`` equals ``kvcore.reference_attention(self.read(), query, scale)`` and adds each entry's
+    attention probability (summed over queries and the GQA group) to the accumulator heavy hitters are chosen by.
+
+    Parameters
+    ----------
+    config : HEXConfig, optional
+        Defaults to ``HEXConfig()`` (HEX-3).
+    """
+
+    can_attend = True
+    can_demote = False
+
+    def __init__(self, config: HEXConfig | None = None) -> None:
+        cfg = HEXConfig() if config is None else config
+        if not isinstance(cfg, HEXConfig):
+            raise TypeError(f"config must be a kv_hex.HEXConfig, got {type(cfg).__name__}")
+        self.config = cfg
+        self.supported_bits = frozenset({EVICT, FULL, cfg.bits})
+        self.reset()
+
+    # -- state -----------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Drop everything and free the memory."""
+        self._shape: tuple[int, int, int] | None = None  # (B, H, D)
+        self._dtype: torch.dtype | None = None
+        self._segments: list[Segment] = []
+        self._res: dict[str, torch.Tensor | None] = {}
+        self._last_pos: torch.Tensor | None = None
+
+    def _empty_residual(self, S: int, D: int, dtype, device) -> dict[str, torch.Tensor | None]:
+        return {
+            "counts": torch.zeros(S, dtype=torch.long, device=device),
+            "pos": torch.zeros(0, dtype=torch.int32, device=device),
+            "k": torch.zeros(0, D, dtype=dtype, device=device),
+            "v": torch.zeros(0, D, dtype=dtype, device=device),
+            "acc": None,
+        }
+
+    @staticmethod
+    def _seg_ids(counts: torch.Tensor) -> torch.Tensor:
+        return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+
+    def _parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(seg, pos)`` of each part's entries: the segments in order, then the residual."""
+        out = [(s.seg(), s.pos) for s in self._segments]
+        out.append((self._seg_ids(self._res["counts"]), self._res["pos"]))
+        return out
+
+    def _order(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Read layout of the concatenated parts: ``(perm, seg, slot, T)`` sorted by ``(seg, pos)``."""
+        parts = self._parts()
+        seg = torch.cat([s for s, _ in parts]).long()
+        pos = torch.cat([p for _, p in parts]).long()
+        perm = torch.argsort((seg << 32) | pos)
+        seg_sorted = seg[perm]
+        S = self._shape[0] * self._shape[1]
+        counts = torch.bincount(seg_sorted, minlength=S)
+        slot = torch.arange(seg_sorted.numel(), device=seg.device) - (torch.cumsum(counts, 0) - counts)[seg_sorted]
+        T = int(counts.max()) if counts.numel() and seg.numel() else 0
+        return perm, seg_sorted, slot, T
+
+    def _commit(self, segments: list[Segment], res: dict, shape=None, dtype=None) -> None:
+        """Make the new parts the held state (the last step of every mutation: all-or-nothing)."""
+        if shape is not None:
+            self._shape, self._dtype = shape, dtype
+        self._segments, self._res = segments, res
+        B = self._shape[0]
+        device = res["pos"].device
+        last = torch.full((B,), -1, dtype=torch.long, device=device)
+        H = self._shape[1]
+        for seg, pos in self._parts():
+            if pos.numel():
+                last = last.scatter_reduce(0, seg.long() // H, pos.long(), reduce="amax")
+        self._last_pos = last
+
+    # -- checks ----------------------------------------------------------------------------------------
+    def _check_kv(self, keys: torch.Tensor, values: torch.Tensor, *, held: bool) -> None:
+        check_float("keys", check_tensor("keys", keys, ndim=4))
+        check_tensor("values", values, ndim=4)
+        if values.shape != keys.shape or values.dtype != keys.dtype or values.device != keys.device:
+            raise ValueError(
+                f"values {values.dtype} {tuple(values.shape)} must match keys {keys.dtype} {tuple(keys.shape)}"
+            )
+        if held and self._shape is not None:
+            B, H, D = self._shape
+            if keys.shape[:2] != (B, H) or keys.shape[-1] != D or keys.dtype != self._dtype:
+                raise ValueError(
+                    f"keys {keys.dtype} {tuple(keys.shape)} do not match the stored cache [B={B}, H={H}, *, D={D}] "
+                    f"{self._dtype}"
+                )
+
+    # -- protocol: write / append ----------------------------------------------------------------------
+    def write(self, keys: torch.Tensor, values: torch.Tensor, plan: Plan, positions: torch.Tensor) -> None:
+        """Replace the content (see the class docstring). All-or-nothing."""
+        self._check_kv(keys, values, held=False)
+        B, H, T, D = keys.shape
+        if not isinstance(plan, Plan) or tuple(plan.key_bits.shape) != (B, H, T):
+            raise ValueError(f"plan must be a kvcore.Plan of shape [B={B}, H={H}, T={T}]")
+        if plan.full_precision is not None:
+            raise ValueError(
+                "HEXStore derives its element-level full-precision mask from its config (the static expander mask); "
+                "plan.full_precision must be None"
+            )
+        kb, vb = plan.key_bits.to(keys.device), plan.bits_for_values.to(keys.device)
+        allowed = {EVICT, FULL, self.config.bits}
+        for name, bits in (("key_bits", kb), ("value_bits", vb)):
+            tiers = set(torch.unique(bits).tolist())
+            if tiers - allowed:
+                raise ValueError(f"plan.{name} uses tiers {sorted(tiers)}; this HEXStore holds {sorted(allowed)}")
+        keep = kb != EVICT
+        if not torch.equal(keep, vb != EVICT):
+            raise ValueError("HEXStore needs the same kept entries for keys and values (tiers may differ)")
+        positions = check_positions("positions", positions, (B, T), keep=keep).to(keys.device)
+        check_finite("keys (kept entries)", keys[keep])
+        check_finite("values (kept entries)", values[keep])
+        end = T - T % self.config.block_size
+        tail = keep[:, :, end:]
+        if bool((tail & ((kb[:, :, end:] != FULL) | (vb[:, :, end:] != FULL))).any()):
+            end = T  # the plan codes a trailing entry: no residual, everything follows the plan now
+        held_slot = keep[:, :, :end].any(1)
+        slot_pos = torch.where(held_slot, positions[:, :end], -1)
+        acc = torch.zeros(B, H, end, device=keys.device) if self.config.mode == "full" else None
+        segment = compress_segment(
+            self.config, keys[:, :, :end], values[:, :, :end], kb[:, :, :end], vb[:, :, :end], slot_pos, acc
+        )
+        if acc is not None and not segment.coded and segment.pos.numel() == 0:
+            segment.acc = None
+        rk = keep[:, :, end:]
+        res = {
+            "counts": rk.reshape(B * H, -1).sum(-1),
+            "pos": positions[:, None, end:].expand(B, H, T - end)[rk].int(),
+            "k": keys[:, :, end:][rk].clone(),
+            "v": values[:, :, end:][rk].clone(),
+            "acc": None,
+        }
+        self._commit([segment], res, (B, H, D), keys.dtype)
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Add ``[B, H, n, D]`` tokens to the residual; full blocks are compressed (class docstring). All-or-nothing."""
+        self._check_kv(keys, values, held=True)
+        B, H, n, D = keys.shape
+        last = None if self._shape is None else self._last_pos
+        positions = check_positions("positions", positions, (B, n), after=last).to(keys.device)
+        check_finite("keys", keys)
+        check_finite("values", values)
+        S = B * H
+        if self._shape is None:
+            res = self._empty_residual(S, D, keys.dtype, keys.device)
+            segments: list[Segment] = []
+        else:
+            res, segments = dict(self._res), list(self._segments)
+        seg = torch.cat([self._seg_ids(res["counts"]), torch.arange(S, device=keys.device).repeat_interleave(n)])
+        pos = torch.cat([res["pos"], positions[:, None, :].expand(B, H, n).reshape(-1).int()])
+        order = torch.argsort((seg.long() << 32) | pos.long())
+        new_acc = None
+        if res["acc"] is not None:
+            new_acc = torch.cat([res["acc"], torch.zeros(S * n, device=keys.device)])[order]
+        res = {
+            "counts": torch.bincount(seg, minlength=S),
+            "pos": pos[order],
+            "k": torch.cat([res["k"], keys.reshape(S * n, D)])[order],
+            "v": torch.cat([res["v"], values.reshape(S * n, D)])[order],
+            "acc": new_acc,
+        }
+        if self._shape is None:
+            self._shape, self._dtype = (B, H, D), keys.dtype
+            try:
+                segments, res = self._flush(segments, res)
+            except Exception:
+                self._shape, self._dtype = None, None
+                raise
+            self._commit(segments, res)
+            return
+        segments, res = self._flush(segments, res)
+        self._commit(segments, res)
+
+    # -- streaming compression -------------------------------------------------------------------------
+    def _flush(self, segments: list[Segment], res: dict) -> tuple[list[Segment], dict]:
+        """Compress every full block of the residual (rows with ``block_size`` distinct residual positions)."""
+        B, H, D = self._shape
+        nb = self.config.block_size
+        while True:
+            seg = self._seg_ids(res["counts"])
+            row = seg // H
+            pos = res["pos"].long()
+            first: list[torch.Tensor | None] = []
+            for b in range(B):
+                u = torch.unique(pos[row == b])
+                first.append(u[:nb] if u.numel() >= nb else None)
+            if all(f is None for f in first):
+                return segments, res
+            slot_pos = torch.full((B, nb), -1, dtype=torch.long, device=pos.device)
+            for b, f in enumerate(first):
+                if f is not None:
+                    slot_pos[b] = f
+            flush = torch.zeros_like(pos, dtype=torch.bool)
+            slot = torch.zeros_like(pos)
+            for b in range(B):
+                if first[b] is None:
+                    continue
+                sel = (row == b) & (pos <= first[b][-1])
+                flush |= sel
+                slot[sel] = torch.searchsorted(first[b], pos[sel])
+            h = seg % H
+            k = torch.zeros(B, H, nb, D, dtype=self._dtype, device=pos.device)
+            v = torch.zeros_like(k)
+            held = torch.zeros(B, H, nb, dtype=torch.bool, device=pos.device)
+            acc = torch.zeros(B, H, nb, device=pos.device)
+            idx = (row[flush], h[flush], slot[flush])
+            k[idx], v[idx], held[idx] = res["k"][flush], res["v"][flush], True
+            if res["acc"] is not None:
+                acc[idx] = res["acc"][flush]
+            keep = ~flush
+            res = {
+                "counts": torch.bincount(seg[keep], minlength=B * H),
+                "pos": res["pos"][keep],
+                "k": res["k"][keep],
+                "v": res["v"][keep],
+                "acc": None if res["acc"] is None else res["acc"][keep],
+            }
+            if self.config.mode == "append":
+                segments = [*segments, self._compress(k, v, held, slot_pos, acc)]
+            else:
+                segments = [self._recompress(segments, k, v, held, slot_pos, acc)]
+
+    def _compress(self, k, v, held, slot_pos, acc) -> Segment:
+        """HEX compression of one dense staging ``[B, H, n, D]``: global heavy hitters + recent whole in full
+        precision, the rest KCVT with the overlay."""
+        cfg = self.config
+        n = k.shape[2]
+        scores = acc.masked_fill(~held, 0.0).sum(1, keepdim=True).expand_as(acc)
+        tiers = hex_tiers(scores, held, torch.zeros_like(held), cfg.bits, cfg.heavy_ratio, cfg.recent, max(n, 1))
+        return compress_segment(cfg, k, v, tiers, tiers, slot_pos, acc if cfg.mode == "full" else None)
+
+    def _recompress(self, segments, k, v, held, slot_pos, acc) -> Segment:
+        """Full mode: the held segments (reconstructed from their codes) and the new block as one segment."""
+        B, H, D = self._shape
+        parts = [s.decode(self.config, self.config.bits) for s in segments]
+        accs = [s.acc if s.acc is not None else torch.zeros(s.num_entries, device=k.device) for s in segments]
+        sh = torch.nonzero(held, as_tuple=True)
+        rows_k = torch.cat([p[0] for p in parts] + [k[sh]])
+        rows_v = torch.cat([p[1] for p in parts] + [v[sh]])
+        segid = torch.cat([p[2] for p in parts] + [sh[0] * H + sh[1]])
+        pos = torch.cat([p[3].long() for p in parts] + [slot_pos[sh[0], sh[2]]])
+        a = torch.cat([*accs, acc[sh]])
+        row = segid // H
+        uniq = [torch.unique(pos[row == b]) for b in range(B)]
+        n = max(int(u.numel()) for u in uniq)
+        sp = torch.full((B, n), -1, dtype=torch.long, device=k.device)
+        slot = torch.zeros_like(pos)
+        for b, u in enumerate(uniq):
+            sp[b, : u.numel()] = u
+            sel = row == b
+            slot[sel] = torch.searchsorted(u, pos[sel])
+        K = torch.zeros(B, H, n, D, dtype=self._dtype, device=k.device)
+        V = torch.zeros_like(K)
+        HELD = torch.zeros(B, H, n, dtype=torch.bool, device=k.device)
+        ACC = torch.zeros(B, H, n, device=k.device)
+        idx = (row, segid % H, slot)
+        K[idx], V[idx], HELD[idx], ACC[idx] = rows_k, rows_v, True, a
+        return self._compress(K, V, HELD, sp, ACC)
+
+    # -- protocol: read / tiers / retier ---------------------------------------------------------------
+    def _entries(self) -> tuple[torch.Tensor, ...]:
+        """``(keys, values, key tiers, value tiers)`` of every held entry, parts concatenated (segments, residual)."""
+        bits = self.config.bits
+        ks, vs, kt, vt = [], [], [], []
+        for s in self._segments:
+            k, v, _, _ = s.decode(self.config, bits)
+            ks.append(k)
+            vs.append(v)
+            kt.append(torch.where(s.full("k"), FULL, bits).to(torch.uint8))
+            vt.append(torch.where(s.full("v"), FULL, bits).to(torch.uint8))
+        r = self._res
+        ks.append(r["k"])
+        vs.append(r["v"])
+        kt.append(torch.full_like(r["pos"], FULL, dtype=torch.uint8))
+        vt.append(torch.full_like(r["pos"], FULL, dtype=torch.uint8))
+        return torch.cat(ks), torch.cat(vs), torch.cat(kt), torch.cat(vt)
+
+    def read(self, query: torch.Tensor | None = None) -> KVView:
+        """Every held entry, reconstructed (full-precision rows and overlay elements bit-exact), at its true
+        position, per head in position order; ragged heads padded with position ``-1`` and bias ``-inf``."""
+        if self._shape is None:
+            raise ValueError("read() on an empty store: write() or append() first")
+        B, H, D = self._shape
+        S = B * H
+        perm, seg, slot, T = self._order()
+        k, v, _, _ = self._entries()
+        pos = torch.cat([p for _, p in self._parts()]).long()
+        device = k.device
+        K = torch.zeros(S, T, D, dtype=self._dtype, device=device)
+        V = torch.zeros_like(K)
+        P = torch.full((S, T), -1, dtype=torch.long, device=device)
+        K[seg, slot], V[seg, slot], P[seg, slot] = k[perm], v[perm], pos[perm]
+        bias = torch.zeros(S, T, device=device).masked_fill(P < 0, float("-inf"))
+        return KVView(K.view(B, H, T, D), V.view(B, H, T, D), P.view(B, H, T), bias.view(B, H, T))
+
+    def tiers(self) -> Plan:
+        """The tier of every held entry (``FULL`` or ``bits``; the residual is ``FULL``), laid out like :meth:`read`.
+        Overlay elements are part of their coded entry's tier (``bits``)."""
+        if self._shape is None:
+            raise ValueError("tiers() on an empty store: write() or append() first")
+        B, H, _ = self._shape
+        perm, seg, slot, T = self._order()
+        _, _, kt, vt = self._entries_tiers()
+        out = []
+        for t in (kt, vt):
+            bits = torch.zeros(B * H, T, dtype=torch.uint8, device=t.device)
+            bits[seg, slot] = t[perm]
+            out.append(bits.view(B, H, T))
+        return Plan(out[0], out[1])
+
+    def _entries_tiers(self):
+        bits = self.config.bits
+        kt = [torch.where(s.full("k"), FULL, bits).to(torch.uint8) for s in self._segments]
+        vt = [torch.where(s.full("v"), FULL, bits).to(torch.uint8) for s in self._segments]
+        kt.append(torch.full_like(self._res["pos"], FULL, dtype=torch.uint8))
+        vt.append(torch.full_like(self._res["pos"], FULL, dtype=torch.uint8))
+        return None, None, torch.cat(kt), torch.cat(vt)
+
+    def _keep_parts(self, keep: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[list[Segment], dict]:
+        """New parts holding the entries where ``keep`` (over the concatenated parts, part order); ``rows``:
+        the old batch row of each new row (reorder; ``keep`` is then ignored)."""
+        B, H, _ = self._shape
+        segments, start = [], 0
+        parts = self._parts()
+        for s, (seg, _) in zip(self._segments, parts):
+            n = s.num_entries
+            if rows is None:
+                k = keep[start : start + n]
+                idx = torch.nonzero(k).flatten()
+                counts = torch.bincount(seg[k], minlength=B * H)
+            else:
+                idx, counts = self._take_rows(seg, s.counts, rows)
+            segments.append(s.take(self.config, idx, counts, rows))
+            start += n
+        seg, _ = parts[-1]
+        r = self._res
+        if rows is None:
+            k = keep[start:]
+            idx = torch.nonzero(k).flatten()
+            counts = torch.bincount(seg[k], minlength=B * H)
+        else:
+            idx, counts = self._take_rows(seg, r["counts"], rows)
+        res = {
+            "counts": counts,
+            "pos": r["pos"][idx].clone(),
+            "k": r["k"][idx].clone(),
+            "v": r["v"][idx].clone(),
+            "acc": None if r["acc"] is None else r["acc"][idx].clone(),
+        }
+        return segments, res
+
+    def _take_rows(self, seg: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor):
+        H = self._shape[1]
+        take = (rows[:, None] * H + torch.arange(H, device=rows.device)).flatten()
+        start = torch.cumsum(counts, 0) - counts
+        n = counts[take]
+        off = torch.repeat_interleave(start[take] - (torch.cumsum(n, 0) - n), n)
+        return torch.arange(int(n.sum()), device=seg.device) + off, n
+
+    def retier(self, plan: Plan) -> None:
+        """Evict the entries ``plan`` marks ``EVICT`` (laid out like :meth:`read`); every other entry keeps its
+        tier and bytes. Another tier, kept padding or different kept sets for keys and values raise ``ValueError``
+        and change nothing."""
+        if self._shape is None:
+            raise ValueError("retier() on an empty store: write() or append() first")
+        held = self.tiers()
+        if not isinstance(plan, Plan) or tuple(plan.key_bits.shape) != tuple(held.key_bits.shape):
+            raise ValueError(f"plan must be a kvcore.Plan laid out like read(): shape {tuple(held.key_bits.shape)}")
+        if plan.full_precision is not None:
+            raise ValueError("HEXStore.retier takes no plan.full_precision (the overlay is the static mask)")
+        device = held.key_bits.device
+        kb, vb = plan.key_bits.to(device), plan.bits_for_values.to(device)
+        for name, new, old in (("key_bits", kb, held.key_bits), ("value_bits", vb, held.bits_for_values)):
+            padding = old == EVICT
+            if bool((padding & (new != EVICT)).any()):
+                raise ValueError(f"plan.{name} keeps padding entries (positions -1 in read()); padding must be EVICT")
+            changed = ~padding & (new != EVICT) & (new != old)
+            if bool(changed.any()):
+                raise ValueError(
+                    f"plan.{name} moves held entries to another tier ({sorted(set(new[changed].tolist()))}); "
+                    "HEXStore re-tiers by eviction only (each entry EVICT or its held tier, see tiers())"
+                )
+        if not torch.equal(kb != EVICT, vb != EVICT):
+            raise ValueError("plan must keep the same entries for keys and values in a HEXStore")
+        perm, seg, slot, _ = self._order()
+        keep_sorted = (kb != EVICT).flatten(0, 1)[seg, slot]
+        keep = torch.empty_like(keep_sorted)
+        keep[perm] = keep_sorted
+        segments, res = self._keep_parts(keep)
+        self._commit(segments, res)
+
+    # -- fused attention -------------------------------------------------------------------------------
+    def attend(self, query: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of ``query [B, Hq, Q, D]`` over the held cache: ``(out fp32, lse fp32)`` equal to
+        ``kvcore.reference_attention(self.read(), query, scale)``. Adds each residual entry's attention (summed over
+        queries and its GQA group) to the heavy-hitter accumulator (and every entry's, in full mode)."""
+        if self._shape is None:
+            raise ValueError("attend() on an empty store: write() or append() first")
+        B, H, D = self._shape
+        q = check_query(query, H, D, B)
+        scale = check_scale(scale, D)
+        view = self.read()
+        out, lse, sums = dispatch.decode_attention(
+            q.to(view.keys.device), view.keys, view.values, view.logit_bias, scale
+        )
+        self._accumulate(sums)
+        return out, lse
+
+    def _accumulate(self, sums: torch.Tensor) -> None:
+        """Add ``sums [B, H, T]`` (laid out like :meth:`read`) to the accumulators."""
+        perm, seg, slot, _ = self._order()
+        flat = torch.empty(perm.numel(), device=sums.device)
+        flat[perm] = sums.flatten(0, 1)[seg, slot].float()
+        start = 0
+        for s in self._segments:
+            n = s.num_entries
+            if self.config.mode == "full":
+                s.acc = (torch.zeros(n, device=flat.device) if s.acc is None else s.acc) + flat[start : start + n]
+            start += n
+        r = self._res
+        prev = torch.zeros(r["pos"].numel(), device=flat.device) if r["acc"] is None else r["acc"]
+        r["acc"] = prev + flat[start:]
+
+    # -- bookkeeping -----------------------------------------------------------------------------------
+    def nbytes(self, device: torch.device | str | None = None) -> int:
+        """Bytes of every tensor this store holds (codes, scales, zeros, full rows, overlay values, positions,
+        residual, accumulators). The expander index tables are regenerated from ``(n, d, ρ, seed)`` and shared by
+        every layer: not held here (see :meth:`memory_report`)."""
+        return reachable_bytes(self, device)
+
+    def seq_lengths(self) -> torch.Tensor:
+        """``[B, H]`` entries held per head."""
+        if self._shape is None:
+            return torch.zeros(0, 0, dtype=torch.long)
+        B, H, _ = self._shape
+        total = self._res["counts"].clone()
+        for s in self._segments:
+            total = total + s.counts
+        return total.view(B, H)
+
+    def residual_lengths(self) -> torch.Tensor:
+        """``[B, H]`` entries waiting in the fp16 residual (fewer than ``block_size`` after every call)."""
+        if self._shape is None:
+            return torch.zeros(0, 0, dtype=torch.long)
+        return self._res["counts"].view(*self._shape[:2]).clone()
+
+    def memory_report(self) -> dict[str, float]:
+        """Bytes held and the fraction of an fp16 cache of the same entries.
+
+        Returns ``{"nbytes", "fp16_bytes", "fraction_of_fp16", "payload_fraction_of_fp16", "mask_table_bytes"}``:
+        ``fp16_bytes = 2 (K, V) · entries · D · 2``; ``payload`` leaves out the int32 positions and per-segment
+        counts (what the paper's figures seem to count, spec A11); ``mask_table_bytes`` are the shared index tables
+        of this store's segments (int16, not held per layer).
+        """
+        if self._shape is None:
+            return {"nbytes": 0, "fp16_bytes": 0, "fraction_of_fp16": math.nan}
+        from kv_hex.expander import mask_table
+
+        D = self._shape[2]
+        entries = int(self.seq_lengths().sum())
+        fp16 = 2 * entries * D * 2
+        total = self.nbytes()
+        meta = sum(s.pos.numel() * 4 + s.counts.numel() * 8 + s.slot_pos.numel() * 4 for s in self._segments)
+        meta += self._res["pos"].numel() * 4 + self._res["counts"].numel() * 8
+        C = self._shape[1] * D if self.config.mask_scope == "layer" else D
+        tables = 0
+        for s in self._segments:
+            if s.coded:
+                t = mask_table(self.config.mask_kind, s.n, C, self.config.rho, self.config.seed)
+                tables += 0 if t is None else t.nbytes
+        return {
+            "nbytes": total,
+            "fp16_bytes": fp16,
+            "fraction_of_fp16": total / fp16 if fp16 else math.nan,
+            "payload_fraction_of_fp16": (total - meta) / fp16 if fp16 else math.nan,
+            "mask_table_bytes": tables,
+        }
+
+    def crop(self, position: int) -> None:
+        """Drop every entry whose true position is ``>= position`` (kept entries' bytes untouched)."""
+        check_int("position", position)
+        if self._shape is None:
+            return
+        pos = torch.cat([p for _, p in self._parts()])
+        segments, res = self._keep_parts(pos < position)
+        self._commit(segments, res)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Row ``i`` of the batch becomes old row ``index[i]`` (beam search; rows may repeat or vanish)."""
+        if self._shape is None:
+            return
+        B, H, D = self._shape
+        check_integer_tensor("index", index, ndim=1)
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= B):
+            raise ValueError(f"index must hold batch rows in [0, {B}), got {index.tolist()}")
+        rows = index.to(self._res["pos"].device).long()
+        segments, res = self._keep_parts(None, rows)
+        self._shape = (rows.numel(), H, D)
+        try:
+            self._commit(segments, res)
+        except Exception:  # pragma: no cover - commit cannot fail after validation
+            self._shape = (B, H, D)
+            raise
