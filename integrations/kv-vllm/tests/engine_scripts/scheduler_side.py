@@ -1,6 +1,6 @@
 """Connector creation through vLLM's factory and scheduler-side behaviour through vLLM's real ``Scheduler``.
 
-Run under the engine venv (see ../engine_env.py): ``python scheduler_side.py WORKDIR``; prints one JSON line of
+Run under the engine venv (see ../vllm_env.py): ``python scheduler_side.py WORKDIR``; prints one JSON line of
 checks (name -> value) that the workspace test asserts on. Follows the pattern of vLLM's own
 tests/v1/kv_connector/unit/utils.py (a real Scheduler on CPU, requests built by hand, model-runner outputs faked),
 with ModelConfig pointed at a tiny local model instead of the hub.
