@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -74,9 +75,38 @@ def _lut(bits: int, device: torch.device) -> torch.Tensor:
     return ((byte >> (torch.arange(per, device=device) * bits)) & ((1 << bits) - 1)).float()
 
 
+@functools.cache
+def _shifts(bits: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[32 // bits]``: the bit offset of every code lane of a little-endian 32-bit word."""
+    return torch.arange(32 // bits, dtype=torch.int32, device=device) * bits
+
+
+def word_aligned(width: int, bits: int) -> bool:
+    """Whether packed rows of ``width`` bytes unpack by 32-bit words (:func:`unpack_words`)."""
+    return 8 % bits == 0 and width % 4 == 0 and sys.byteorder == "little"
+
+
+def unpack_words(packed: torch.Tensor, bits: int, dims: tuple[int, ...] = (0,)) -> torch.Tensor:
+    """float32 codes of uint8 ``packed [..., W]`` (``W % 4 == 0``, contiguous rows), ``[..., W * 8 // bits]``.
+
+    The rows are read as little-endian 32-bit words and every lane is shifted out and masked in one broadcast op
+    (about twice as fast on CPU as a per-byte table lookup). ``dims``: a permutation of the leading dims applied
+    to the words before unpacking (the output is laid out in that order, contiguous).
+    """
+    words = packed.view(torch.int32)
+    if dims != tuple(range(len(dims))):
+        words = words.permute(*dims, words.ndim - 1).contiguous()  # the small int32 words, not the output
+    out = (words[..., None] >> _shifts(bits, packed.device)) & ((1 << bits) - 1)
+    return out.float().flatten(-2)
+
+
 def unpack_float(codes: torch.Tensor, bits: int, D: int) -> torch.Tensor:
-    """float32 ``[N, D]`` codes of packed rows ``[N, packed_width(D, bits)]`` (a byte lookup for 1/2/4/8 bits)."""
+    """float32 ``[N, D]`` codes of packed rows ``[N, packed_width(D, bits)]`` (32-bit words or a byte lookup for
+    1/2/4/8 bits)."""
     N = codes.shape[0]
+    if word_aligned(codes.shape[-1], bits) and codes.is_contiguous():
+        out = unpack_words(codes, bits)
+        return out if out.shape[1] == D else out[:, :D]
     if 8 % bits == 0:
         out = F.embedding(codes.reshape(-1).int(), _lut(bits, codes.device)).view(N, -1)
         return out if out.shape[1] == D else out[:, :D]
@@ -274,8 +304,11 @@ class Side:
         G, bits = self.quantizer.group_size, self.quantizer.bits
         if Tq and self._lut_ok() and self.meta[1] == "token" and D % G == 0 and (G * bits) % 8 == 0:
             C, gb, M = D // G, G * bits // 8, p.shape[1]
-            packed = self.codes.view(S, Tq, C, gb).transpose(1, 2)  # [S, C, Tq, gb]
-            c = F.embedding(packed.int(), _lut(bits, p.device)).view(S * C, Tq, G)
+            packed = self.codes.view(S, Tq, C, gb)
+            if word_aligned(gb, bits) and packed.is_contiguous():
+                c = unpack_words(packed, bits, (0, 2, 1)).view(S * C, Tq, G)  # group-major [S, C, Tq, G]
+            else:
+                c = F.embedding(packed.transpose(1, 2).int(), _lut(bits, p.device)).view(S * C, Tq, G)
             s, z = self.scales.view(S, Tq, C), self.zeros.view(S, Tq, C)
             ps = (p[..., None] * s[:, None]).permute(0, 3, 1, 2).reshape(S * C, M, Tq)
             out = (ps @ c).view(S, C, M, G).transpose(1, 2) + (p @ z)[..., None]
