@@ -259,10 +259,8 @@ class CompressedLayer(CacheLayerMixin):
             )
         if self.mode == COLLECT or self._capture_stored:
             self._remember_queries(query, valid)
-        if valid is None:
-            last = positions.max(-1).values + 1
-        else:
-            last = torch.where(valid, positions, -1).max(-1).values + 1
+        real = positions if valid is None else torch.where(valid, positions, -1)
+        last = real.max(-1).values + 1
         if self.mode == COLLECT:
             if valid is None:
                 valid = torch.ones(B, q, dtype=torch.bool, device=device)
