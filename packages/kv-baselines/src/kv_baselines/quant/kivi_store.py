@@ -290,8 +290,9 @@ class KIVIStore(Store):
 
         Returns ``(out fp32 [B, Hq, Q, D], lse fp32 [B, Hq, Q])``, equal to
         ``kvcore.reference_attention(self.read(), query, scale)`` within float tolerance. With uniform quantizers
-        and equal-length heads (KIVI's decode) the codes are unpacked by 32-bit words and dequantized in place in one
-        side (a scratch buffer per step, a multiply and an add), and the logits over the quantized part and over the residual are computed
+        and equal-length heads (KIVI's decode) the codes of each side are unpacked by 32-bit words into one scratch
+        buffer per step, dequantized in place (a multiply and an add) and multiplied in one batched matmul, and the
+        logits over the quantized part and over the residual are computed
         separately (no concatenated or position-sorted copy of the cache); otherwise the cache is laid out densely
         (padding masked) first. Non-uniform quantizers attend over :meth:`read`.
         """
