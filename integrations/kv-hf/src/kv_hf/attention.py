@@ -21,7 +21,9 @@ prefill or re-compresses).
 Stores that declare ``can_attend`` are not read back at all: the layer returns only the step's new K/V, and the
 function attends to the Store with its fused ``attend(query, scale) -> (out, lse)``, to ``[pending | new]`` with an
 lse-returning reference (causal among the new tokens, padding masked), and combines the two with
-``kvcore.merge_attention`` (the online-softmax identity of FlashAttention, Dao et al. 2022, §3.1).
+``kvcore.merge_attention`` (the online-softmax identity of FlashAttention, Dao et al. 2022, §3.1). A single real
+new token with nothing pending (plain decode) is appended to the Store first and attended with one ``attend`` call
+(:func:`decode_step`), which needs no separate attention over the new token and no merge.
 """
 
 from __future__ import annotations
