@@ -21,7 +21,9 @@ prefill or re-compresses).
 Stores that declare ``can_attend`` are not read back at all: the layer returns only the step's new K/V, and the
 function attends to the Store with its fused ``attend(query, scale) -> (out, lse)``, to ``[pending | new]`` with an
 lse-returning reference (causal among the new tokens, padding masked), and combines the two with
-``kvcore.merge_attention`` (the online-softmax identity of FlashAttention, Dao et al. 2022, §3.1).
+``kvcore.merge_attention`` (the online-softmax identity of FlashAttention, Dao et al. 2022, §3.1). A single real
+new token with nothing pending (plain decode) is appended to the Store first and attended with one ``attend`` call
+(:func:`decode_step`), which needs no separate attention over the new token and no merge.
 """
 
 from __future__ import annotations
@@ -180,6 +182,37 @@ def fused_step(step: Step, query: torch.Tensor, new: torch.Tensor | None, scalin
     return out.to(query.dtype).transpose(1, 2).contiguous()
 
 
+def _single_token_decode(step: Step, new: torch.Tensor | None) -> bool:
+    """One real new token per row, nothing pending, a Store that keeps it: :func:`decode_step` applies."""
+    from kv_hf.layer import STORE
+
+    layer = step.layer
+    return (
+        step.keys.shape[2] == 1
+        and layer.mode == STORE
+        and (layer.pending is None or not layer.pending.length)
+        and (new is None or bool(new.all()))
+    )
+
+
+def decode_step(step: Step, query: torch.Tensor, position_ids: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """One decode token over a Store with a fused ``attend``: append it first, then one ``attend`` over everything.
+
+    The token attends to every stored entry and to itself, exactly what the Store holds once it is appended, so
+    the separate attention over the new token and the ``merge_attention`` of :func:`fused_step` are not needed.
+    If ``attend`` raises, the token is rolled back (``CompressedLayer.truncate``) before the error propagates.
+    """
+    layer = step.layer
+    seen = layer.seen
+    layer.commit(step, query, position_ids, None, scaling)
+    try:
+        out, _ = layer.store.attend(query, scaling)
+    except BaseException:
+        layer.truncate(seen)
+        raise
+    return out.to(query.dtype).transpose(1, 2).contiguous()
+
+
 def _valid_new(new: torch.Tensor | None, B: int, q: int) -> torch.Tensor | None:
     """``[B, q]`` bool: which of the step's tokens are real (a token attends to itself unless it is padding)."""
     if new is None:
@@ -203,6 +236,11 @@ def _make(base: Callable[..., Any], eager: bool) -> Callable[..., Any]:
         try:
             if step.fused:
                 new = _new_token_mask(attention_mask, query.shape[2])
+                if _single_token_decode(step, new):
+                    out = (decode_step(step, query, kwargs.get("position_ids"), scaling), None)
+                    if step.on_commit is not None:
+                        step.on_commit(layer)
+                    return out
                 out = (fused_step(step, query, new, scaling), None)
             else:
                 if step.deferred:

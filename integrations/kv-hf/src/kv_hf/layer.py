@@ -103,6 +103,11 @@ class CompressedLayer(CacheLayerMixin):
         self.store = compressor.new_store() if store is None else store
         self.observer: Callable[[CompressedLayer, torch.Tensor, torch.Tensor, float], None] | None = None
         self.recompressions = 0
+        # queries committed after compression serve re-compression (and a later merged prefill) only: captured
+        # when a scorer of the compressor or re-compressor declares ``needs_queries``
+        self._capture_stored = query_window != 0 and (
+            compressor.scorer.needs_queries or self.recompressor.scorer.needs_queries
+        )
         self._clear()
 
     def _clear(self) -> None:
@@ -115,6 +120,7 @@ class CompressedLayer(CacheLayerMixin):
         self._since = 0
         self._step: Step | None = None
         self._batch: int | None = None
+        self._held: bool | None = None  # cached ``held()``; None = unknown (recomputed from the Store)
 
     def __repr__(self) -> str:
         store = type(self.store).__name__
@@ -143,11 +149,12 @@ class CompressedLayer(CacheLayerMixin):
         self._batch = B
         step = Step(self, key_states, value_states)
         self._step = step
-        if self.held() and self.store.can_attend:
+        held = self.held()
+        if held and self.store.can_attend:
             step.fused = True
             setattr(key_states, STEP_ATTR, step)
             return key_states, value_states
-        if self.held() and self.store.query_dependent:
+        if held and self.store.query_dependent:
             step.deferred = True
             setattr(key_states, STEP_ATTR, step)
             return key_states, value_states
@@ -241,27 +248,30 @@ class CompressedLayer(CacheLayerMixin):
         B, _, q, _ = step.keys.shape
         device = step.keys.device
         positions = self._positions(position_ids, B, q, device)
-        if valid is None:
-            valid = torch.ones(B, q, dtype=torch.bool, device=device)
         if self.mode == SCRATCH:
             if self.observer is not None:
                 self.observer(self, query, step.keys, scaling)
             return
-        if self.mode == STORE and not bool(valid.all()):
+        if self.mode == STORE and valid is not None and not bool(valid.all()):
             raise ValueError(
                 f"layer {self.layer_idx}: padding inside a multi-token step after compression is not supported "
                 "(it would be stored as real entries); left-pad only the first (prefill) call"
             )
-        self._remember_queries(query, valid)
-        self.seen += q
-        last = torch.where(valid, positions, -1).max(-1).values + 1
-        self.next_positions = last if self.next_positions is None else torch.maximum(self.next_positions, last)
+        if self.mode == COLLECT or self._capture_stored:
+            self._remember_queries(query, valid)
+        real = positions if valid is None else torch.where(valid, positions, -1)
+        last = real.max(-1).values + 1
         if self.mode == COLLECT:
+            if valid is None:
+                valid = torch.ones(B, q, dtype=torch.bool, device=device)
             new = Pending(step.keys, step.values, positions, valid)
             self.pending = new if self.pending is None else self.pending.extend(*new.tensors())
-            return
-        self.store.append(step.keys, step.values, positions)
-        self._since += q
+        else:
+            self.store.append(step.keys, step.values, positions)  # raises before anything below changes
+            self._held = True
+            self._since += q
+        self.seen += q
+        self.next_positions = last if self.next_positions is None else torch.maximum(self.next_positions, last)
 
     @property
     def recompress_due(self) -> bool:
@@ -283,7 +293,8 @@ class CompressedLayer(CacheLayerMixin):
             return
         start = 0 if W is None else max(0, query.shape[2] - W)
         q = query[:, :, start:]
-        q = torch.where(valid[:, None, start:, None], q, torch.zeros((), dtype=q.dtype, device=q.device))
+        if valid is not None:
+            q = torch.where(valid[:, None, start:, None], q, torch.zeros((), dtype=q.dtype, device=q.device))
         if self.queries is not None and (W is None or q.shape[2] < W):
             q = torch.cat([self.queries.to(q.dtype), q], 2)
             q = q if W is None else q[:, :, -W:]
@@ -291,9 +302,17 @@ class CompressedLayer(CacheLayerMixin):
 
     # -- compression -----------------------------------------------------------------------------------
     def held(self) -> bool:
-        """Whether the Store holds at least one entry."""
-        lengths = self.store.seq_lengths()
-        return bool(lengths.numel()) and int(lengths.max()) > 0
+        """Whether the Store holds at least one entry (cached between updates: the layer's own Store mutations
+        -- compress, append, re-compress, truncate, reorder, reset -- keep it current; call
+        :meth:`forget_held` after changing ``layer.store`` directly)."""
+        if self._held is None:
+            lengths = self.store.seq_lengths()
+            self._held = bool(lengths.numel()) and int(lengths.max()) > 0
+        return self._held
+
+    def forget_held(self) -> None:
+        """Drop the cached :meth:`held` answer (the Store was changed from outside the layer)."""
+        self._held = None
 
     def _prefix_length(self) -> int:
         n = self.pending.length if self.pending is not None else 0
@@ -354,6 +373,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def stored(self) -> None:
         """The pending entries are in the Store: switch to ``store`` mode."""
+        self._held = None
         self.pending = None
         self.mode = STORE
         self.auto_compress = False
@@ -386,6 +406,7 @@ class CompressedLayer(CacheLayerMixin):
         compressor = self.recompressor.with_budget(ratio=None, tokens=int(target_length))
         if compressor.scorer.needs_queries and self.queries is None:
             raise ValueError(missing_message(compressor, ["queries"], self.query_window))
+        self._held = None
         retier_store(self.store, compressor, queries=self.queries, layer_idx=self.layer_idx)
         self.recompressions += 1
 
@@ -411,6 +432,7 @@ class CompressedLayer(CacheLayerMixin):
             )
         limit = length - int(offsets[0])
         if self.held():
+            self._held = None
             self.store.crop(limit)
         if self.pending is not None:
             first_slot = self.seen - self.pending.length
@@ -427,6 +449,7 @@ class CompressedLayer(CacheLayerMixin):
             raise ValueError(f"{name} must hold batch rows in [0, {B}), got {index.tolist()}")
         index = index.long()
         if self.held():
+            self._held = None
             self.store.reorder(index)
         if self.pending is not None:
             self.pending = self.pending.select_rows(index)

@@ -19,6 +19,8 @@ class CacheOptions:
         the last ``W`` decode queries at re-compression; ``0`` disables capture. Unset (``None``): what the
         scorer asks for through its ``query_window`` attribute — an int, or ``None`` for every prompt query
         (H2O; after the prefill is compressed only the last 64 are kept) — else 64 (kvpress ``window_size``).
+        Decode queries (after compression) are captured only when the compressor's or the re-compressor's scorer
+        declares ``needs_queries``.
         See :func:`kv_hf.support.resolve_query_window`.
     recompress_every : int, optional
         Re-score the stored entries every ``N`` committed tokens per layer and prune them to ``target_length`` /

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -74,12 +75,42 @@ def _lut(bits: int, device: torch.device) -> torch.Tensor:
     return ((byte >> (torch.arange(per, device=device) * bits)) & ((1 << bits) - 1)).float()
 
 
+@functools.cache
+def _shifts(bits: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[32 // bits]``: the bit offset of every code lane of a little-endian 32-bit word."""
+    return torch.arange(32 // bits, dtype=torch.int32, device=device) * bits
+
+
+def word_aligned(width: int, bits: int) -> bool:
+    """Whether packed rows of ``width`` bytes unpack by 32-bit words (:func:`unpack_words`)."""
+    return 8 % bits == 0 and width % 4 == 0 and sys.byteorder == "little"
+
+
+def unpack_words(packed: torch.Tensor, bits: int, dims: tuple[int, ...] = (0,)) -> torch.Tensor:
+    """float32 codes of uint8 ``packed [..., W]`` (``W % 4 == 0``, contiguous rows), ``[..., W * 8 // bits]``.
+
+    The rows are read as little-endian 32-bit words and every lane is shifted out and masked in one broadcast op
+    (about twice as fast on CPU as a per-byte table lookup). ``dims``: a permutation of the leading dims applied
+    to the words before unpacking (the output is laid out in that order, contiguous).
+    """
+    words = packed.view(torch.int32)
+    if dims != tuple(range(len(dims))):
+        words = words.permute(*dims, words.ndim - 1).contiguous()  # the small int32 words, not the output
+    out = words[..., None] >> _shifts(bits, packed.device)
+    out &= (1 << bits) - 1
+    return out.float().flatten(-2)
+
+
 def unpack_float(codes: torch.Tensor, bits: int, D: int) -> torch.Tensor:
-    """float32 ``[N, D]`` codes of packed rows ``[N, packed_width(D, bits)]`` (a byte lookup for 1/2/4/8 bits)."""
+    """float32 ``[N, D]`` codes of packed rows ``[N, packed_width(D, bits)]`` (32-bit words or a byte lookup for
+    1/2/4/8 bits)."""
     N = codes.shape[0]
+    if word_aligned(codes.shape[-1], bits) and codes.is_contiguous():
+        out = unpack_words(codes, bits)
+        return out if out.shape[1] == D else out[:, :D].contiguous()
     if 8 % bits == 0:
         out = F.embedding(codes.reshape(-1).int(), _lut(bits, codes.device)).view(N, -1)
-        return out if out.shape[1] == D else out[:, :D]
+        return out if out.shape[1] == D else out[:, :D].contiguous()
     return unpack_unchecked(codes, bits, D).float()
 
 
@@ -249,37 +280,33 @@ class Side:
     def logits(self, qf: torch.Tensor, S: int) -> torch.Tensor:
         """``qf [S, M, D] @ k^T`` over the quantized rows (every segment holding ``Nq / S``), float32 ``[S, M, Tq]``.
 
-        Per-channel groups of whole units (float32 caches) use ``q·(z + c∘s) = q·z + (q∘s)·c``: the codes are
-        unpacked by a byte lookup straight into the matmul, with no dequantized copy."""
+        Per-channel groups of whole units (float32 caches): the codes are unpacked by 32-bit words into one float
+        buffer, dequantized in place (``c * s + z``, two passes) and multiplied in one batched matmul -- no packed
+        copy is kept, the buffer is the step's scratch."""
         D, U = self.D, self.unit
         Nq = self.codes.shape[0]
         Tq = Nq // S if S else 0
         if Tq and self._lut_ok() and self.meta[1] == "channel" and U * self.scales.shape[0] == Nq:
-            nG, M = Tq // U, qf.shape[1]
-            c = unpack_float(self.codes, self.quantizer.bits, D).view(S * nG, U, D)
-            s, z = self.scales.view(S, nG, D), self.zeros.view(S, nG, D)
-            qs = (qf[:, None] * s[:, :, None]).view(S * nG, M, D)
-            out = (c @ qs.transpose(1, 2)).view(S, nG, U, M) + (qf @ z.transpose(1, 2)).transpose(1, 2)[:, :, None]
-            return out.permute(0, 3, 1, 2).reshape(S, M, Tq)
+            nG = Tq // U
+            k = unpack_float(self.codes, self.quantizer.bits, D).view(S, nG, U, D)
+            k.mul_(self.scales.view(S, nG, 1, D)).add_(self.zeros.view(S, nG, 1, D))
+            return qf @ k.view(S, Tq, D).transpose(1, 2)
         return qf @ self.dequantized_fast().view(S, Tq, D).transpose(1, 2)
 
     def weighted(self, p: torch.Tensor, S: int) -> torch.Tensor:
         """``p [S, M, Tq] @ v`` over the quantized rows, float32 ``[S, M, D]``.
 
-        Per-token groups of whole bytes (float32 caches) use ``p·(z + c∘s) = (p∘s)·c + p·z`` per column group, the
-        codes unpacked group-major by a byte lookup (no dequantized copy)."""
+        Per-token groups of whole bytes (float32 caches): unpacked by 32-bit words (or a byte lookup), dequantized in
+        place per ``(token, group)`` and multiplied in one batched matmul."""
         D = self.D
         Nq = self.codes.shape[0]
         Tq = Nq // S if S else 0
         G, bits = self.quantizer.group_size, self.quantizer.bits
         if Tq and self._lut_ok() and self.meta[1] == "token" and D % G == 0 and (G * bits) % 8 == 0:
-            C, gb, M = D // G, G * bits // 8, p.shape[1]
-            packed = self.codes.view(S, Tq, C, gb).transpose(1, 2)  # [S, C, Tq, gb]
-            c = F.embedding(packed.int(), _lut(bits, p.device)).view(S * C, Tq, G)
-            s, z = self.scales.view(S, Tq, C), self.zeros.view(S, Tq, C)
-            ps = (p[..., None] * s[:, None]).permute(0, 3, 1, 2).reshape(S * C, M, Tq)
-            out = (ps @ c).view(S, C, M, G).transpose(1, 2) + (p @ z)[..., None]
-            return out.reshape(S, M, D)
+            C = D // G
+            v = unpack_float(self.codes, bits, D).view(S, Tq, C, G)
+            v.mul_(self.scales.view(S, Tq, C, 1)).add_(self.zeros.view(S, Tq, C, 1))
+            return p @ v.view(S, Tq, D)
         return p @ self.dequantized_fast().view(S, Tq, D)
 
     # -- editing ---------------------------------------------------------------------------------------

@@ -12,11 +12,39 @@ from kvcodec.kernels.dispatch import use_triton
 from kvcodec.segments import offsets_in_segment, segment_ids
 from kvcore import EVICT, FULL, KVView, Plan, Quantizer, Store, reachable_bytes, reference_attention
 from kvcore.attention import check_query, check_scale
-from kvcore.checks import check_finite, check_float, check_int, check_integer_tensor, check_positions, check_tensor
+from kvcore.checks import (
+    MAX_POSITION,
+    check_finite,
+    check_float,
+    check_int,
+    check_integer_tensor,
+    check_positions,
+    check_tensor,
+)
 
 
 class KIVIUnquantizedWarning(UserWarning):
     """A ``KIVIStore.write`` plan keeps more entries than the residual but quantizes none of them."""
+
+
+def _append_positions(positions: object, shape: tuple[int, int], last: torch.Tensor | None) -> torch.Tensor:
+    """:func:`kvcore.checks.check_positions` for appended positions (every entry kept), int64, with one host sync
+    when they are valid (the decode hot path); invalid ones get ``check_positions``' own error."""
+    if (
+        isinstance(positions, torch.Tensor)
+        and positions.dtype in (torch.int32, torch.int64)
+        and tuple(positions.shape) == tuple(shape)
+        and shape[1] > 0
+    ):
+        p = positions.long()
+        bad = ((p < 0) | (p > MAX_POSITION)).any()
+        if shape[1] > 1:
+            bad = bad | (p[:, 1:] <= p[:, :-1]).any()
+        if last is not None:
+            bad = bad | (p[:, 0] <= last.to(p.device)).any()
+        if not bool(bad):
+            return p
+    return check_positions("positions", positions, shape, after=last)
 
 
 class KIVIStore(Store):
@@ -59,7 +87,7 @@ class KIVIStore(Store):
     group frees its packed code row while the group keeps its scale and zero (nothing is re-quantized), and every
     other entry's bytes are untouched; there is no demotion (``can_demote = False``). ``attend(query, scale)``
     reads the held codes directly (the Triton kernel of :func:`kvcodec.quantized_attention` on CUDA; on CPU a
-    byte-lookup unpack straight into the matmuls, see :meth:`attend`) and equals
+    word-wise unpack into a per-step scratch buffer dequantized in place, see :meth:`attend`) and equals
     ``kvcore.reference_attention(self.read(), query, scale)`` within float tolerance.
 
     Memory layout (:mod:`kv_baselines.quant.kivi_layout`): flat, segment-major, exact-size tensors per side (packed
@@ -262,8 +290,9 @@ class KIVIStore(Store):
 
         Returns ``(out fp32 [B, Hq, Q, D], lse fp32 [B, Hq, Q])``, equal to
         ``kvcore.reference_attention(self.read(), query, scale)`` within float tolerance. With uniform quantizers
-        and equal-length heads (KIVI's decode) the codes are unpacked by a byte lookup and dequantized by one fused
-        multiply-add per side, and the logits over the quantized part and over the residual are computed
+        and equal-length heads (KIVI's decode) the codes of each side are unpacked by 32-bit words into one scratch
+        buffer per step, dequantized in place (a multiply and an add) and multiplied in one batched matmul, and the
+        logits over the quantized part and over the residual are computed
         separately (no concatenated or position-sorted copy of the cache); otherwise the cache is laid out densely
         (padding masked) first. Non-uniform quantizers attend over :meth:`read`.
         """
@@ -404,9 +433,10 @@ class KIVIStore(Store):
         self._check_kv(keys, values, held=True)
         B, H, n, D = keys.shape
         last = None if self._shape is None else self._last_pos
-        positions = check_positions("positions", positions, (B, n), after=last).to(keys.device)
-        check_finite("keys", keys)
-        check_finite("values", values)
+        positions = _append_positions(positions, (B, n), last).to(keys.device)
+        if not bool(torch.isfinite(keys).all() & torch.isfinite(values).all()):  # one host sync on the hot path
+            check_finite("keys", keys)
+            check_finite("values", values)
         S = B * H
         if self._shape is None:
             sides, held = (

@@ -1,0 +1,78 @@
+"""The single-token decode path over Stores with a fused ``attend``: the token is appended, then one ``attend`` sees
+everything; a failing ``attend`` leaves the layer as it was; queries are captured after compression only when a
+scorer needs them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvhf_testkit import KnormScorer, make, prompt, tiny_model
+
+import kv_hf
+from kvcore import DenseStore, reference_attention
+
+
+class FlakyStore(DenseStore):
+    """Attends like the reference over its own view; raises once ``fail`` is set."""
+
+    can_attend = True
+    fail = False
+
+    def attend(self, query, scale=None):
+        if FlakyStore.fail:
+            raise RuntimeError("attend failed")
+        return reference_attention(self.read(), query, scale)
+
+
+class QueryKnormScorer(KnormScorer):
+    """The key-norm scorer declaring that it needs queries (as SnapKV does)."""
+
+    needs_queries = True
+
+
+def _with_store(comp, store):
+    return type(comp)(comp.scorer, comp.selector, store, comp.budget, comp.protect)
+
+
+@torch.no_grad()
+def test_a_failing_attend_rolls_the_decode_token_back():
+    model = tiny_model("llama")
+    cache = kv_hf.compressed_cache(model, _with_store(make(KnormScorer(), ratio=0.5), FlakyStore))
+    model(prompt(12, seed=3), past_key_values=cache)
+    tok = torch.tensor([[7]])
+    model(tok, past_key_values=cache)
+    before = [(layer.seen, layer.store.seq_lengths().clone(), layer.next_positions.clone()) for layer in cache.layers]
+    FlakyStore.fail = True
+    try:
+        with pytest.raises(RuntimeError, match="attend failed"):
+            model(tok, past_key_values=cache)
+    finally:
+        FlakyStore.fail = False
+    layer = cache.layers[0]  # the first layer appended the token, then its attend raised
+    seen, lengths, nxt = before[0]
+    assert layer.seen == seen
+    assert torch.equal(layer.store.seq_lengths(), lengths)
+    assert torch.equal(layer.next_positions, nxt)
+    assert layer._step is None
+    # decoding goes on from where it was, with the same logits as a cache that never failed
+    ref = kv_hf.compressed_cache(model, _with_store(make(KnormScorer(), ratio=0.5), FlakyStore))
+    model(prompt(12, seed=3), past_key_values=ref)
+    model(tok, past_key_values=ref)
+    torch.testing.assert_close(
+        model(tok, past_key_values=cache).logits, model(tok, past_key_values=ref).logits, rtol=0, atol=0
+    )
+
+
+@pytest.mark.parametrize("needs_queries", [False, True])
+@torch.no_grad()
+def test_decode_queries_are_captured_only_for_scorers_that_need_them(needs_queries):
+    model = tiny_model("llama")
+    scorer = QueryKnormScorer() if needs_queries else KnormScorer()
+    assert scorer.needs_queries is needs_queries
+    cache = kv_hf.compressed_cache(model, make(scorer, ratio=0.5), query_window=4)
+    model(prompt(12, seed=4), past_key_values=cache)
+    layer = cache.layers[0]
+    after_prefill = layer.queries.clone()
+    model(torch.tensor([[9]]), past_key_values=cache)
+    assert torch.equal(layer.queries, after_prefill) is not needs_queries
+    assert layer.queries.shape == after_prefill.shape
