@@ -25,11 +25,11 @@ class TestHqeKV2(CompressorTests):
 def test_registry_names_and_budgets():
     names = registry.discover()
     for n in ("hqekv-2", "hqekv-3.2", "hqekv-2.8", "hqekv-3.25", "hqekv-qwen3-2"):
-        assert n in names and names[n].budgets == frozenset({"avg_bits"})
+        assert n in names and names[n].budgets == frozenset()
     c = registry.build("hqekv-3.2")
     assert c.name == "hqekv-3.2" and c.budget.avg_bits == 3.2
-    with pytest.raises(ValueError, match="3.2-bit method"):
-        registry.get("hqekv-3.2").factory(registry.get("hqekv-2").default)
+    with pytest.raises(ValueError, match="takes budgets by only its default"):
+        registry.build("hqekv-3.2", registry.get("hqekv-2").default)
 
 
 def test_factory_errors():

@@ -58,13 +58,18 @@ def test_table3_reproduced_within_5_percent():
 
 @given(st.sampled_from([1, 2, 4]), st.floats(0.01, 100.0), st.floats(-100.0, 100.0), st.integers(0, 1000))
 def test_affine_equivariance(bits, a, c, seed):
-    """Q(a·X + c) = a·Q(X) + c for a > 0 (error scales with range, Eq. 2), both quantizers, in float32."""
+    """Q(a·X + c) = a·Q(X) + c for a > 0 (error scales with range, Eq. 2), both quantizers, in float32.
+
+    Exact up to float32 rounding: an element lying within rounding distance of a decision threshold may take the
+    neighbouring code on one side only (seen at a = 1/64, c = 32), so at most one element in 64 may differ by
+    more than the rounding tolerance; a quantizer that is not equivariant moves most elements."""
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(seed))
     for q in (tier_quantizer(bits, "value"), NormalizedQuantizer(bits, "token", 32)):
         y1 = q.dequantize(q.quantize(a * x + c))
         y2 = a * q.dequantize(q.quantize(x)) + c
         tol = 1e-4 * (abs(c) + a * float(x.abs().max()) + 1)
-        assert torch.allclose(y1, y2, atol=tol, rtol=0)
+        off = int(((y1 - y2).abs() > tol).sum())
+        assert off <= x.numel() // 64, f"{off} of {x.numel()} elements not equivariant"
 
 
 def test_range_predicts_loss():

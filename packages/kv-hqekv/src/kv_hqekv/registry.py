@@ -1,7 +1,8 @@
 """The methods kv-hqekv registers (entry-point group ``kvcompress.methods``, see :mod:`kvcore.registry`).
 
 ``hqekv-2``, ``hqekv-2.8``, ``hqekv-3.2`` and ``hqekv-3.25`` use the paper's Table 9 shares (Llama-3.1-8B-Instruct);
-``hqekv-qwen3-2`` ... the Qwen3-8B ones. Each takes an ``avg_bits`` budget equal to its bits (the shares fix it).
+``hqekv-qwen3-2`` ... the Qwen3-8B ones. The shares fix the average bits, so each entry takes only its default
+budget (``Budget(avg_bits=bits)``); other budgets need shares of their own: ``kv_hqekv.hqekv(bits, shares=...)``.
 """
 
 from __future__ import annotations
@@ -17,12 +18,7 @@ __all__ = ["METHODS"]
 
 
 def _make(bits: float, shares: str, name: str) -> Callable[[Budget], Compressor]:
-    def make(budget: Budget) -> Compressor:
-        if budget.avg_bits is not None and abs(budget.avg_bits - bits) > 1e-6:
-            raise ValueError(
-                f"hqekv with the {shares!r} shares is a {bits:g}-bit method; got avg_bits={budget.avg_bits} "
-                "(use kv_hqekv.hqekv(bits, shares=...) for other budgets)"
-            )
+    def make(budget: Budget) -> Compressor:  # the registry passes only the default, Budget(avg_bits=bits)
         return hqekv(bits, shares=shares, name=name)
 
     make.__name__ = f"hqekv_{shares.replace('-', '_').replace('.', '_')}"
@@ -35,7 +31,7 @@ def _entry(name: str, preset_name: str) -> Method:
         name,
         _make(bits, preset_name, name),
         f"HqeKV {bits:g} bits: fp16/4/2/1-bit tiers + eviction with the paper's {preset_name} shares (Table 9)",
-        budgets=frozenset({"avg_bits"}),
+        budgets=frozenset(),
         default=Budget(avg_bits=bits),
     )
 
