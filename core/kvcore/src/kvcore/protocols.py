@@ -36,12 +36,19 @@ class Scorer(Protocol):
     needs_extras : frozenset of str
         Keys of ``ctx.extras`` it reads (``"surprisal"``, ``"hidden_states"``, ``"kvzip_scores"`` ...); adapters
         supply them through named providers or refuse.
+    chunkable : bool
+        Scores stay meaningful when the prompt is compressed chunk by chunk (chunked prefill with bounded memory):
+        the held entries plus one new chunk are re-scored from what the cache holds, with the queries of the
+        latest chunk only. True for key-only and position-only scorers; attention-window scorers may declare it as
+        a documented approximation (SnapKV's window taken per chunk). Adapters refuse chunked compression for a
+        scorer that does not declare it. Default ``False``.
     """
 
     needs_queries: ClassVar[bool] = False
     query_window: ClassVar[int | None] = None
     needs_values: ClassVar[bool] = False
     needs_extras: ClassVar[frozenset[str]] = frozenset()
+    chunkable: ClassVar[bool] = False
 
     def score(self, ctx: ScoringContext) -> Scores:
         """Return float32 finite scores ``[B, Hkv, T]``, higher = keep."""

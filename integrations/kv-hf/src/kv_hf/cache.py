@@ -152,6 +152,7 @@ class CompressedCache(Cache):
         self,
         extras: Mapping[int, Mapping[str, Any]] | Mapping[str, Any] | None = None,
         protect_before: int | None = None,
+        compressor: Compressor | None = None,
     ) -> None:
         """Compress every layer's collected (pending) entries now.
 
@@ -161,14 +162,21 @@ class CompressedCache(Cache):
             ``ScoringContext.extras``: one mapping for all layers, or ``{layer_idx: mapping}``.
         protect_before : int, optional
             Entries whose true position is below this are always kept (a system prompt; KVzip's sink).
+        compressor : kvcore.Compressor, optional
+            Overrides the cache's compressor for this call (chunked prefill compresses each chunk step with the
+            token budget the whole prompt implies); its store is not used, and its budget may not be "global".
         """
         per_layer = self._per_layer(extras)
+        if compressor is not None and not isinstance(compressor, Compressor):
+            raise TypeError(f"compressor must be a kvcore.Compressor, got {type(compressor).__name__}")
         with self.timed():
-            if self.compressor.budget.granularity == "global":
+            if compressor is None and self.compressor.budget.granularity == "global":
                 self._compress_global(per_layer, protect_before)
                 return
+            if compressor is not None and compressor.budget.granularity == "global":
+                raise ValueError("compress(compressor=...) takes a 'head' or 'layer' budget, not 'global'")
             for layer in self.layers:
-                layer.compress(extras=per_layer(layer.layer_idx), protect_before=protect_before)
+                layer.compress(extras=per_layer(layer.layer_idx), protect_before=protect_before, compressor=compressor)
 
     def recompress(self, target_length: int | None = None, target_ratio: float | None = None) -> None:
         """Re-score and prune every layer now (see :meth:`CompressedLayer.recompress`)."""

@@ -335,36 +335,45 @@ class CompressedLayer(CacheLayerMixin):
             raise ValueError(missing_message(self.compressor, missing, self.query_window))
         return ctx
 
-    def compress(self, extras: Mapping[str, Any] | None = None, protect_before: int | None = None) -> None:
+    def compress(
+        self,
+        extras: Mapping[str, Any] | None = None,
+        protect_before: int | None = None,
+        compressor: Compressor | None = None,
+    ) -> None:
         """Compress the pending entries into the Store.
 
         A fresh layer: ``Compressor.compress(ctx, store)`` (one write). A layer that already holds a compressed
         context: the pending entries are appended to the Store (``Store.append``) and everything it then holds is
         re-planned and re-tiered (``kvcore.retier_store``); held entries are never read back and written again.
+        ``compressor`` overrides the layer's compressor for this call (chunked prefill: the same method with the
+        token budget the whole prompt implies); its store is not used.
         """
+        compressor = self.compressor if compressor is None else compressor
         if self.pending is not None and self.pending.length:
             if not self.held():
-                self.compressor.compress(self.context(extras, protect_before), self.store)
+                ctx = self.context(extras, protect_before)
+                compressor.compress(ctx, self.store)
             else:
-                self._merge(extras, protect_before)
+                self._merge(extras, protect_before, compressor)
         self.stored()
 
-    def _merge(self, extras: Mapping[str, Any] | None, protect_before: int | None) -> None:
+    def _merge(self, extras: Mapping[str, Any] | None, protect_before: int | None, compressor: Compressor) -> None:
         p = self.pending
         if not bool(p.valid.all()):
             raise ValueError(
                 f"layer {self.layer_idx}: a padded prefill cannot be merged into a layer that already holds a "
                 "compressed context (the padding would be stored as real entries); left-pad only the first prefill"
             )
-        missing = self.compressor.missing_inputs(
+        missing = compressor.missing_inputs(
             p.context(queries=self.queries, layer_idx=self.layer_idx, extras=extras, protect_before=protect_before)
         )
         if missing:
-            raise ValueError(missing_message(self.compressor, missing, self.query_window))
+            raise ValueError(missing_message(compressor, missing, self.query_window))
         self.store.append(p.keys, p.values, p.positions)
         retier_store(
             self.store,
-            self.compressor,
+            compressor,
             queries=self.queries,
             extras=extras,
             layer_idx=self.layer_idx,

@@ -25,11 +25,19 @@ class H2OScorer(Scorer):
         Queries the adapter supplies: ``None`` = every prompt query (the paper's accumulation).
     normalize : bool
         Divide by the count of queries that see each key.
+
+    Notes
+    -----
+    Chunkable as an approximation: under chunked prefill each step scores the held entries plus the new chunk
+    with the new chunk's queries only, so a key's score is the attention it received from the latest chunk,
+    not the sum over every query since it was written (keys that are evicted never come back, as in the
+    paper's online eviction, §3.2).
     """
 
     query_window: int | None = None
     normalize: bool = False
     needs_queries: ClassVar[bool] = True
+    chunkable: ClassVar[bool] = True
 
     def score(self, ctx: ScoringContext) -> Scores:
         if ctx.queries is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -13,7 +14,9 @@ from kvcore.checks import check_int
 @dataclass(frozen=True)
 class ConstantScorer(Scorer):
     """Every entry scores 0: with ties broken by lower index, a budget keeps the earliest tokens. Used by
-    ``full()`` and quantization-only methods, where the budget keeps everything."""
+    ``full()`` and quantization-only methods, where the budget keeps everything. Chunkable (position-only)."""
+
+    chunkable: ClassVar[bool] = True
 
     def score(self, ctx: ScoringContext) -> Scores:
         return Scores(torch.zeros(ctx.batch_size, ctx.num_kv_heads, ctx.seq_len, device=ctx.keys.device))
@@ -21,9 +24,11 @@ class ConstantScorer(Scorer):
 
 @dataclass(frozen=True)
 class RandomScorer(Scorer):
-    """Uniform random scores, deterministic per ``(seed, layer_idx)`` (kvpress RandomPress)."""
+    """Uniform random scores, deterministic per ``(seed, layer_idx)`` (kvpress RandomPress). Chunkable: each
+    chunk step draws fresh scores for what is held (still uniform)."""
 
     seed: int = 0
+    chunkable: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         check_int("seed", self.seed, low=0)
@@ -37,7 +42,10 @@ class RandomScorer(Scorer):
 @dataclass(frozen=True)
 class KnormScorer(Scorer):
     """``-‖k‖₂``: keys with small norms draw the most attention (Devoto et al. 2024, "A Simple and Effective
-    L2 Norm-Based Strategy for KV Cache Compression", §3; kvpress KnormPress)."""
+    L2 Norm-Based Strategy for KV Cache Compression", §3; kvpress KnormPress). Key-only, hence chunkable: chunked
+    compression keeps exactly what one-shot compression keeps."""
+
+    chunkable: ClassVar[bool] = True
 
     def score(self, ctx: ScoringContext) -> Scores:
         return Scores(-ctx.keys.float().norm(dim=-1))
@@ -57,6 +65,7 @@ class StreamingLLMScorer(Scorer):
     """
 
     n_sink: int = 4
+    chunkable: ClassVar[bool] = True  # position-only: chunked compression keeps what one-shot keeps
 
     def __post_init__(self) -> None:
         check_int("n_sink", self.n_sink, low=0)

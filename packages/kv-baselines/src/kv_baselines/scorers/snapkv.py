@@ -32,12 +32,19 @@ class SnapKVScorer(Scorer):
         1-D pooling of the window attention: ``"avg"`` (kvpress, SnapKV's default) or ``"max"`` (the SnapKV
         code's other option, used by KVCache-Factory with kernel 7). Pooling keeps whole runs of tokens around
         an attended one (SnapKV §4.2, "clustering via pooling").
+
+    Notes
+    -----
+    Chunkable as an explicit approximation: under chunked prefill the observation window is the last ``window``
+    queries of the latest chunk (SnapKV §4.2 takes it at the end of the whole prompt), and the held entries plus
+    the new chunk are re-scored with it at every step; only the final step sees the prompt's true window.
     """
 
     window: int = 64
     kernel_size: int = 5
     pooling: str = "avg"
     needs_queries: ClassVar[bool] = True
+    chunkable: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         check_int("window", self.window, low=1)
