@@ -33,6 +33,7 @@ class KeyNorm:
     """The scorer of ``test_toy_method.py``: low key norm = keep (Devoto et al. 2024)."""
 
     needs_queries, needs_values, needs_extras, query_window = False, False, frozenset(), None
+    chunkable = False
 
     def score(self, ctx):
         return Scores(-ctx.keys.float().norm(dim=-1))
@@ -42,6 +43,7 @@ class WindowAttention:
     """SnapKV-like: attention of the query window, averaged over the GQA group and the window."""
 
     needs_queries, needs_values, needs_extras, query_window = True, False, frozenset(), None
+    chunkable = False
 
     def score(self, ctx):
         if ctx.queries is None:
@@ -57,6 +59,7 @@ class Surprisal:
     """Scores every head's entries by a per-token extra, ``ctx.extras["surprisal"]`` ``[B, T]``."""
 
     needs_queries, needs_values, needs_extras, query_window = False, False, frozenset({"surprisal"}), None
+    chunkable = False
 
     def score(self, ctx):
         s = ctx.extras.get("surprisal")

@@ -109,6 +109,10 @@ class Recording:
     def query_window(self) -> int | None:
         return self.inner.query_window
 
+    @property
+    def chunkable(self) -> bool:
+        return self.inner.chunkable
+
     def score(self, ctx: ScoringContext) -> Scores:
         self.contexts.append(ctx)
         return self.inner.score(ctx)

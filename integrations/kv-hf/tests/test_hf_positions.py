@@ -19,6 +19,7 @@ class ReverseScorer:
     needs_values = False
     needs_extras = frozenset()
     query_window = None
+    chunkable = False
 
     def score(self, ctx):
         return Scores(ctx.positions.float()[:, None, :].expand(ctx.keys.shape[:3]).contiguous())

@@ -23,6 +23,7 @@ class WindowAttention:
     """Toy SnapKV-like base: softmax attention of the query window, mean over GQA group and window."""
 
     needs_queries, needs_values, needs_extras, query_window = True, False, frozenset(), None
+    chunkable = False
     query_window = 8  # an adapter hint HubKV forwards
 
     def score(self, ctx):
@@ -39,6 +40,7 @@ class KeyNorm:
     """Negative scores (-‖k‖): needs ``nonnegative='shift'``."""
 
     needs_queries, needs_values, needs_extras, query_window = False, True, frozenset({"unused"}), None
+    chunkable = False
 
     def score(self, ctx):
         if "unused" not in ctx.extras:
@@ -51,6 +53,7 @@ class Fixed:
     """Returns given scores (for exact expectations)."""
 
     needs_queries, needs_values, needs_extras, query_window = False, False, frozenset(), None
+    chunkable = False
 
     def __init__(self, s):
         self.s = s

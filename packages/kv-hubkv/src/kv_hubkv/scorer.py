@@ -86,6 +86,11 @@ class HubKV:
     def query_window(self) -> int | None:
         return self.base.query_window
 
+    @property
+    def chunkable(self) -> bool:
+        """``False``: the refine step reads the whole prompt's budget and hub structure at once."""
+        return False
+
     # -- scoring ----------------------------------------------------------------------------------
     def _ratios(self, ctx: ScoringContext) -> list[float]:
         B = ctx.batch_size
