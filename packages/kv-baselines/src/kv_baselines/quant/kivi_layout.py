@@ -24,10 +24,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from kv_baselines.quant.token_quant import quantize_tokens
 from kvcodec import UniformQuantizer
 from kvcodec.packing import unpack_unchecked
 from kvcodec.segments import exclusive_cumsum, offsets_in_segment, segment_ids, segment_take
@@ -112,6 +114,18 @@ def unpack_float(codes: torch.Tensor, bits: int, D: int) -> torch.Tensor:
         out = F.embedding(codes.reshape(-1).int(), _lut(bits, codes.device)).view(N, -1)
         return out if out.shape[1] == D else out[:, :D].contiguous()
     return unpack_unchecked(codes, bits, D).float()
+
+
+class _Params(NamedTuple):
+    """The fields of a ``QuantizedTensor`` that :meth:`Side.add_quantized` reads (the specialised value path)."""
+
+    bits: int
+    axis: str
+    group_size: int
+    dtype: torch.dtype
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    codebook: None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,13 +340,23 @@ class Side:
             cnt = counts[useg][:, None]
             x = rows[exclusive_cumsum(counts)[useg][:, None] + torch.minimum(i, cnt - 1)]
             real, ucount = i < cnt, n_units
-        q = self.quantizer.quantize(x)
+        qz = self.quantizer
+        if U == 1 and isinstance(qz, UniformQuantizer) and qz.axis == "token":  # values: the specialised path
+            codes, scales, zeros = quantize_tokens(rows, qz.bits, qz.group_size)
+            if not bool(torch.isfinite(scales).all()):
+                raise ValueError(
+                    f"x has a group range (max - min) too large for {scales.dtype} scales at bits={qz.bits}; "
+                    "quantize it in float32"
+                )
+            q = _Params(qz.bits, "token", qz.group_size, rows.dtype, scales, zeros, None)
+        else:
+            q = self.quantizer.quantize(x)
+            codes = q.codes.view(-1, q.codes.shape[-1]) if real is None else q.codes[real]
         meta = (q.bits, q.axis, q.group_size, D, q.dtype)
         if self.meta is not None and meta != self.meta:
             raise ValueError(f"quantized units must share (bits, axis, group_size, D, dtype) {self.meta}, got {meta}")
         if tuple(q.scales.shape[1:-1]) != (1,):
             raise ValueError(f"a unit must be one quantization group, got scales {tuple(q.scales.shape)}")
-        codes = q.codes.view(-1, q.codes.shape[-1]) if real is None else q.codes[real]
         usize = None if real is None else real.sum(1).to(torch.int16)
 
         def merge(old, new):
