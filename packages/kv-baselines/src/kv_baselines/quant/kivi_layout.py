@@ -303,19 +303,29 @@ class Side:
         if Tq and self._lut_ok() and self.meta[1] == "channel" and U * self.scales.shape[0] == Nq:
             nG = Tq // U
             k = unpack_float(self.codes, self.quantizer.bits, D).view(S, nG, U, D)
-            k.mul_(self.scales.view(S, nG, 1, D)).add_(self.zeros.view(S, nG, 1, D))
+            torch.addcmul(self.zeros.view(S, nG, 1, D), k, self.scales.view(S, nG, 1, D), out=k)  # one pass
             return qf @ k.view(S, Tq, D).transpose(1, 2)
         return qf @ self.dequantized_fast().view(S, Tq, D).transpose(1, 2)
 
     def weighted(self, p: torch.Tensor, S: int) -> torch.Tensor:
         """``p [S, M, Tq] @ v`` over the quantized rows, float32 ``[S, M, D]``.
 
-        Per-token groups of whole bytes (float32 caches): unpacked by 32-bit words (or a byte lookup), dequantized in
-        place per ``(token, group)`` and multiplied in one batched matmul."""
+        Per-token groups of whole bytes (float32 caches): the codes are never dequantized. With ``v = c * s + z`` per
+        ``(token, group)``, ``p @ v`` over group ``g``'s channels is ``(p * s[:, g]) @ c[..., g] + (p @ z[:, g])``:
+        the scales and zeros fold into the (few) attention rows, and the codes, unpacked by 32-bit words straight into
+        a ``[S, C, Tq, G]`` buffer, enter one batched matmul as they are (KIVI §3.4's fused value product)."""
         D = self.D
         Nq = self.codes.shape[0]
         Tq = Nq // S if S else 0
         G, bits = self.quantizer.group_size, self.quantizer.bits
+        if Tq and self._lut_ok() and self.meta[1] == "token" and D % G == 0 and word_aligned(G * bits // 8, bits):
+            C, M = D // G, p.shape[1]
+            words = self.codes.view(S, Tq, C, -1)  # one group's codes are whole 32-bit words
+            c = unpack_words(words, bits, (0, 2, 1))  # [S, C, Tq, G]
+            sc, zc = self.scales.view(S, Tq, C).transpose(1, 2), self.zeros.view(S, Tq, C)
+            ps = p[:, None] * sc[:, :, None, :]  # [S, C, M, Tq]
+            out = (ps @ c).transpose(1, 2).reshape(S, M, D)  # [S, M, C, G] -> [S, M, D]
+            return out.view(S, M, C, G).add_((p @ zc)[..., None]).view(S, M, D)
         if Tq and self._lut_ok() and self.meta[1] == "token" and D % G == 0 and (G * bits) % 8 == 0:
             C = D // G
             v = unpack_float(self.codes, bits, D).view(S, Tq, C, G)
@@ -479,12 +489,14 @@ class Positions:
 
     count: torch.Tensor
     pos: torch.Tensor
+    top: int = 0
+    """The largest position held (0 when empty), kept so an append needs no reduction over every position."""
 
     @classmethod
     def of(cls, pos: torch.Tensor, count: torch.Tensor) -> Positions:
         """Positions ``pos [N]`` with ``count [S]`` entries per segment."""
         top = int(pos.max()) if pos.numel() else 0
-        return cls(count.long(), pos.to(narrow_int(top)))
+        return cls(count.long(), pos.to(narrow_int(top)), top)
 
     def flat(self) -> torch.Tensor:
         """int64 ``[N]`` positions."""
@@ -500,10 +512,10 @@ class Positions:
     def append(self, new: torch.Tensor) -> Positions:
         """Positions after ``new [S, n]`` (increasing, after every held one) were appended to every segment."""
         n = new.shape[1]
-        top = max(int(new.max()) if new.numel() else 0, int(self.pos.max()) if self.pos.numel() else 0)
+        top = max(int(new.max()) if new.numel() else 0, self.top)
         dtype = narrow_int(top)
         flat = interleave(self.pos.to(dtype), self.count, new.reshape(-1).to(dtype), torch.full_like(self.count, n))
-        return Positions(self.count + n, flat)
+        return Positions(self.count + n, flat, top)
 
     def keep(self, keep: torch.Tensor) -> Positions:
         S = self.count.numel()

@@ -16,13 +16,26 @@ import sys
 import torch
 
 from kvcodec.packing import pack_unchecked
-from kvcodec.stats import minmax_scale, scale_dtype_for
+from kvcodec.stats import next_up, scale_dtype_for, scale_floor
 
 
 @functools.cache
 def _shifts(bits: int, device: torch.device) -> torch.Tensor:
     """int32 ``[32 // bits]`` lane offsets of a little-endian 32-bit word."""
     return torch.arange(32 // bits, dtype=torch.int32, device=device) * bits
+
+
+def _scale(span: torch.Tensor, bits: int, sdt: torch.dtype) -> torch.Tensor:
+    """:func:`kvcodec.stats.minmax_scale` (the same values), skipping its one-ulp raises when no scale needs one
+    (a host read instead of two rounds of elementwise ops: cheaper for the few groups of a FIFO flush)."""
+    levels = float((1 << bits) - 1)
+    s = (span / levels).to(sdt).float().clamp_min_(scale_floor(sdt, bits))
+    for _ in range(2):
+        up = span / s >= levels + 0.5
+        if not bool(up.any()):
+            break
+        s = torch.where(up, next_up(s, sdt), s)
+    return s
 
 
 def fast_tokens(D: int, bits: int, group_size: int) -> bool:
@@ -71,7 +84,7 @@ def quantize_tokens(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.
         xf = torch.cat([xf, xf[:, -1:].expand(M, C * G - D)], 1)
     xg = xf.view(M, C, G)
     lo, hi = torch.aminmax(xg, dim=-1, keepdim=True)
-    scale = minmax_scale(hi - lo, bits, sdt)
+    scale = _scale(hi - lo, bits, sdt)
     q = xg.sub(lo).div_(scale).round_().clamp_(0, (1 << bits) - 1)
     if fast_tokens(D, bits, G):  # whole 32-bit words: one shift and one sum over the lanes
         per = 32 // bits
