@@ -267,9 +267,9 @@ def test_attend_fast_path_equals_reference_over_read(seed, bits, dtype, appends)
     Q=st.integers(1, 3),
 )
 def test_attend_word_path_at_kivi_shapes_equals_reference_over_read(seed, bits, appends, Q):
-    """Invariant: at KIVI's value groups (G = 32 channels, whole 32-bit words of codes per group) the fast path that
-    folds the value scales and zeros into the attention rows (codes never dequantized) and dequantizes the keys in one
-    pass equals reference attention over the dequantized read()."""
+    """Invariant: at KIVI's shapes (d = 64, G = 32: codes unpacked by 32-bit words, keys dequantized in one pass,
+    values flushed from the FIFO through the specialised per-token quantizer) attend equals reference attention over
+    the dequantized read()."""
     store = _filled(seed, B=1, H=3, T=70, D=64, G=32, R=32, bits=bits, appends=appends, evict=0.0)
     assert store._fast() and store._sides["v"].codes.shape[0] > 0 and store._sides["k"].codes.shape[0] > 0
     q = torch.randn(1, 6, Q, 64, generator=torch.Generator().manual_seed(seed))
