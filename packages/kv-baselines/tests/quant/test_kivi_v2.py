@@ -267,7 +267,7 @@ def test_attend_fast_path_equals_reference_over_read(seed, bits, dtype, appends)
     Q=st.integers(1, 3),
 )
 def test_attend_word_path_at_kivi_shapes_equals_reference_over_read(seed, bits, appends, Q):
-    """Invariant: at KIVI's shapes (d = 64, G = 32: codes unpacked by 32-bit words, keys dequantized in one pass,
+    """Invariant: at KIVI's shapes (d = 64, G = 32: codes unpacked by 32-bit words,
     values flushed from the FIFO through the specialised per-token quantizer) attend equals reference attention over
     the dequantized read()."""
     store = _filled(seed, B=1, H=3, T=70, D=64, G=32, R=32, bits=bits, appends=appends, evict=0.0)

@@ -303,7 +303,7 @@ class Side:
         if Tq and self._lut_ok() and self.meta[1] == "channel" and U * self.scales.shape[0] == Nq:
             nG = Tq // U
             k = unpack_float(self.codes, self.quantizer.bits, D).view(S, nG, U, D)
-            torch.addcmul(self.zeros.view(S, nG, 1, D), k, self.scales.view(S, nG, 1, D), out=k)  # one pass
+            k.mul_(self.scales.view(S, nG, 1, D)).add_(self.zeros.view(S, nG, 1, D))
             return qf @ k.view(S, Tq, D).transpose(1, 2)
         return qf @ self.dequantized_fast().view(S, Tq, D).transpose(1, 2)
 
