@@ -257,3 +257,23 @@ def test_attend_fast_path_equals_reference_over_read(seed, bits, dtype, appends)
     ref_out, ref_lse = reference_attention(store.read(), q, 0.3)
     assert torch.allclose(out, ref_out, atol=1e-4, rtol=1e-4)
     assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    bits=st.sampled_from([1, 2, 4]),
+    appends=st.integers(0, 10),
+    Q=st.integers(1, 3),
+)
+def test_attend_word_path_at_kivi_shapes_equals_reference_over_read(seed, bits, appends, Q):
+    """Invariant: at KIVI's shapes (d = 64, G = 32: codes unpacked by 32-bit words,
+    values flushed from the FIFO through the specialised per-token quantizer) attend equals reference attention over
+    the dequantized read()."""
+    store = _filled(seed, B=1, H=3, T=70, D=64, G=32, R=32, bits=bits, appends=appends, evict=0.0)
+    assert store._fast() and store._sides["v"].codes.shape[0] > 0 and store._sides["k"].codes.shape[0] > 0
+    q = torch.randn(1, 6, Q, 64, generator=torch.Generator().manual_seed(seed))
+    out, lse = store.attend(q, 0.125)
+    ref_out, ref_lse = reference_attention(store.read(), q, 0.125)
+    assert torch.allclose(out, ref_out, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)

@@ -429,7 +429,10 @@ class KIVIStore(Store):
         """Add ``[B, H, n, D]`` new entries through the residuals (KIVI's decode-time policy, class doc).
 
         Finite keys/values and positions after every held one in their row (``positions [B, n]``) are required;
-        the residual flushes build new sides, so a failing quantization leaves the store unchanged."""
+        the residual flushes build new sides, so a failing quantization leaves the store unchanged. Inputs are
+        validated once here; a ``UniformQuantizer`` value FIFO flush then goes through
+        :func:`kv_baselines.quant.token_quant.quantize_tokens` (the same codes, scales and zeros as
+        ``UniformQuantizer.quantize``, without its per-call checks and ``QuantizedTensor`` construction)."""
         self._check_kv(keys, values, held=True)
         B, H, n, D = keys.shape
         last = None if self._shape is None else self._last_pos
