@@ -36,6 +36,26 @@ def check_finite(name: str, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def check_kv(
+    keys: object, values: object, *, held: tuple[int, int, int, torch.dtype] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float ``[B, H, T, D]`` keys and values of one dtype, shape and device (what every Store's ``write`` and
+    ``append`` take); with ``held = (B, H, D, dtype)`` of a non-empty store, also matching the held cache."""
+    check_float("keys", check_tensor("keys", keys, ndim=4))
+    check_tensor("values", values, ndim=4)
+    if values.shape != keys.shape or values.dtype != keys.dtype or values.device != keys.device:
+        raise ValueError(
+            f"values {values.dtype} {tuple(values.shape)} must match keys {keys.dtype} {tuple(keys.shape)}"
+        )
+    if held is not None:
+        B, H, D, dtype = held
+        if keys.shape[:2] != (B, H) or keys.shape[-1] != D or keys.dtype != dtype:
+            raise ValueError(
+                f"keys {keys.dtype} {tuple(keys.shape)} do not match the stored cache [B={B}, H={H}, *, D={D}] {dtype}"
+            )
+    return keys, values
+
+
 def check_bool_mask(name: str, mask: object, shape: tuple[int, ...]) -> torch.Tensor:
     """Return a bool mask broadcast to ``shape``."""
     mask = check_tensor(name, mask)

@@ -12,7 +12,13 @@ from kv_hex.segment import Segment, compress_segment
 from kv_hex.selector import hex_tiers
 from kvcore import EVICT, FULL, KVView, Plan, Store, reachable_bytes
 from kvcore.attention import check_query, check_scale
-from kvcore.checks import check_finite, check_float, check_int, check_integer_tensor, check_positions, check_tensor
+from kvcore.checks import (
+    check_finite,
+    check_int,
+    check_integer_tensor,
+    check_kv,
+    check_positions,
+)
 
 __all__ = ["HEXStore"]
 
@@ -113,19 +119,7 @@ class HEXStore(Store):
 
     # -- checks ----------------------------------------------------------------------------------------
     def _check_kv(self, keys: torch.Tensor, values: torch.Tensor, *, held: bool) -> None:
-        check_float("keys", check_tensor("keys", keys, ndim=4))
-        check_tensor("values", values, ndim=4)
-        if values.shape != keys.shape or values.dtype != keys.dtype or values.device != keys.device:
-            raise ValueError(
-                f"values {values.dtype} {tuple(values.shape)} must match keys {keys.dtype} {tuple(keys.shape)}"
-            )
-        if held and self._shape is not None:
-            B, H, D = self._shape
-            if keys.shape[:2] != (B, H) or keys.shape[-1] != D or keys.dtype != self._dtype:
-                raise ValueError(
-                    f"keys {keys.dtype} {tuple(keys.shape)} do not match the stored cache [B={B}, H={H}, *, D={D}] "
-                    f"{self._dtype}"
-                )
+        check_kv(keys, values, held=(*self._shape, self._dtype) if held and self._shape is not None else None)
 
     # -- protocol: write / append ----------------------------------------------------------------------
     def write(self, keys: torch.Tensor, values: torch.Tensor, plan: Plan, positions: torch.Tensor) -> None:

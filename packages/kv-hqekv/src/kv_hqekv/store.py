@@ -8,7 +8,13 @@ from kv_hqekv.quantizers import tier_quantizer
 from kvcodec.ragged import Entries, QuantUnits, Residual, compact_entries
 from kvcodec.segments import rank_in_segment
 from kvcore import EVICT, FULL, KVView, Plan, Store, reachable_bytes
-from kvcore.checks import check_finite, check_float, check_int, check_integer_tensor, check_positions, check_tensor
+from kvcore.checks import (
+    check_finite,
+    check_int,
+    check_integer_tensor,
+    check_kv,
+    check_positions,
+)
 
 QUANT_TIERS: tuple[int, ...] = (4, 2, 1)
 """The quantized tiers of HqeKV (§3.4): 4- and 2-bit uniform, 1-bit normalized."""
@@ -126,19 +132,7 @@ class HqeKVStore(Store):
 
     # -- checks ----------------------------------------------------------------------------------------
     def _check_kv(self, keys: torch.Tensor, values: torch.Tensor, *, held: bool) -> None:
-        check_float("keys", check_tensor("keys", keys, ndim=4))
-        check_tensor("values", values, ndim=4)
-        if values.shape != keys.shape or values.dtype != keys.dtype or values.device != keys.device:
-            raise ValueError(
-                f"values {values.dtype} {tuple(values.shape)} must match keys {keys.dtype} {tuple(keys.shape)}"
-            )
-        if held and self._shape is not None:
-            B, H, D = self._shape
-            if keys.shape[:2] != (B, H) or keys.shape[-1] != D or keys.dtype != self._dtype:
-                raise ValueError(
-                    f"keys {keys.dtype} {tuple(keys.shape)} do not match the stored cache [B={B}, H={H}, *, D={D}] "
-                    f"{self._dtype}"
-                )
+        check_kv(keys, values, held=(*self._shape, self._dtype) if held and self._shape is not None else None)
 
     # -- protocol --------------------------------------------------------------------------------------
     def write(self, keys: torch.Tensor, values: torch.Tensor, plan: Plan, positions: torch.Tensor) -> None:

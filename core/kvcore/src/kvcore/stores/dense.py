@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.checks import check_finite, check_float, check_int, check_integer_tensor, check_positions, check_tensor
+from kvcore.checks import (
+    check_finite,
+    check_int,
+    check_integer_tensor,
+    check_kv,
+    check_positions,
+)
 from kvcore.memory import storage_bytes
 from kvcore.plan import EVICT, FULL, Plan
 from kvcore.protocols import Store
@@ -50,19 +56,8 @@ class DenseStore(Store):
 
     def _check_kv(self, keys: torch.Tensor, values: torch.Tensor, *, held: bool) -> None:
         """Float ``[B, H, T, D]`` keys and values of one dtype and shape; with ``held``, matching the held cache."""
-        check_float("keys", check_tensor("keys", keys, ndim=4))
-        check_tensor("values", values, ndim=4)
-        if values.shape != keys.shape or values.dtype != keys.dtype or values.device != keys.device:
-            raise ValueError(
-                f"values {values.dtype} {tuple(values.shape)} must match keys {keys.dtype} {tuple(keys.shape)}"
-            )
-        if held and self._k is not None:
-            B, H = self._shape
-            if keys.shape[:2] != (B, H) or keys.shape[-1] != self._k.shape[-1] or keys.dtype != self._k.dtype:
-                raise ValueError(
-                    f"keys {keys.dtype} {tuple(keys.shape)} do not match the stored cache "
-                    f"[B={B}, H={H}, *, D={self._k.shape[-1]}] {self._k.dtype}"
-                )
+        held_as = None if not held or self._k is None else (*self._shape, self._k.shape[-1], self._k.dtype)
+        check_kv(keys, values, held=held_as)
 
     # -- protocol --------------------------------------------------------------------------------------
     def write(self, keys: torch.Tensor, values: torch.Tensor, plan: Plan, positions: torch.Tensor) -> None:

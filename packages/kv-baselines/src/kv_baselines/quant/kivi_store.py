@@ -15,11 +15,10 @@ from kvcore.attention import check_query, check_scale
 from kvcore.checks import (
     MAX_POSITION,
     check_finite,
-    check_float,
     check_int,
     check_integer_tensor,
+    check_kv,
     check_positions,
-    check_tensor,
 )
 
 
@@ -351,19 +350,7 @@ class KIVIStore(Store):
     def _check_kv(self, keys: torch.Tensor, values: torch.Tensor, *, held: bool) -> None:
         """Float ``[B, H, T, D]`` keys and values of one dtype, shape and device; with ``held``, matching the held
         cache."""
-        check_float("keys", check_tensor("keys", keys, ndim=4))
-        check_tensor("values", values, ndim=4)
-        if values.shape != keys.shape or values.dtype != keys.dtype or values.device != keys.device:
-            raise ValueError(
-                f"values {values.dtype} {tuple(values.shape)} must match keys {keys.dtype} {tuple(keys.shape)}"
-            )
-        if held and self._shape is not None:
-            B, H, D = self._shape
-            if keys.shape[:2] != (B, H) or keys.shape[-1] != D or keys.dtype != self._dtype:
-                raise ValueError(
-                    f"keys {keys.dtype} {tuple(keys.shape)} do not match the stored cache [B={B}, H={H}, *, D={D}] "
-                    f"{self._dtype}"
-                )
+        check_kv(keys, values, held=(*self._shape, self._dtype) if held and self._shape is not None else None)
 
     # -- protocol --------------------------------------------------------------------------------------
     def write(self, keys: torch.Tensor, values: torch.Tensor, plan: Plan, positions: torch.Tensor) -> None:
