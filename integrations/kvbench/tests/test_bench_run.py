@@ -67,10 +67,11 @@ GRID = [GridItem("streaming_llm", Budget(ratio=0.5)), GridItem("knorm", Budget(r
 class Recording(CellCache):
     def __init__(self, folder, context):
         super().__init__(folder, context)
-        self.puts = 0
+        self.puts = self.partials = 0
 
     def put(self, cell, result):
-        self.puts += 1
+        self.puts += not cell.get("partial")  # finished (or refused) cells; partial progress is counted apart
+        self.partials += bool(cell.get("partial"))
         super().put(cell, result)
 
 
@@ -221,3 +222,49 @@ def test_rows_of_the_reference_are_skipped_when_pairing():
     rows = [Row("full", scores=[1.0, 0.0], window_kl=[0.0, 0.0]), Row("x", "r0.5", scores=[0.0, 0.0])]
     pair_rows(rows)
     assert rows[0].d_acc is None and rows[1].d_acc.mean == -0.5 and rows[1].kl_ci is None
+
+
+def test_shared_prefills_give_the_per_cell_results():
+    """The grid prefills each prompt once for all methods; its cells equal a prefill per method
+    (evaluate_samples / evaluate_windows): same scores, held bytes and per-window KL."""
+    from kvbench.run import evaluate_windows
+
+    model, tok, registry, work = tiny_model(), CharTokenizer(), discover(), workload()
+    rows = run_grid(model, tok, registry, GRID, work, protocols=["aware"], progress=False)
+    _, ref_lp = evaluate_windows(model, tok, registry["full"].build(), work.kl_pairs)
+    for row, item in zip(rows[1:], GRID):
+        compressor = registry[item.name].build(item.budget)
+        alone = evaluate_samples(model, tok, compressor, work.samples, "aware")
+        windows, _ = evaluate_windows(model, tok, compressor, work.kl_pairs, ref_lp)
+        assert row.scores == alone["scores"]
+        assert row.kv_bytes == pytest.approx(sum(alone["kv_bytes"] + windows["kv_bytes"]) / 4, rel=0, abs=0)
+        assert row.window_kl == pytest.approx(windows["kl"], rel=0, abs=1e-6)
+
+
+def test_an_interrupted_run_resumes_mid_cell_without_repeating_units(tmp_path, monkeypatch):
+    """Progress is stored after every sample: a run killed during the second sample resumes there, and the
+    resumed rows equal an uninterrupted run's."""
+    import kvbench.run as run_mod
+
+    model, tok, registry, work = tiny_model(), CharTokenizer(), discover(), workload()
+    work = Workload(work.samples, [])
+    clean = run_grid(model, tok, registry, GRID, work, progress=False)
+    real, calls = run_mod.generate_answer, []
+
+    def dies_on_fourth(*a, **k):
+        calls.append(1)
+        if len(calls) == 4:  # full, streaming_llm, knorm on sample 1, then the first method of sample 2
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(run_mod, "generate_answer", dies_on_fourth)
+    cache = Recording(tmp_path, {"work": work.fingerprint()})
+    with pytest.raises(KeyboardInterrupt):
+        run_grid(model, tok, registry, GRID, work, cache=cache, progress=False)
+    assert cache.puts == 0 and cache.partials == 3  # nothing finished, three cells one sample in
+    counted = []
+    monkeypatch.setattr(run_mod, "generate_answer", lambda *a, **k: counted.append(1) or real(*a, **k))
+    again = Recording(tmp_path, {"work": work.fingerprint()})
+    rows = run_grid(model, tok, registry, GRID, work, cache=again, progress=False)
+    assert len(counted) == 3  # only sample 2, once per method
+    assert [(r.scores, r.kv_bytes) for r in rows] == [(r.scores, r.kv_bytes) for r in clean]

@@ -21,6 +21,7 @@ from kv_hf.prefill import prefill
 from kv_hf.providers import PROVIDERS, Provider
 from kv_hf.reconstruction import KVzipConfig, kvzip_scores
 from kv_hf.reuse import answer_questions, generate_answer
+from kv_hf.shared import CollectedPrefill, collect_prefill
 from kv_hf.support import SUPPORTED_MODEL_TYPES, check_model
 
 register_attention()
@@ -33,12 +34,14 @@ __all__ = [
     "PROVIDERS",
     "SUPPORTED_MODEL_TYPES",
     "CacheOptions",
+    "CollectedPrefill",
     "CompressedCache",
     "CompressedLayer",
     "KVzipConfig",
     "Provider",
     "answer_questions",
     "check_model",
+    "collect_prefill",
     "compressed_cache",
     "disable_attention",
     "enable_attention",

@@ -353,13 +353,16 @@ class _Counting:
     def get(self, cell):
         found = self.inner.get(cell)
         key = json.dumps(cell, sort_keys=True)
-        if found is not None and key not in self._seen:
+        if found is not None and key not in self._seen and not cell.get("partial"):
             self.reused += 1
             self._seen.add(key)
             self.compute_s[key] = float(found.get("elapsed_s", 0.0))
         return found
 
     def put(self, cell, result):
+        if cell.get("partial"):  # progress inside a cell, not a finished one
+            self.inner.put(cell, result)
+            return
         key = json.dumps(cell, sort_keys=True)
         self._seen.add(key)
         self.compute_s[key] = float(result.get("elapsed_s", 0.0))

@@ -4,6 +4,10 @@ Every cell (one method at one budget under one protocol on the task samples, or 
 continuation windows) keeps its per-sample and per-window results, so rows can be paired with a reference
 (:mod:`kvbench.paired`). Finished cells are stored in a :class:`~kvbench.cells.CellCache`; a rerun skips them.
 
+Methods share prefills: one exact forward pass per prompt, then one compression per method
+(:func:`kv_hf.shared.collect_prefill`); a cell's ``prefill_s`` is that shared forward pass and its ``compress_s``
+the method's own compression (and provider passes such as KVzip's reconstruction).
+
 Protocols: ``"agnostic"`` compresses the context before the question is seen (the kvpress / KVzip protocol);
 ``"aware"`` compresses the context *and* the question (all but its last token, which starts decoding), the
 setting of SnapKV, H2O and most LongBench numbers. Continuation windows have no question: their KL is the same
@@ -26,6 +30,7 @@ from tqdm.auto import tqdm
 from kv_hf.cache import compressed_cache
 from kv_hf.prefill import prefill
 from kv_hf.reuse import generate_answer
+from kv_hf.shared import collect_prefill
 from kvbench.cells import CellCache
 from kvbench.match import match_budget
 from kvbench.memory import peak_memory
@@ -249,6 +254,11 @@ def run_grid(
 ) -> list[Row]:
     """Evaluate the full cache (the reference) and every grid item under every protocol; rows in grid order.
 
+    Each sample's prompt and each window's context is prefilled **once** and compressed by every method that
+    still needs it (:func:`kv_hf.shared.collect_prefill`: the compressed caches are exactly those a prefill per
+    method gives), so a grid costs one forward pass per prompt instead of one per cell. Progress is checkpointed
+    after every sample and window (partial cells), so an interrupted run resumes mid-cell.
+
     Parameters
     ----------
     model, tokenizer
@@ -292,79 +302,211 @@ def run_grid(
         if item.budget is None:
             continue
         if work.samples:
-            todo += sum(len(work.samples) for p in protocols_of(item) if cache.get(task_cell(item, p)) is None)
-        if work.kl_pairs and cache.get(kl_cell(item)) is None:
-            todo += len(work.kl_pairs)
-    need_ref = work.kl_pairs and any(cache.get(kl_cell(i)) is None for i in items if i.budget is not None)
-    if need_ref:
-        todo += len(work.kl_pairs)  # the full cache's continuations, recomputed as the KL reference
+            todo += sum(
+                len(work.samples) - _done(cache, task_cell(item, p), len(work.samples)) for p in protocols_of(item)
+            )
+        if work.kl_pairs:
+            todo += len(work.kl_pairs) - _done(cache, kl_cell(item), len(work.kl_pairs))
     bar = tqdm(total=todo, desc="kvbench", unit="unit", disable=not progress)
-    tick = bar.update
-    ref_logprobs = None
-    if need_ref:
-        bar.set_postfix_str("full (KL reference)")
-        t_cell = time.perf_counter()
-        res, ref_logprobs = evaluate_windows(model, tokenizer, methods["full"].build(), work.kl_pairs, tick=tick)
-        res["kl"] = [0.0] * len(work.kl_pairs)
-        res["elapsed_s"] = time.perf_counter() - t_cell
-        cache.put(kl_cell(full), res)
+    runnable = [i for i in items if i.budget is not None]
+    if work.kl_pairs:
+        members = [_Member(i, kl_cell(i), methods[i.name]) for i in runnable]
+        _windows_shared(model, tokenizer, members, work.kl_pairs, cache, bar, methods["full"])
+    if work.samples:
+        for p in PROTOCOLS:  # the full cache's task cell ("any") is computed once, without the question
+            group = [i for i in runnable if (p == "agnostic" if i.name == "full" else p in protocols)]
+            members = [_Member(i, task_cell(i, "any" if i.name == "full" else p), methods[i.name]) for i in group]
+            _samples_shared(model, tokenizer, members, work.samples, p, cache, bar)
+    bar.close()
 
     rows: list[Row] = []
     for item in items:
         if item.budget is None:  # a bytes target no budget of the method could meet
             rows += [Row(method=item.name, budget=item.label, protocol=p, error=item.target_error) for p in protocols]
             continue
-        try:
-            windows = None
-            if work.kl_pairs:
-                windows = cache.get(kl_cell(item))
-                if windows is None:
-                    bar.set_postfix_str(f"{item.name} {item.label} KL")
-                    t_cell = time.perf_counter()
-                    windows, _ = evaluate_windows(
-                        model, tokenizer, methods[item.name].build(item.budget), work.kl_pairs, ref_logprobs, tick=tick
-                    )
-                    windows["elapsed_s"] = time.perf_counter() - t_cell
-                    cache.put(kl_cell(item), windows)
-            if "error" in (windows or {}):
-                raise ValueError(windows["error"])
-            per_protocol = {}
-            for p in protocols_of(item):
-                tasks = None
-                if work.samples:
-                    tasks = cache.get(task_cell(item, p))
-                    if tasks is None:
-                        bar.set_postfix_str(f"{item.name} {item.label} {p}")
-                        t_cell = time.perf_counter()
-                        try:
-                            tasks = evaluate_samples(
-                                model,
-                                tokenizer,
-                                methods[item.name].build(item.budget),
-                                work.samples,
-                                "agnostic" if p == "any" else p,
-                                tick=tick,
-                            )
-                        except (ValueError, LookupError) as exc:  # refused: budget below the protected window ...
-                            cache.put(task_cell(item, p), {"error": str(exc)})
-                            raise
-                        tasks["elapsed_s"] = time.perf_counter() - t_cell
-                        cache.put(task_cell(item, p), tasks)
-                    if "error" in tasks:
-                        raise ValueError(tasks["error"])
-                per_protocol[p] = tasks
-        except (ValueError, LookupError) as exc:
-            if work.kl_pairs and cache.get(kl_cell(item)) is None:
-                cache.put(kl_cell(item), {"error": str(exc)})
-            rows += [Row(method=item.name, budget=item.label, protocol=p, error=str(exc)) for p in protocols]
+        windows = cache.get(kl_cell(item)) if work.kl_pairs else None
+        per_protocol = {p: cache.get(task_cell(item, p)) for p in protocols_of(item)} if work.samples else {}
+        errors = [r["error"] for r in [windows, *per_protocol.values()] if r is not None and "error" in r]
+        if errors:
+            rows += [Row(method=item.name, budget=item.label, protocol=p, error=errors[0]) for p in protocols]
             continue
         for p in protocols:
             row = _row(item, p, per_protocol.get("any", per_protocol.get(p)), windows, fp16_bpt)
             if item.target is not None:
                 row.matched = {"target_bytes_per_token": item.target.value, "calibration": item.calibration}
             rows.append(row)
-    bar.close()
     return rows
+
+
+@dataclass
+class _Member:
+    """One cell of a group that shares its prefills: what it has so far, or why its method refused."""
+
+    item: GridItem
+    cell: dict
+    method: Method
+    result: dict | None = None
+    compressor: Compressor | None = None
+    error: str | None = None
+    finished: bool = False
+
+    @property
+    def done(self) -> int:
+        return len((self.result or {}).get("tokens", []))
+
+
+def _partial(cell: dict) -> dict:
+    return {**cell, "partial": True}
+
+
+def _done(cache, cell: dict, total: int) -> int:
+    """Units of ``cell`` (of ``total``) already computed: all when finished or refused, else the partial count."""
+    if cache.get(cell) is not None:
+        return total
+    part = cache.get(_partial(cell))
+    return min(total, len(part.get("tokens", []))) if part else 0
+
+
+def _open(members: list[_Member], cache, fresh: Callable[[], dict]) -> list[_Member]:
+    """Load finished cells and partial progress; build each method's compressor (a refusal finishes its cell)."""
+    todo = []
+    for m in members:
+        found = cache.get(m.cell)
+        if found is not None:
+            continue
+        m.result = cache.get(_partial(m.cell)) or fresh()
+        m.result.setdefault("elapsed_s", 0.0)
+        try:
+            m.compressor = m.method.build(m.item.budget)
+        except (ValueError, LookupError) as exc:  # refused: budget below the protected window ...
+            cache.put(m.cell, {"error": str(exc)})
+            continue
+        todo.append(m)
+    return todo
+
+
+def _refuse(m: _Member, exc: Exception, cache) -> None:
+    m.error = str(exc)
+    cache.put(m.cell, {"error": m.error})
+
+
+def _checkpoint(members: list[_Member], total: int, cache) -> None:
+    """After each sample or window: finished cells are stored, unfinished ones as partial progress."""
+    for m in members:
+        if m.error is not None or m.finished:
+            continue
+        if m.done >= total:
+            m.finished = True
+            cache.put(m.cell, m.result)
+        else:
+            cache.put(_partial(m.cell), m.result)
+
+
+@torch.no_grad()
+def _samples_shared(model, tokenizer, members: list[_Member], samples, protocol: str, cache, bar) -> None:
+    """Task cells of one protocol: each sample's prompt is prefilled once (:func:`kv_hf.shared.collect_prefill`)
+    and compressed by every method, which is exactly what a prefill per method gives (tested in kv-hf)."""
+    keys = ("scores", "tasks", "kv_bytes", "tokens", "prefill_s", "compress_s", "peak")
+    members = _open(members, cache, lambda: {**{k: [] for k in keys}, "decode_tok_s": None})
+    device = next(model.parameters()).device
+    eos = getattr(tokenizer, "eos_token_id", None)
+    for idx, s in enumerate(samples):
+        active = [m for m in members if m.error is None and m.done == idx]
+        if not active:
+            continue
+        ctx = tokenizer.encode(s.context, add_special_tokens=True)
+        q = tokenizer.encode(s.question, add_special_tokens=False)
+        if not q:
+            raise ValueError(f"sample of task {s.task!r} has an empty question")
+        prompt, ask = (ctx + q[:-1], q[-1:]) if protocol == "aware" else (ctx, q)
+        ids = torch.tensor([prompt], device=device)
+        with peak_memory(device) as fwd_peak:
+            collected = collect_prefill(model, ids, tokenizer=tokenizer)
+        share = collected.forward_seconds / len(active)
+        for m in active:
+            bar.set_postfix_str(f"{m.item.name} {m.item.label} {protocol}", refresh=False)
+            t0 = time.perf_counter()
+            try:
+                with peak_memory(device) as peak:
+                    cache_ = collected.compress(m.compressor)
+            except (ValueError, LookupError) as exc:
+                _refuse(m, exc, cache)
+                continue
+            r = m.result
+            r["kv_bytes"].append(cache_.nbytes())  # before any decode step (appends reserve growth slack)
+            r["tokens"].append(len(prompt))
+            r["prefill_s"].append(collected.forward_seconds)
+            r["compress_s"].append(cache_.compress_seconds)
+            r["peak"].append(_max_peak(fwd_peak.bytes, peak.bytes))
+            if r["decode_tok_s"] is None:  # one measurement per cell: 16 steps over the first compressed context
+                r["decode_tok_s"] = decode_rate(model, cache_, collected.logits.argmax(-1))
+            answer = generate_answer(
+                model, cache_, torch.tensor([ask], device=device), s.max_new_tokens, eos_token_id=eos
+            )
+            text = tokenizer.decode(answer[0].tolist(), skip_special_tokens=True)
+            r["scores"].append(score(text, s))
+            r["tasks"].append(f"{s.task}@{s.target_length}")
+            r["elapsed_s"] += time.perf_counter() - t0 + share
+            bar.update()
+        del collected
+        _checkpoint(members, len(samples), cache)
+
+
+@torch.no_grad()
+def _windows_shared(model, tokenizer, members: list[_Member], pairs, cache, bar, reference: Method) -> None:
+    """KL cells: each window's context is prefilled once and compressed by the full cache (the reference
+    continuation) and by every method; per-window KL(full || method) and NLL."""
+    keys = ("kl", "nll", "kv_bytes", "tokens", "prefill_s", "compress_s", "peak")
+    members = _open(members, cache, lambda: {k: [] for k in keys})
+    if not members:
+        return
+    device = next(model.parameters()).device
+    for idx, (ctx_ids, cont_ids) in enumerate(pairs):
+        active = [m for m in members if m.error is None and m.done == idx]
+        if not active:
+            continue
+        ids = torch.tensor([ctx_ids], device=device)
+        cont = torch.tensor([cont_ids], device=device)
+        with peak_memory(device) as fwd_peak:
+            collected = collect_prefill(model, ids, tokenizer=tokenizer)
+        share = collected.forward_seconds / len(active)
+        ref_cache = collected.compress(reference.build())  # the reference continuation, recomputed per window
+        ref = _continuation(model, ref_cache, collected.logits, cont)
+        del ref_cache
+        for m in active:
+            bar.set_postfix_str(f"{m.item.name} {m.item.label} KL", refresh=False)
+            t0 = time.perf_counter()
+            try:
+                with peak_memory(device) as peak:
+                    cache_ = collected.compress(m.compressor)
+            except (ValueError, LookupError) as exc:
+                _refuse(m, exc, cache)
+                continue
+            r = m.result
+            r["kv_bytes"].append(cache_.nbytes())
+            r["tokens"].append(len(ctx_ids))
+            r["prefill_s"].append(collected.forward_seconds)
+            r["compress_s"].append(cache_.compress_seconds)
+            r["peak"].append(_max_peak(fwd_peak.bytes, peak.bytes))
+            lp = ref if m.item.name == "full" else _continuation(model, cache_, collected.logits, cont)
+            r["nll"].append(float(-lp.gather(-1, cont[0, :, None]).mean()))
+            r["kl"].append(0.0 if m.item.name == "full" else float((ref.exp() * (ref - lp)).sum(-1).mean()))
+            r["elapsed_s"] += time.perf_counter() - t0 + share
+            bar.update()
+        del collected
+        _checkpoint(members, len(pairs), cache)
+
+
+def _continuation(model, cache, last: torch.Tensor, cont: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced log-probabilities ``[k, V]`` of the continuation ``cont [1, k]`` after ``cache``."""
+    device = cont.device
+    pos = cache.next_positions().to(device)[:, None] + torch.arange(cont.shape[1] - 1, device=device)
+    rest = model(input_ids=cont[:, :-1], past_key_values=cache, position_ids=pos, use_cache=True).logits
+    return torch.cat([last.reshape(1, 1, -1), rest], 1).float().log_softmax(-1)[0]
+
+
+def _max_peak(a: int | None, b: int | None) -> int | None:
+    return None if a is None and b is None else max(a or 0, b or 0)
 
 
 class _MemoryCache(CellCache):
