@@ -95,21 +95,35 @@ def test_padded_batch_and_chunked_forward_match_prefill():
 
 
 @torch.no_grad()
-def test_kvzip_provider_runs_per_compression_with_global_budget():
-    """KVzip's reconstruction pass (a provider needing the tokenizer and context_start) runs on each copy; the
-    global budget gives prefill's selection."""
+def test_kvzip_provider_pass_runs_once_per_configuration_and_matches_prefill(monkeypatch):
+    """KVzip's reconstruction pass (a provider needing the tokenizer and context_start) runs once per prompt and
+    configuration and is reused by every compressor that needs it; each global-budget selection equals
+    prefill's, and each cache's compress time includes the pass."""
+    import dataclasses
+
+    from kv_hf import providers
+
+    runs = []
+    real = providers.PROVIDERS["kvzip_scores"]
+    counting = dataclasses.replace(real, run=lambda *a, **k: runs.append(1) or real.run(*a, **k))
+    monkeypatch.setitem(providers.PROVIDERS, "kvzip_scores", counting)
     model = tiny_model()
     tok = CharTokenizer()
     ids = prompt(28, seed=6)
     config = kv_hf.KVzipConfig(chunk_size=10, prev_tokens=3)
     collected = collect_prefill(model, ids, tokenizer=tok, context_start=3)
-    direct = kv_hf.compressed_cache(model, kv_baselines.kvzip(0.5))
-    kv_hf.prefill(model, direct, ids, tokenizer=tok, context_start=3, kvzip=config)
-    shared = collected.compress(kv_baselines.kvzip(0.5), kvzip=config)
-    assert [s.tolist() for s in shared.seq_lengths()] == [s.tolist() for s in direct.seq_lengths()]
-    for got, want in zip(_views(shared), _views(direct)):
-        torch.testing.assert_close(got[2], want[2], rtol=0, atol=0)  # the same entries kept
-        torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-6)
+    for ratio in (0.5, 0.75):
+        direct = kv_hf.compressed_cache(model, kv_baselines.kvzip(ratio))
+        kv_hf.prefill(model, direct, ids, tokenizer=tok, context_start=3, kvzip=config)
+        shared = collected.compress(kv_baselines.kvzip(ratio), kvzip=config)
+        assert shared.compress_seconds > 0
+        assert [s.tolist() for s in shared.seq_lengths()] == [s.tolist() for s in direct.seq_lengths()]
+        for got, want in zip(_views(shared), _views(direct)):
+            torch.testing.assert_close(got[2], want[2], rtol=0, atol=0)  # the same entries kept
+            torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-6)
+    assert len(runs) == 2 + 1  # one pass per direct prefill, one for both shared compressions
+    collected.compress(kv_baselines.kvzip(0.5), kvzip=kv_hf.KVzipConfig(chunk_size=7, prev_tokens=3))
+    assert len(runs) == 4  # another configuration is another pass
 
 
 @torch.no_grad()

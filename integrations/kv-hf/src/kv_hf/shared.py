@@ -7,8 +7,11 @@ queries of a prompt are the same whatever method compresses them. An evaluation 
 same samples) therefore needs one forward pass per sample, not one per cell: :func:`collect_prefill` runs it and
 keeps every layer's raw entries and every prompt query, :meth:`CollectedPrefill.compress` builds a fresh
 :class:`~kv_hf.cache.CompressedCache` for a compressor, hands it a private copy of that state (trimmed to the
-query window the compressor's cache would capture), runs the providers its scorer needs (KVzip's reconstruction
-pass runs per compressor, as it would in :func:`kv_hf.prefill`) and compresses.
+query window the compressor's cache would capture), supplies the extras its scorer needs and compresses. A
+provider's extras depend only on the model, the prompt and the provider's configuration (it runs on the raw
+collected prompt), so each provider pass (KVzip's context reconstruction) runs once per prompt and configuration
+and is reused by every compressor that needs it; its time is still added to each cache's ``compress_seconds``, as
+if it had run again.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class CollectedPrefill:
     context_start: int = 0
     _layers: list[_LayerState] = field(default_factory=list, repr=False)
     _captured: dict[str, Any] = field(default_factory=dict, repr=False)
+    _provided: dict[tuple[str, str], tuple[dict, float]] = field(default_factory=dict, repr=False)
 
     def compress(
         self, compressor: Compressor, options: CacheOptions | None = None, **provider_options: Any
@@ -119,20 +123,30 @@ class CollectedPrefill:
             if self.attention_mask is None
             else self.attention_mask.to(self.input_ids.device).long()
         )
-        extras = None
-        if needed:
-            with cache.timed():
-                extras = providers.run_providers(
-                    needed,
-                    self.model,
-                    cache,
-                    self.input_ids,
-                    tokenizer=self.tokenizer,
-                    context_start=self.context_start,
-                    configs=provider_options,
-                    captured=self._captured,
-                    attention_mask=mask,
-                )
+        extras: dict[int, dict[str, Any]] | None = {} if needed else None
+        for provider in needed:
+            found = self._provided.get((provider.name, repr(provider_options.get(provider.option))))
+            if found is None:
+                t0 = cache.compress_seconds
+                with cache.timed():
+                    result = providers.run_providers(
+                        [provider],
+                        self.model,
+                        cache,
+                        self.input_ids,
+                        tokenizer=self.tokenizer,
+                        context_start=self.context_start,
+                        configs=provider_options,
+                        captured=self._captured,
+                        attention_mask=mask,
+                    )
+                found = (result, cache.compress_seconds - t0)
+                self._provided[(provider.name, repr(provider_options.get(provider.option)))] = found
+            else:  # the same pass over the same prompt: reused, its time counted as if it had run again
+                cache.compress_seconds += found[1]
+            for layer_idx, named in found[0].items():
+                mine = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in named.items()}
+                extras.setdefault(layer_idx, {}).update(mine)
         cache.compress(extras=extras, protect_before=self.context_start or None)
         return cache
 
