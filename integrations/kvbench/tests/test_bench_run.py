@@ -267,4 +267,5 @@ def test_an_interrupted_run_resumes_mid_cell_without_repeating_units(tmp_path, m
     again = Recording(tmp_path, {"work": work.fingerprint()})
     rows = run_grid(model, tok, registry, GRID, work, cache=again, progress=False)
     assert len(counted) == 3  # only sample 2, once per method
+    assert len(list((tmp_path).glob("*.json"))) == 3  # finished cells only: their progress files are gone
     assert [(r.scores, r.kv_bytes) for r in rows] == [(r.scores, r.kv_bytes) for r in clean]

@@ -54,3 +54,7 @@ class CellCache:
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps({"cell": cell, "result": result}, default=str))
         os.replace(tmp, path)
+
+    def discard(self, cell: dict[str, Any]) -> None:
+        """Forget ``cell`` (no error when it was never stored)."""
+        self._path(cell).unlink(missing_ok=True)

@@ -368,6 +368,9 @@ class _Counting:
         self.compute_s[key] = float(result.get("elapsed_s", 0.0))
         self.inner.put(cell, result)
 
+    def discard(self, cell):
+        self.inner.discard(cell)
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -398,6 +398,7 @@ def _checkpoint(members: list[_Member], total: int, cache) -> None:
         if m.done >= total:
             m.finished = True
             cache.put(m.cell, m.result)
+            cache.discard(_partial(m.cell))  # the finished cell replaces its progress
         else:
             cache.put(_partial(m.cell), m.result)
 
@@ -520,6 +521,9 @@ class _MemoryCache(CellCache):
 
     def put(self, cell, result):
         self._cells[json.dumps(cell, sort_keys=True)] = result
+
+    def discard(self, cell):
+        self._cells.pop(json.dumps(cell, sort_keys=True), None)
 
 
 @dataclass(frozen=True)
