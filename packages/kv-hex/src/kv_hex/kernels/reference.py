@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from kvcodec.packing import unpack_unchecked
 from kvcodec.stats import minmax_scale, minmax_stats, scale_dtype_for
 
-__all__ = ["attention_column_sums", "decode_attention", "kcvt_codes"]
+__all__ = ["attention_column_sums", "decode_attention", "dequantize_part", "kcvt_codes", "part_attention"]
 
 
 def kcvt_codes(
@@ -90,3 +91,81 @@ def decode_attention(
     p = torch.exp(logits - lse[..., None]).nan_to_num(0.0)
     out = torch.einsum("bhgqt,bhtd->bhgqd", p, values.float())
     return out.reshape(B, Hq, Q, D), lse.reshape(B, Hq, Q), p.sum(dim=(2, 3))
+
+
+def dequantize_part(part) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of every entry of one part of a HEX layer (:class:`kv_hex.layout.PartLayout`), in entry
+    order and the cache dtype: full-precision rows bit-exact; code rows dequantized as ``code · scale + zero`` in
+    float32 (no fused multiply-add) rounded to the cache dtype, then the static mask's overlay elements replaced by
+    their full-precision values (HEX §3.5: ``K̂ = M⊙K + (1−M)⊙deq(Q(K))``).
+
+    Returns
+    -------
+    keys, values : Tensor
+        ``[N, D]`` in ``part.dtype``.
+    """
+    D = part.D
+    out = []
+    for side in (part.k, part.v):
+        N = side.idx.numel()
+        full = side.idx < 0
+        rows = torch.zeros(N, D, dtype=side.rows.dtype, device=side.idx.device)
+        rows[full] = side.rows[(-1 - side.idx[full]).long()]
+        coded = ~full
+        if bool(coded.any()):
+            codes = unpack_unchecked(side.codes[side.idx[coded].long()], part.bits, D).float()
+            grp = side.grp[coded].long()
+            if side.per_channel:
+                s, z = side.scale.float()[grp], side.zero.float()[grp]
+            else:
+                s, z = side.scale.float()[grp][:, None], side.zero.float()[grp][:, None]
+            deq = (codes * s + z).to(rows.dtype)
+            if part.hcols.shape[-1]:
+                seg = part.seg()[coded]
+                cols = part.hcols[part.slot[coded].long(), seg % part.H].long()  # [Nc, W], -1 padded
+                em = torch.zeros(cols.shape[0], D + 1, dtype=torch.bool, device=cols.device)
+                em.scatter_(1, torch.where(cols >= 0, cols, D), True)
+                deq[em[:, :D]] = side.over
+            rows[coded] = deq
+        out.append(rows)
+    return out[0], out[1]
+
+
+def part_attention(
+    query: torch.Tensor, part, scale: float, logits: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Attention of ``query [B, Hq, Q, D]`` over one part of a HEX layer (a segment or the residual; HEX §3.5).
+
+    The part is dequantized on its own (:func:`dequantize_part`), laid out per head and attended; a store merges
+    its parts by log-sum-exp (:func:`kvcore.merge_attention`), so the whole dequantized cache never exists at once.
+
+    Returns
+    -------
+    out : Tensor
+        float32 ``[B, Hq, Q, D]`` (0 for a head with no entry in the part).
+    lse : Tensor
+        float32 ``[B, Hq, Q]`` (``-inf`` for a head with no entry).
+    logits : Tensor or None
+        With ``logits=True``: float32 ``[N, G·Q]``, entry ``i``'s scaled logit for each query row of its head's
+        GQA group (row ``g·Q + q`` is query head ``h·G + g``, query ``q``), from which the store derives the
+        attention probability each entry receives once every part's log-sum-exp is known.
+    """
+    B, Hq, Q, D = query.shape
+    H, S, T = part.H, part.B * part.H, part.T
+    G = Hq // H
+    R = G * Q
+    k, v = dequantize_part(part)
+    seg = part.seg()
+    t = torch.arange(seg.numel(), device=seg.device) - part.start.long()[seg]
+    K = torch.zeros(S, T, D, device=k.device)
+    V = torch.zeros(S, T, D, device=k.device)
+    K[seg, t], V[seg, t] = k.float(), v.float()
+    bias = torch.full((S, T), float("-inf"), device=k.device)
+    bias[seg, t] = 0.0
+    q = query.float().reshape(B, H, G, Q, D).reshape(S, R, D)
+    lg = torch.einsum("srd,std->srt", q, K) * scale + bias[:, None, :]
+    lse = torch.logsumexp(lg, dim=-1)
+    p = torch.exp(lg - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("srt,std->srd", p, V)
+    lg_entries = lg[seg, :, t] if logits else None
+    return out.reshape(B, Hq, Q, D), lse.reshape(B, Hq, Q), lg_entries
