@@ -80,7 +80,8 @@ def decode_attention(
     Returns ``(out fp32 [B, Hq, Q, D], lse fp32 [B, Hq, Q], column sums fp32 [B, Hkv, T])``: the last is the
     attention probability each entry received, summed over the queries and the query heads of its GQA group
     (what HEX's heavy-hitter accumulator adds at every decode step, §3.3). A head with no entry gives ``out = 0``,
-    ``lse = -inf`` and zero sums.
+    ``lse = -inf`` and zero sums. The dense definition over a whole view (``HEXStore.read()``); the store attends
+    part by part with :func:`part_attention` and is tested against this.
     """
     B, Hq, Q, D = query.shape
     H, _T = keys.shape[1], keys.shape[2]
