@@ -29,7 +29,8 @@ class SideLayout:
     Attributes
     ----------
     idx : Tensor
-        int32 ``[N]``: ``>= 0`` code row ``idx``, ``< 0`` full-precision row ``-1 - idx``.
+        int32 ``[N]``: ``>= 0`` code row ``idx``, ``< 0`` full-precision row ``-1 - idx`` (code rows and full rows
+        are each in entry order: the coded entries' ``idx`` run ``0 .. Nq-1``).
     codes : Tensor
         uint8 ``[Nq, packed_width(D, bits)]`` packed codes (the :mod:`kvcodec.packing` bit stream).
     rows : Tensor

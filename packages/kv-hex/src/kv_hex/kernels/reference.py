@@ -110,24 +110,28 @@ def dequantize_part(part) -> tuple[torch.Tensor, torch.Tensor]:
     for side in (part.k, part.v):
         N = side.idx.numel()
         full = side.idx < 0
-        rows = torch.zeros(N, D, dtype=side.rows.dtype, device=side.idx.device)
-        rows[full] = side.rows[(-1 - side.idx[full]).long()]
-        coded = ~full
-        if bool(coded.any()):
-            codes = unpack_unchecked(side.codes[side.idx[coded].long()], part.bits, D).float()
-            grp = side.grp[coded].long()
-            if side.per_channel:
-                s, z = side.scale.float()[grp], side.zero.float()[grp]
-            else:
-                s, z = side.scale.float()[grp][:, None], side.zero.float()[grp][:, None]
-            deq = (codes * s + z).to(rows.dtype)
-            if part.hcols.shape[-1]:
-                seg = part.seg()[coded]
-                cols = part.hcols[part.slot[coded].long(), seg % part.H].long()  # [Nc, W], -1 padded
-                em = torch.zeros(cols.shape[0], D + 1, dtype=torch.bool, device=cols.device)
-                em.scatter_(1, torch.where(cols >= 0, cols, D), True)
-                deq[em[:, :D]] = side.over
-            rows[coded] = deq
+        if bool(full.all()):
+            out.append(side.rows[(-1 - side.idx).long()])
+            continue
+        rows = torch.empty(N, D, dtype=side.rows.dtype, device=side.idx.device)
+        fi = torch.nonzero(full).flatten()
+        ci = torch.nonzero(~full).flatten()
+        rows.index_copy_(0, fi, side.rows[(-1 - side.idx[fi]).long()])
+        crow = side.idx[ci].long()
+        packed = side.codes if crow.numel() == side.codes.shape[0] else side.codes[crow]  # rows in entry order
+        codes = unpack_unchecked(packed, part.bits, D).float()
+        grp = side.grp[ci].long()
+        if side.per_channel:
+            s, z = side.scale.float()[grp], side.zero.float()[grp]
+        else:
+            s, z = side.scale.float()[grp][:, None], side.zero.float()[grp][:, None]
+        deq = (codes * s + z).to(rows.dtype)
+        if part.hcols.shape[-1]:
+            # overlay values in entry order, channels ascending: flat positions (entry, channel) of the mask
+            cols = part.hcols[part.slot[ci].long(), part.seg()[ci] % part.H].long()  # [Nc, W], -1 padded
+            flat = (torch.arange(ci.numel(), device=cols.device)[:, None] * D + cols)[cols >= 0]
+            deq.view(-1)[flat] = side.over
+        rows.index_copy_(0, ci, deq)
         out.append(rows)
     return out[0], out[1]
 
@@ -156,17 +160,26 @@ def part_attention(
     G = Hq // H
     R = G * Q
     k, v = dequantize_part(part)
-    seg = part.seg()
-    t = torch.arange(seg.numel(), device=seg.device) - part.start.long()[seg]
-    K = torch.zeros(S, T, D, device=k.device)
-    V = torch.zeros(S, T, D, device=k.device)
-    K[seg, t], V[seg, t] = k.float(), v.float()
-    bias = torch.full((S, T), float("-inf"), device=k.device)
-    bias[seg, t] = 0.0
     q = query.float().reshape(B, H, G, Q, D).reshape(S, R, D)
-    lg = torch.einsum("srd,std->srt", q, K) * scale + bias[:, None, :]
+    if bool((part.count == T).all()):  # every head holds T entries (HEX evicts nothing): a plain view
+        K, V = k.float().view(S, T, D), v.float().view(S, T, D)
+        lg = torch.einsum("srd,std->srt", q, K) * scale
+    else:  # ragged heads: pad with -inf logits
+        seg = part.seg()
+        t = torch.arange(seg.numel(), device=seg.device) - part.start.long()[seg]
+        K = torch.zeros(S, T, D, device=k.device)
+        V = torch.zeros(S, T, D, device=k.device)
+        K[seg, t], V[seg, t] = k.float(), v.float()
+        bias = torch.full((S, T), float("-inf"), device=k.device)
+        bias[seg, t] = 0.0
+        lg = torch.einsum("srd,std->srt", q, K) * scale + bias[:, None, :]
     lse = torch.logsumexp(lg, dim=-1)
     p = torch.exp(lg - lse[..., None]).nan_to_num(0.0)
     out = torch.einsum("srt,std->srd", p, V)
-    lg_entries = lg[seg, :, t] if logits else None
+    if not logits:
+        lg_entries = None
+    elif bool((part.count == T).all()):
+        lg_entries = lg.transpose(1, 2).reshape(S * T, R)
+    else:
+        lg_entries = lg[seg, :, t]
     return out.reshape(B, Hq, Q, D), lse.reshape(B, Hq, Q), lg_entries
