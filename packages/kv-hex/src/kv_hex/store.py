@@ -43,7 +43,8 @@ class HEXStore(Store):
     ``mode="append"`` earlier segments' bytes never change; in ``mode="full"`` the whole cache is re-compressed, from
     its held representation, as one segment (spec A10).
 
-    ``attend(query, scale)`` equals ``kvcore.reference_attention(self.read(), query, scale)`` and adds each entry's
+    ``attend(query, scale)`` equals ``kvcore.reference_attention(self.read(), query, scale)`` without rebuilding the
+    view (each segment and the residual attended by the fused kernel, merged by log-sum-exp) and adds each entry's
     attention probability (summed over queries and the GQA group) to the accumulator heavy hitters are chosen by.
 
     Parameters
