@@ -11,12 +11,17 @@ One run prints two tables:
 * **masks** -- cold generation time of the Ramanujan-checked expander masks (draw + SVD check), tries and σ₂ against
   the bound, for one block (96) and longer prefill segments.
 
-Kernel speed is not measured here: the fused decode-attention kernel over codes is not built, and the Triton
-kernels that exist (prefill column sums, masked KCVT statistics) have only been run under Triton's interpreter.
+* **attend** -- one decode step (one query token, GQA) over one HEX-3 layer in append mode (a prefill of ``L``
+  tokens, then 96 + 40 decoded tokens: the prefill segment, one decode block and a 40 + ``L mod 96``-token
+  residual), median of ``--reps`` calls after a warm-up: ``HEXStore.attend`` (part by part, merged by
+  log-sum-exp; the Triton kernel on CUDA, the PyTorch reference on CPU) vs dequantize-then-SDPA
+  (``read()`` then ``torch.nn.functional.scaled_dot_product_attention``) vs fp16 SDPA over the uncompressed cache.
+  On CPU this times the PyTorch reference path; the Triton kernel's speed needs a GPU.
 
 Usage::
 
-    python benchmarks/bench_hex.py
+    python benchmarks/bench_hex.py                  # every table
+    python benchmarks/bench_hex.py --tables attend  # one table
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 import kv_hex
 from kv_hex import HEXConfig, HEXStore
@@ -75,17 +82,77 @@ def mask_table(lengths: list[int]) -> None:
             print(f"| {H * D} | {n} | {spec} | {dt:.3f} | {t.nbytes} |")
 
 
+def _median_ms(fn, reps: int, sync) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def attend_table(lengths: list[int], reps: int, device: str) -> None:
+    QH = {"SmolLM2-135M": 9, "LLaMA-3-8B": 32}
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    print("| model | context | fused attend ms | dequantize + SDPA ms | fp16 SDPA ms | attend / fp16 SDPA |")
+    print("|---|---|---|---|---|---|")
+    for model, (H, D) in SHAPES.items():
+        Hq = QH[model]
+        for n in lengths:
+            comp = kv_hex.hex(3)
+            cfg = comp.new_store().config
+            k = torch.randn(1, H, n, D, dtype=torch.float16, device=device)
+            v = torch.randn(1, H, n, D, dtype=torch.float16, device=device)
+            plan = comp.selector.select(Scores(torch.rand(1, H, n)), comp.budget)
+            store = HEXStore(cfg)
+            store.write(k, v, Plan(plan.key_bits.to(device)), torch.arange(n, device=device)[None])
+            extra = 96 + 40
+            nk = torch.randn(1, H, extra, D, dtype=torch.float16, device=device)
+            for i in range(extra):  # decode: one token a step (a full block is compressed on the way)
+                store.append(nk[:, :, i : i + 1], nk[:, :, i : i + 1], torch.tensor([[n + i]], device=device))
+            K, V = torch.cat([k, nk], 2), torch.cat([v, nk], 2)
+            q = torch.randn(1, Hq, 1, D, dtype=torch.float16, device=device)
+
+            def deq_sdpa(store=store, q=q, G=Hq // H):
+                view = store.read()
+                bias = view.logit_bias.repeat_interleave(G, 1)[:, :, None, :].to(view.keys.dtype)
+                return F.scaled_dot_product_attention(q, view.keys, view.values, attn_mask=bias, enable_gqa=True)
+
+            fused = _median_ms(lambda store=store, q=q: store.attend(q), reps, sync)
+            deq = _median_ms(deq_sdpa, reps, sync)
+            fp16 = _median_ms(
+                lambda q=q, K=K, V=V: F.scaled_dot_product_attention(q, K, V, enable_gqa=True), reps, sync
+            )
+            print(f"| {model} | {n + extra} | {fused:.2f} | {deq:.2f} | {fp16:.3f} | {fused / fp16:.0f}x |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default="96,960,1920")
+    p.add_argument("--attend-lengths", default="960,3840")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--tables", default="bytes,masks,attend")
     a = p.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
+    tables = set(a.tables.split(","))
     torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()} torch={torch.__version__}")
-    print(f"load average: {os.getloadavg()}")
-    bytes_table(lengths)
-    print()
-    mask_table(lengths)
+    if device == "cuda":
+        print(f"device: {torch.cuda.get_device_name()}")
+    print(f"load average: {os.getloadavg()}, torch threads: {torch.get_num_threads()}")
+    if "bytes" in tables:
+        bytes_table(lengths)
+        print()
+    if "masks" in tables:
+        mask_table(lengths)
+        print()
+    if "attend" in tables:
+        attend_table([int(x) for x in a.attend_lengths.split(",")], a.reps, device)
+    print(f"load average after: {os.getloadavg()}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch
 from kv_hex.config import HEXConfig
 from kv_hex.expander import dense_mask, mask_table
 from kv_hex.kernels import dispatch
-from kvcodec.packing import pack_unchecked, unpack_unchecked
+from kvcodec.packing import pack_unchecked
 from kvcore import packed_width
 
 __all__ = ["Segment", "compress_segment", "segment_mask"]
@@ -113,31 +113,15 @@ class Segment:
         return m[slot.long(), seg % self.H]
 
     def decode(self, cfg: HEXConfig, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(keys [N, D], values [N, D], seg [N], pos [N])`` reconstructed (full rows bit-exact, overlay exact)."""
-        seg = self.seg()
-        slot = self.slots(seg) if self.coded else torch.zeros_like(seg)
-        emask = self.element_mask(cfg, seg, slot) if self.coded else None
-        out = []
-        for kind in ("k", "v"):
-            full = self.full(kind)
-            rows = torch.zeros(full.numel(), self.D, dtype=getattr(self, f"{kind}_rows").dtype, device=full.device)
-            rows[full] = getattr(self, f"{kind}_rows")
-            coded = ~full
-            if bool(coded.any()):
-                codes = unpack_unchecked(getattr(self, f"{kind}_codes"), bits, self.D).float()
-                if kind == "k":
-                    s, z = self.k_scale.float()[seg[coded]], self.k_zero.float()[seg[coded]]
-                elif cfg.value_scope == "layer":
-                    b = seg[coded] // self.H
-                    s, z = self.v_scale.float()[b, slot[coded]][:, None], self.v_zero.float()[b, slot[coded]][:, None]
-                else:
-                    s, z = self.v_scale.float()[:, None], self.v_zero.float()[:, None]
-                deq = (codes * s + z).to(rows.dtype)
-                em = emask[coded]
-                deq[em] = getattr(self, f"{kind}_over")
-                rows[coded] = deq
-            out.append(rows)
-        return out[0], out[1], seg, self.pos
+        """``(keys [N, D], values [N, D], seg [N], pos [N])`` reconstructed (full rows bit-exact, overlay exact) by
+        the dequantize + overlay-merge kernel (:func:`kv_hex.kernels.dispatch.dequantize_part`)."""
+        from kv_hex.layout import segment_layout
+
+        if bits != cfg.bits:
+            raise ValueError(f"bits must be the config's code width {cfg.bits}, got {bits}")
+        part = segment_layout(cfg, self)
+        k, v = dispatch.dequantize_part(part)
+        return k, v, self.seg(), self.pos
 
     def take(
         self, cfg: HEXConfig, idx: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor | None = None

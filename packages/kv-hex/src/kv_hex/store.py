@@ -8,9 +8,10 @@ import torch
 
 from kv_hex.config import HEXConfig
 from kv_hex.kernels import dispatch
+from kv_hex.layout import PartLayout, residual_layout, segment_layout
 from kv_hex.segment import Segment, compress_segment
 from kv_hex.selector import hex_tiers
-from kvcore import EVICT, FULL, KVView, Plan, Store, reachable_bytes
+from kvcore import EVICT, FULL, KVView, Plan, Store, merge_attention, reachable_bytes
 from kvcore.attention import check_query, check_scale
 from kvcore.checks import (
     check_finite,
@@ -42,7 +43,8 @@ class HEXStore(Store):
     ``mode="append"`` earlier segments' bytes never change; in ``mode="full"`` the whole cache is re-compressed, from
     its held representation, as one segment (spec A10).
 
-    ``attend(query, scale)`` equals ``kvcore.reference_attention(self.read(), query, scale)`` and adds each entry's
+    ``attend(query, scale)`` equals ``kvcore.reference_attention(self.read(), query, scale)`` without rebuilding the
+    view (each segment and the residual attended by the fused kernel, merged by log-sum-exp) and adds each entry's
     attention probability (summed over queries and the GQA group) to the accumulator heavy hitters are chosen by.
 
     Parameters
@@ -425,36 +427,65 @@ class HEXStore(Store):
         self._commit(segments, res)
 
     # -- fused attention -------------------------------------------------------------------------------
+    def _layouts(self) -> list[PartLayout]:
+        """Every part addressed for the kernels: the segments in order, then the residual."""
+        B, H, D = self._shape
+        parts = [segment_layout(self.config, s) for s in self._segments]
+        parts.append(residual_layout(self._res, B, H, D, self.config.bits))
+        return parts
+
     def attend(self, query: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of ``query [B, Hq, Q, D]`` over the held cache: ``(out fp32, lse fp32)`` equal to
-        ``kvcore.reference_attention(self.read(), query, scale)``. Adds each residual entry's attention (summed over
-        queries and its GQA group) to the heavy-hitter accumulator (and every entry's, in full mode)."""
+        ``kvcore.reference_attention(self.read(), query, scale)``, without rebuilding the dequantized cache.
+
+        Each part (every segment, then the residual) is attended on its own by the fused kernel
+        (:func:`kv_hex.kernels.dispatch.part_attention`: codes dequantized in registers, overlay values and
+        full-precision rows read where they are held, online softmax, GQA) and the parts are merged by log-sum-exp
+        (:func:`kvcore.merge_attention`). Each residual entry's attention probability (summed over the queries and
+        its GQA group) is then added to the heavy-hitter accumulator (and every entry's, in full mode; HEX §3.3)."""
         if self._shape is None:
             raise ValueError("attend() on an empty store: write() or append() first")
         B, H, D = self._shape
         q = check_query(query, H, D, B)
         scale = check_scale(scale, D)
-        view = self.read()
-        out, lse, sums = dispatch.decode_attention(
-            q.to(view.keys.device), view.keys, view.values, view.logit_bias, scale
-        )
+        device = self._res["pos"].device
+        q = q.to(device)
+        Hq, Q = q.shape[1], q.shape[2]
+        full_mode = self.config.mode == "full"
+        layouts = self._layouts()
+        results = []
+        for i, part in enumerate(layouts):
+            want = full_mode or i == len(layouts) - 1
+            if part.num_entries == 0:
+                results.append(None)
+                continue
+            results.append(dispatch.part_attention(q, part, scale, want))
+        attended = [(o, lse) for o, lse, _ in filter(None, results)]
+        if not attended:
+            out = torch.zeros(B, Hq, Q, D, device=device)
+            return out, torch.full((B, Hq, Q), float("-inf"), device=device)
+        out, lse = merge_attention(attended)
+        rows_lse = lse.reshape(B * H, (Hq // H) * Q)
+        sums = []
+        for part, res in zip(layouts, results):
+            if res is None or res[2] is None:
+                sums.append(None)
+                continue
+            p = torch.exp(res[2] - rows_lse[part.seg()]).nan_to_num_(0.0)
+            sums.append(p.sum(-1))
         self._accumulate(sums)
         return out, lse
 
-    def _accumulate(self, sums: torch.Tensor) -> None:
-        """Add ``sums [B, H, T]`` (laid out like :meth:`read`) to the accumulators."""
-        perm, seg, slot, _ = self._order()
-        flat = torch.empty(perm.numel(), device=sums.device)
-        flat[perm] = sums.flatten(0, 1)[seg, slot].float()
-        start = 0
-        for s in self._segments:
-            n = s.num_entries
-            if self.config.mode == "full":
-                s.acc = (torch.zeros(n, device=flat.device) if s.acc is None else s.acc) + flat[start : start + n]
-            start += n
+    def _accumulate(self, sums: list[torch.Tensor | None]) -> None:
+        """Add each part's per-entry attention sums (entry order; ``None``: nothing to add) to its accumulator."""
+        *seg_sums, res_sums = sums
+        if self.config.mode == "full":
+            for s, add in zip(self._segments, seg_sums):
+                if add is not None:
+                    s.acc = add if s.acc is None else s.acc + add
         r = self._res
-        prev = torch.zeros(r["pos"].numel(), device=flat.device) if r["acc"] is None else r["acc"]
-        r["acc"] = prev + flat[start:]
+        if res_sums is not None:
+            r["acc"] = res_sums if r["acc"] is None else r["acc"] + res_sums
 
     # -- bookkeeping -----------------------------------------------------------------------------------
     def nbytes(self, device: torch.device | str | None = None) -> int:

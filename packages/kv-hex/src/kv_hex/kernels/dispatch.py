@@ -7,7 +7,14 @@ import torch
 
 from kv_hex.kernels import reference
 
-__all__ = ["attention_column_sums", "decode_attention", "kcvt_codes", "triton_available", "use_triton"]
+__all__ = [
+    "attention_column_sums",
+    "dequantize_part",
+    "kcvt_codes",
+    "part_attention",
+    "triton_available",
+    "use_triton",
+]
 
 
 def triton_available() -> bool:
@@ -44,7 +51,19 @@ def attention_column_sums(queries, keys, valid, scale, chunk: int = 256):
     return reference.attention_column_sums(queries, keys, valid, scale, chunk)
 
 
-def decode_attention(query, keys, values, bias, scale):
-    """:func:`kv_hex.kernels.reference.decode_attention` over the dense view on every device: the fused Triton
-    kernel over codes + overlay + full rows + residual is not built yet."""
-    return reference.decode_attention(query, keys, values, bias, scale)
+def dequantize_part(part):
+    """:func:`kv_hex.kernels.reference.dequantize_part`, or its Triton kernel (bit-identical) on CUDA."""
+    if use_triton(part.k.idx):
+        from kv_hex.kernels.triton_dequant import dequantize_part_triton
+
+        return dequantize_part_triton(part)
+    return reference.dequantize_part(part)
+
+
+def part_attention(query, part, scale, logits=False):
+    """:func:`kv_hex.kernels.reference.part_attention`, or the fused Triton decode-attention kernel on CUDA."""
+    if use_triton(part.k.idx):
+        from kv_hex.kernels.triton_attention import part_attention_triton
+
+        return part_attention_triton(query, part, scale, logits)
+    return reference.part_attention(query, part, scale, logits)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from kvcodec.packing import unpack_unchecked
 from kvcodec.stats import minmax_scale, minmax_stats, scale_dtype_for
 
-__all__ = ["attention_column_sums", "decode_attention", "kcvt_codes"]
+__all__ = ["attention_column_sums", "decode_attention", "dequantize_part", "kcvt_codes", "part_attention"]
 
 
 def kcvt_codes(
@@ -79,7 +80,8 @@ def decode_attention(
     Returns ``(out fp32 [B, Hq, Q, D], lse fp32 [B, Hq, Q], column sums fp32 [B, Hkv, T])``: the last is the
     attention probability each entry received, summed over the queries and the query heads of its GQA group
     (what HEX's heavy-hitter accumulator adds at every decode step, §3.3). A head with no entry gives ``out = 0``,
-    ``lse = -inf`` and zero sums.
+    ``lse = -inf`` and zero sums. The dense definition over a whole view (``HEXStore.read()``); the store attends
+    part by part with :func:`part_attention` and is tested against this.
     """
     B, Hq, Q, D = query.shape
     H, _T = keys.shape[1], keys.shape[2]
@@ -90,3 +92,94 @@ def decode_attention(
     p = torch.exp(logits - lse[..., None]).nan_to_num(0.0)
     out = torch.einsum("bhgqt,bhtd->bhgqd", p, values.float())
     return out.reshape(B, Hq, Q, D), lse.reshape(B, Hq, Q), p.sum(dim=(2, 3))
+
+
+def dequantize_part(part) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of every entry of one part of a HEX layer (:class:`kv_hex.layout.PartLayout`), in entry
+    order and the cache dtype: full-precision rows bit-exact; code rows dequantized as ``code · scale + zero`` in
+    float32 (no fused multiply-add) rounded to the cache dtype, then the static mask's overlay elements replaced by
+    their full-precision values (HEX §3.5: ``K̂ = M⊙K + (1−M)⊙deq(Q(K))``).
+
+    Returns
+    -------
+    keys, values : Tensor
+        ``[N, D]`` in ``part.dtype``.
+    """
+    D = part.D
+    out = []
+    for side in (part.k, part.v):
+        N = side.idx.numel()
+        full = side.idx < 0
+        if bool(full.all()):
+            out.append(side.rows[(-1 - side.idx).long()])
+            continue
+        rows = torch.empty(N, D, dtype=side.rows.dtype, device=side.idx.device)
+        fi = torch.nonzero(full).flatten()
+        ci = torch.nonzero(~full).flatten()
+        rows.index_copy_(0, fi, side.rows[(-1 - side.idx[fi]).long()])
+        crow = side.idx[ci].long()
+        packed = side.codes if crow.numel() == side.codes.shape[0] else side.codes[crow]  # rows in entry order
+        codes = unpack_unchecked(packed, part.bits, D).float()
+        grp = side.grp[ci].long()
+        if side.per_channel:
+            s, z = side.scale.float()[grp], side.zero.float()[grp]
+        else:
+            s, z = side.scale.float()[grp][:, None], side.zero.float()[grp][:, None]
+        deq = (codes * s + z).to(rows.dtype)
+        if part.hcols.shape[-1]:
+            # overlay values in entry order, channels ascending: flat positions (entry, channel) of the mask
+            cols = part.hcols[part.slot[ci].long(), part.seg()[ci] % part.H].long()  # [Nc, W], -1 padded
+            flat = (torch.arange(ci.numel(), device=cols.device)[:, None] * D + cols)[cols >= 0]
+            deq.view(-1)[flat] = side.over
+        rows.index_copy_(0, ci, deq)
+        out.append(rows)
+    return out[0], out[1]
+
+
+def part_attention(
+    query: torch.Tensor, part, scale: float, logits: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Attention of ``query [B, Hq, Q, D]`` over one part of a HEX layer (a segment or the residual; HEX §3.5).
+
+    The part is dequantized on its own (:func:`dequantize_part`), laid out per head and attended; a store merges
+    its parts by log-sum-exp (:func:`kvcore.merge_attention`), so the whole dequantized cache never exists at once.
+
+    Returns
+    -------
+    out : Tensor
+        float32 ``[B, Hq, Q, D]`` (0 for a head with no entry in the part).
+    lse : Tensor
+        float32 ``[B, Hq, Q]`` (``-inf`` for a head with no entry).
+    logits : Tensor or None
+        With ``logits=True``: float32 ``[N, G·Q]``, entry ``i``'s scaled logit for each query row of its head's
+        GQA group (row ``g·Q + q`` is query head ``h·G + g``, query ``q``), from which the store derives the
+        attention probability each entry receives once every part's log-sum-exp is known.
+    """
+    B, Hq, Q, D = query.shape
+    H, S, T = part.H, part.B * part.H, part.T
+    G = Hq // H
+    R = G * Q
+    k, v = dequantize_part(part)
+    q = query.float().reshape(B, H, G, Q, D).reshape(S, R, D)
+    if bool((part.count == T).all()):  # every head holds T entries (HEX evicts nothing): a plain view
+        K, V = k.float().view(S, T, D), v.float().view(S, T, D)
+        lg = torch.einsum("srd,std->srt", q, K) * scale
+    else:  # ragged heads: pad with -inf logits
+        seg = part.seg()
+        t = torch.arange(seg.numel(), device=seg.device) - part.start.long()[seg]
+        K = torch.zeros(S, T, D, device=k.device)
+        V = torch.zeros(S, T, D, device=k.device)
+        K[seg, t], V[seg, t] = k.float(), v.float()
+        bias = torch.full((S, T), float("-inf"), device=k.device)
+        bias[seg, t] = 0.0
+        lg = torch.einsum("srd,std->srt", q, K) * scale + bias[:, None, :]
+    lse = torch.logsumexp(lg, dim=-1)
+    p = torch.exp(lg - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("srt,std->srd", p, V)
+    if not logits:
+        lg_entries = None
+    elif bool((part.count == T).all()):
+        lg_entries = lg.transpose(1, 2).reshape(S * T, R)
+    else:
+        lg_entries = lg[seg, :, t]
+    return out.reshape(B, Hq, Q, D), lse.reshape(B, Hq, Q), lg_entries

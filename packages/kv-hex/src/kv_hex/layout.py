@@ -1,0 +1,203 @@
+"""Addressing of one part of a HEX cache (a compressed segment, or the fp16 residual) for the read and decode
+kernels (HEX §3.5: codes, whole full-precision rows and the expander overlay, read without rebuilding a dense cache).
+
+A :class:`PartLayout` views the part's held tensors (nothing is copied) and adds per-entry index maps derived from
+what the part holds: for each entry (sorted by ``(seg, pos)``, ``seg = b·H + h``) and each side (keys, values)
+whether it is a code row or a full-precision row and which one, which statistics row dequantizes it, and where its
+overlay values start. The overlay coordinates come from the static mask as a per-(slot, head) channel list
+(:func:`head_columns`, LRU-cached: it depends only on the mask's ``(kind, n, d, ρ, seed)``). Layouts are built for
+one call and dropped: the store holds only the segment (its bytes are what ``nbytes`` counts).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from kv_hex.config import HEXConfig
+from kv_hex.segment import Segment, segment_mask
+
+__all__ = ["PartLayout", "SideLayout", "head_columns", "residual_layout", "segment_layout"]
+
+
+@dataclass(frozen=True)
+class SideLayout:
+    """Keys or values of one part.
+
+    Attributes
+    ----------
+    idx : Tensor
+        int32 ``[N]``: ``>= 0`` code row ``idx``, ``< 0`` full-precision row ``-1 - idx`` (code rows and full rows
+        are each in entry order: the coded entries' ``idx`` run ``0 .. Nq-1``).
+    codes : Tensor
+        uint8 ``[Nq, packed_width(D, bits)]`` packed codes (the :mod:`kvcodec.packing` bit stream).
+    rows : Tensor
+        ``[Nf, D]`` full-precision rows, in the cache dtype (code rows dequantize to it as well).
+    scale, zero : Tensor
+        ``[Ng, D]`` (``per_channel``: keys, one statistic per channel of the group) or ``[Ng]`` (values, one per
+        token group).
+    grp : Tensor
+        int32 ``[N]``: the statistics row of each coded entry.
+    over : Tensor
+        ``[No]`` overlay values of the coded entries, entry after entry, channels ascending.
+    ooff : Tensor
+        int32 ``[N]``: first overlay value of each coded entry in ``over``.
+    per_channel : bool
+    """
+
+    idx: torch.Tensor
+    codes: torch.Tensor
+    rows: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    grp: torch.Tensor
+    over: torch.Tensor
+    ooff: torch.Tensor
+    per_channel: bool
+
+
+@dataclass(frozen=True)
+class PartLayout:
+    """One part of a HEX layer: ``S = B·H`` ragged heads of entries, addressed for the kernels.
+
+    Attributes
+    ----------
+    B, H, D : int
+        Batch rows, KV heads, head dim.
+    bits : int
+        Code width (3 or 4 for HEX-3 / HEX-4; any of 2, 3, 4, 8).
+    start, count : Tensor
+        int32 ``[S]``: first entry and number of entries of each head (entries are contiguous per head).
+    T : int
+        The largest ``count``.
+    slot : Tensor
+        int32 ``[N]``: the mask row (segment slot) of each entry.
+    hcols : Tensor
+        int32 ``[n, H, W]``: the overlay channels of (slot, head), ``-1`` padded (``W = 0``: no overlay).
+    k, v : SideLayout
+    """
+
+    B: int
+    H: int
+    D: int
+    bits: int
+    start: torch.Tensor
+    count: torch.Tensor
+    T: int
+    slot: torch.Tensor
+    hcols: torch.Tensor
+    k: SideLayout
+    v: SideLayout
+
+    @property
+    def num_entries(self) -> int:
+        return int(self.k.idx.numel())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.rows.dtype
+
+    def seg(self) -> torch.Tensor:
+        """int64 ``[N]``: the head ``b·H + h`` of every entry."""
+        return torch.repeat_interleave(torch.arange(self.count.numel(), device=self.count.device), self.count.long())
+
+
+@functools.lru_cache(maxsize=64)
+def _head_columns(kind: str, scope: str, rho: float, seed: int | None, n: int, H: int, D: int) -> torch.Tensor:
+    cfg = HEXConfig(rho=rho, mask_kind=kind, mask_scope=scope, seed=seed)
+    m = segment_mask(cfg, n, H, D, "cpu")
+    if m is None:
+        return torch.zeros(n, H, 0, dtype=torch.int32)
+    cnt = m.sum(-1)
+    W = int(cnt.max()) if cnt.numel() else 0
+    # ascending channels of each (slot, head) first, then -1: sort "channel if kept else D + channel"
+    key = torch.where(m, torch.arange(D), D + torch.arange(D))
+    cols = torch.sort(key, dim=-1).values[..., :W]
+    return torch.where(cols < D, cols, -1).to(torch.int32).contiguous()
+
+
+def head_columns(cfg: HEXConfig, n: int, H: int, D: int, device) -> torch.Tensor:
+    """int32 ``[n, H, W]``: the channels (within the head, ascending, ``-1`` padded) the static mask keeps in full
+    precision for each (slot, head) of an ``n``-slot segment; ``W`` is the largest count (0 without a mask)."""
+    return _head_columns(cfg.mask_kind, cfg.mask_scope, cfg.rho, cfg.seed, n, H, D).to(device)
+
+
+def _side(seg: Segment, kind: str, cfg: HEXConfig, segid, slot, hcols) -> SideLayout:
+    full = seg.full(kind)
+    N = full.numel()
+    device = full.device
+    rank_full = torch.cumsum(full, 0) - 1
+    rank_code = torch.cumsum(~full, 0) - 1
+    idx = torch.where(full, -1 - rank_full, rank_code).to(torch.int32)
+    zi = torch.zeros(N, dtype=torch.int32, device=device)
+    rows = getattr(seg, f"{kind}_rows")
+    if bool(full.all()):
+        empty = torch.zeros(0, dtype=torch.float32, device=device)
+        return SideLayout(idx, getattr(seg, f"{kind}_codes"), rows, empty, empty, zi, rows[:0, 0], zi, kind == "k")
+    coded = ~full
+    if kind == "k":
+        grp = segid
+    elif cfg.value_scope == "layer":
+        grp = (segid // seg.H) * seg.n + slot
+    else:
+        grp = rank_code
+    if hcols.shape[-1]:
+        n_over = (hcols[slot, segid % seg.H] >= 0).sum(-1) * coded
+        ooff = torch.cumsum(n_over, 0) - n_over
+    else:
+        ooff = zi
+    scale, zero = getattr(seg, f"{kind}_scale"), getattr(seg, f"{kind}_zero")
+    if kind == "v":
+        scale, zero = scale.reshape(-1), zero.reshape(-1)
+    return SideLayout(
+        idx,
+        getattr(seg, f"{kind}_codes"),
+        rows,
+        scale,
+        zero,
+        grp.to(torch.int32),
+        getattr(seg, f"{kind}_over"),
+        ooff.to(torch.int32),
+        kind == "k",
+    )
+
+
+def _starts(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    c = counts.long()
+    start = torch.cumsum(c, 0) - c
+    T = int(c.max()) if c.numel() else 0
+    return start.to(torch.int32), c.to(torch.int32), T
+
+
+def segment_layout(cfg: HEXConfig, seg: Segment) -> PartLayout:
+    """The :class:`PartLayout` of a compressed segment."""
+    segid = seg.seg()
+    device = seg.pos.device
+    if seg.coded:
+        slot = seg.slots(segid)
+        hcols = head_columns(cfg, seg.n, seg.H, seg.D, device)
+    else:
+        slot = torch.zeros_like(segid)
+        hcols = torch.zeros(1, seg.H, 0, dtype=torch.int32, device=device)
+    start, count, T = _starts(seg.counts)
+    k = _side(seg, "k", cfg, segid, slot, hcols)
+    v = _side(seg, "v", cfg, segid, slot, hcols)
+    return PartLayout(
+        seg.counts.numel() // seg.H, seg.H, seg.D, cfg.bits, start, count, T, slot.to(torch.int32), hcols, k, v
+    )
+
+
+def residual_layout(res: dict, B: int, H: int, D: int, bits: int) -> PartLayout:
+    """The :class:`PartLayout` of the fp16 residual (every entry a full-precision row, no overlay)."""
+    N = int(res["pos"].numel())
+    device = res["pos"].device
+    start, count, T = _starts(res["counts"])
+    idx = -1 - torch.arange(N, dtype=torch.int32, device=device)
+    zi = torch.zeros(N, dtype=torch.int32, device=device)
+    empty = torch.zeros(0, dtype=torch.float32, device=device)
+    codes = torch.zeros(0, (D * bits + 7) // 8, dtype=torch.uint8, device=device)
+    sides = [SideLayout(idx, codes, res[kind], empty, empty, zi, res[kind][:0, 0], zi, kind == "k") for kind in "kv"]
+    hcols = torch.zeros(1, H, 0, dtype=torch.int32, device=device)
+    return PartLayout(B, H, D, bits, start, count, T, zi, hcols, sides[0], sides[1])

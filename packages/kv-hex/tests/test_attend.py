@@ -1,0 +1,162 @@
+"""HEXStore's fused ``attend`` (HEX §3.3, §3.5): equal to reference attention over ``read()``, part by part (never
+the whole dequantized cache), and the per-token attention sums it adds to the heavy-hitter accumulators."""
+
+import math
+
+import pytest
+import torch
+
+from kv_hex import HEXConfig, HEXStore, hex_tiers
+from kv_hex.kernels import dispatch, reference
+from kv_hex.kernels.reference import decode_attention
+from kvcore import Plan, reference_attention
+
+B, H, G, D = 2, 2, 2, 16
+
+
+def config(mode="append", **kw):
+    return HEXConfig(bits=3, block_size=16, recent=2, heavy_ratio=0.1, rho=0.125, mode=mode, **kw)
+
+
+def written(cfg, T, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, H, T, D, generator=g)
+    k[..., 3] *= 6  # an outlier channel
+    v = torch.randn(B, H, T, D, generator=g)
+    keep = torch.ones(B, H, T, dtype=torch.bool)
+    tiers = hex_tiers(torch.zeros(B, H, T), keep, torch.zeros_like(keep), cfg.bits, 0.1, cfg.recent, cfg.block_size)
+    store = HEXStore(cfg)
+    store.write(k.to(dtype), v.to(dtype), Plan(tiers), torch.arange(T).expand(B, T))
+    return store
+
+
+def query(seed, Q=1, dtype=torch.float32):
+    return torch.randn(B, H * G, Q, D, generator=torch.Generator().manual_seed(100 + seed)).to(dtype)
+
+
+def held_accumulators(store):
+    """Every part's accumulator in entry order (zeros where none is held yet), and the part's (seg, pos)."""
+    out = []
+    for s in store._segments:
+        acc = s.acc if s.acc is not None else torch.zeros(s.num_entries)
+        out.append((acc.clone(), s.seg(), s.pos.long()))
+    r = store._res
+    acc = r["acc"] if r["acc"] is not None else torch.zeros(r["pos"].numel())
+    seg = torch.repeat_interleave(torch.arange(r["counts"].numel()), r["counts"])
+    out.append((acc.clone(), seg, r["pos"].long()))
+    return out
+
+
+def check_attend(store, q, scale=None):
+    """attend == reference attention over read(); the accumulators grow by the dense probabilities of their
+    entries (residual always; segments in full mode), summed over the queries and the GQA group."""
+    view = store.read()
+    want_out, want_lse = reference_attention(view, q, scale)
+    _, _, dense_sums = decode_attention(q, view.keys, view.values, view.logit_bias, scale or 1 / math.sqrt(D))
+    before = held_accumulators(store)
+    out, lse = store.attend(q, scale)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    after = held_accumulators(store)
+    for i, ((a0, seg, pos), (a1, _, _)) in enumerate(zip(before, after)):
+        is_residual = i == len(before) - 1
+        if not (is_residual or store.config.mode == "full"):
+            assert torch.equal(a0, a1), "append mode must not accumulate into compressed segments"
+            continue
+        b, h = seg // H, seg % H
+        t = (view.positions[b, h] == pos[:, None]).long().argmax(-1)  # the entry's column in read()
+        torch.testing.assert_close(a1 - a0, dense_sums[b, h, t], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["append", "full"])
+def test_attend_equals_reference_over_read_after_appends(mode):
+    """Write 37 tokens (two blocks + 5 in the residual), then decode 14 steps (a block end among them) with GQA
+    and two queries a step: attend equals reference attention over read() at every step."""
+    store = written(config(mode), 37)
+    g = torch.Generator().manual_seed(1)
+    for step in range(14):
+        check_attend(store, query(step, Q=2), scale=0.3 if step % 2 else None)
+        new = torch.randn(B, H, 1, D, generator=g)
+        store.append(new, -new, torch.full((B, 1), 37 + step))
+    assert len(store._segments) == (2 if mode == "append" else 1)
+    check_attend(store, query(99))
+
+
+@pytest.mark.parametrize("value_scope", ["layer", "head"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_attend_half_precision_caches(value_scope, dtype):
+    """fp16 / bf16 caches (codes dequantized and rounded to the cache dtype as read() does); queries in the same
+    dtype; values grouped across KV heads (GEAR's KCVT, the default) or per head."""
+    store = written(config(value_scope=value_scope, mask_scope="head"), 21, dtype=dtype)
+    check_attend(store, query(0, dtype=dtype))
+
+
+def test_attend_with_an_empty_residual():
+    store = written(config(), 32)  # two full blocks: nothing left in the residual
+    assert store.residual_lengths().sum() == 0
+    check_attend(store, query(1))
+
+
+def test_attend_with_the_residual_only():
+    store = HEXStore(config())
+    x = torch.randn(B, H, 5, D, generator=torch.Generator().manual_seed(3))
+    store.append(x, x * 0.5, torch.arange(5).expand(B, 5))
+    assert store.residual_lengths().tolist() == [[5, 5], [5, 5]] and not store._segments
+    check_attend(store, query(2, Q=3))
+    check_attend(store, query(3))  # the accumulator grows again
+
+
+def test_attend_ragged_heads_and_a_head_with_nothing():
+    """Eviction through retier leaves heads of different lengths, one of them empty: out 0 and lse -inf there."""
+    store = written(config(), 37)
+    bits = store.tiers().key_bits.clone()
+    bits[1, 1] = 0  # evict every entry of (b=1, h=1)
+    bits[0, 0, ::3] = 0
+    store.retier(Plan(bits))
+    assert store.seq_lengths()[1, 1] == 0
+    check_attend(store, query(4))
+    out, lse = store.attend(query(4))
+    assert bool(torch.isinf(lse[1, 2:]).all()) and bool((out[1, 2:] == 0).all())
+
+
+def test_attend_never_builds_the_whole_dequantized_cache(monkeypatch):
+    """attend neither calls read() nor dequantizes more than one part at a time (the CPU path attends part by part
+    and merges by log-sum-exp)."""
+    store = written(config(), 37)
+    for step in range(16):  # one more compressed block: three parts besides the residual
+        x = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(step))
+        store.append(x, x, torch.full((B, 1), 37 + step))
+    want = reference_attention(store.read(), query(5))
+    sizes = []
+    real = reference.dequantize_part
+
+    def spy(part):
+        sizes.append(part.num_entries)
+        return real(part)
+
+    monkeypatch.setattr(reference, "dequantize_part", spy)
+    monkeypatch.setattr(HEXStore, "read", lambda *a: pytest.fail("attend called read()"))
+    out, lse = store.attend(query(5))
+    torch.testing.assert_close(out, want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want[1], rtol=1e-5, atol=1e-5)
+    parts = [s.num_entries for s in store._segments] + [int(store.residual_lengths().sum())]
+    assert sizes == parts == [128, 64, 20], f"dequantized {sizes}, parts hold {parts}"
+
+
+@pytest.mark.parametrize("mode", ["append", "full"])
+def test_attend_through_the_triton_kernels(monkeypatch, mode):
+    """The whole store on the Triton path (interpreted on CPU): attend and read equal the PyTorch path."""
+    pytest.importorskip("triton")
+    store = written(config(mode), 37)
+    want_view = store.read()
+    want = store.attend(query(6, Q=2))
+    want_acc = [a for a, _, _ in held_accumulators(store)]
+    store = written(config(mode), 37)
+    monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
+    view = store.read()
+    assert torch.equal(view.keys, want_view.keys) and torch.equal(view.values, want_view.values)
+    got = store.attend(query(6, Q=2))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for a, (b, _, _) in zip(want_acc, held_accumulators(store)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
