@@ -39,6 +39,23 @@ def _store(g, B=1, H=2, T=24, D=16, G=4, dtype=torch.float32, **kw):
     return store
 
 
+def _decoded_after_retier(g):
+    """A store written, extended by 4 decode tokens, re-tiered (fp16 -> 4 bits, 4-bit values -> 1 bit, one entry
+    per head evicted) and extended by one more token: decode positions past the prefill in every part."""
+    decoded = _store(g, evict_keys=False)
+    for t in range(24, 28):
+        decoded.append(
+            torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g), torch.tensor([[t]])
+        )
+    held = decoded.tiers()
+    kb = torch.where(held.key_bits == FULL, torch.tensor(4, dtype=torch.uint8), held.key_bits)  # fp16 -> 4 bits
+    kb[..., 1] = EVICT
+    vb = torch.where(held.bits_for_values == 4, torch.tensor(1, dtype=torch.uint8), held.bits_for_values)
+    decoded.retier(Plan(kb, vb))
+    decoded.append(torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g), torch.tensor([[28]]))
+    return decoded
+
+
 def _row_from_view(view: KVView, q: torch.Tensor, scale: float, lse: torch.Tensor) -> torch.Tensor:
     B, H, T, _ = view.keys.shape
     Hq, Q = q.shape[1], q.shape[2]
@@ -75,17 +92,7 @@ def test_attend_with_empty_tiers_single_token_and_after_retier():
     )
     one = HqeKVStore(block=4)
     one.append(torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g), torch.tensor([[7]]))
-    decoded = _store(g, evict_keys=False)
-    for t in range(24, 28):
-        decoded.append(
-            torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g), torch.tensor([[t]])
-        )
-    held = decoded.tiers()
-    kb = torch.where(held.key_bits == FULL, torch.tensor(4, dtype=torch.uint8), held.key_bits)  # fp16 -> 4 bits
-    kb[..., 1] = EVICT
-    vb = torch.where(held.bits_for_values == 4, torch.tensor(1, dtype=torch.uint8), held.bits_for_values)
-    decoded.retier(Plan(kb, vb))
-    decoded.append(torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g), torch.tensor([[28]]))
+    decoded = _decoded_after_retier(g)
     assert decoded.tier_counts()["keys_16"].sum() == 2 and decoded.seq_lengths().tolist() == [[28, 28]]
     for store in (sparse, one, decoded):
         out, lse = store.attend(q)
@@ -150,6 +157,20 @@ def test_triton_tiered_attention_equals_reference(dtype):
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
     row = tiered_attention_row_triton(q, keys, 0.25, ref_lse, block_t=4, tiles=2)
     torch.testing.assert_close(row, tiered_attention_row_ref(q, keys, 0.25, ref_lse), atol=1e-6, rtol=1e-5)
+
+
+def test_triton_tiered_attention_after_retier():
+    """The Triton kernel over a re-tiered store with decode tokens (one split of 32-entry tiles) = the reference."""
+    pytest.importorskip("triton")
+    from kv_hqekv.kernels.triton_attention import tiered_attention_triton
+
+    g = torch.Generator().manual_seed(8)
+    store = _decoded_after_retier(g)
+    q = torch.randn(1, 2, 1, 16, generator=g)
+    out, lse = tiered_attention_triton(q, *tiered_sides(store), 0.25, block_t=32, tiles=1)
+    ref_out, ref_lse = reference_attention(store.read(), q, 0.25)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
 
 
 # -- transcode ------------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 
 from kv_hqekv.kernels.tiered import FULL_TIER, NO_ENTRY, TieredSide
 from kvcodec.packing import unpack_unchecked
-from kvcore import KVView, QuantizedTensor, reference_attention
+from kvcore import QuantizedTensor
 
 
 def dequantize_side_ref(side: TieredSide) -> torch.Tensor:
@@ -28,34 +28,43 @@ def dequantize_side_ref(side: TieredSide) -> torch.Tensor:
     full = tier == FULL_TIER
     if bool(full.any()):
         out[full] = side.full[row[full]]
-    col = torch.arange(D, device=tier.device)
-    if side.axis == "token":
-        col = col // side.group_size
+    G = side.group_size
+    C = D if side.axis == "channel" else -(-D // G)
     fmax = torch.finfo(dtype).max
     for b, t in side.tiers.items():
         sel = tier == b
         if not bool(sel.any()):
             continue
         codes = unpack_unchecked(t.codes[row[sel]], b, D)
-        s, z = t.scales.float()[grp[sel]][:, col], t.zeros.float()[grp[sel]][:, col]
-        y = z + codes.float() * s if t.codebook is None else t.codebook.float().to(codes.device)[codes.long()] * s + z
-        out[sel] = y.clamp_(-fmax, fmax).to(dtype)
+        g = grp[sel]
+        y = t.codebook.float().to(codes.device)[codes.long()] if t.codebook is not None else codes.float()
+        s, z = t.scales[g].float(), t.zeros[g].float()  # [n, C]
+        if side.axis == "token":  # channel d reads column d // G: broadcast over [n, C, G], cut back to D
+            pad = C * G - D
+            y = torch.nn.functional.pad(y, (0, pad)).view(-1, C, G)
+            s, z = s[:, :, None], z[:, :, None]
+        # the quantizers' order of operations: uniform z + code·s, normalized codebook[code]·s + z
+        y = z + y * s if t.codebook is None else y * s + z
+        out[sel] = y.reshape(y.shape[0], -1)[:, :D].clamp_(-fmax, fmax).to(dtype)
     return out.view(*side.tier.shape, D)
-
-
-def _view(keys: TieredSide, values: TieredSide) -> KVView:
-    k, v = dequantize_side_ref(keys), dequantize_side_ref(values)
-    none = keys.tier == NO_ENTRY
-    bias = torch.zeros(none.shape, device=k.device).masked_fill(none, float("-inf"))
-    return KVView(k, v, torch.where(none, -1, 0).long(), bias)
 
 
 def tiered_attention_ref(
     query: torch.Tensor, keys: TieredSide, values: TieredSide, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``query [B, Hq, Q, D]`` over the entries of ``keys``/``values`` (maps ``[B, Hkv, T]``): entries
-    with key tier 0 are padding, a value tier 0 under a kept key is ``V = 0``. ``(out, lse)`` float32."""
-    return reference_attention(_view(keys, values), query, scale)
+    with key tier 0 are padding, a value tier 0 under a kept key is ``V = 0``. ``(out, lse)`` float32, equal to
+    ``kvcore.reference_attention`` over the dequantized entries (GQA as a batched product, K/V not repeated)."""
+    B, Hq, Q, D = query.shape
+    H = keys.tier.shape[1]
+    g = Hq // H
+    k, v = dequantize_side_ref(keys).float(), dequantize_side_ref(values).float()
+    logits = query.float().reshape(B, H, g * Q, D) @ k.transpose(-1, -2) * scale
+    logits = logits.masked_fill((keys.tier == NO_ENTRY)[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    safe = torch.where(torch.isfinite(lse), lse, 0.0)
+    out = torch.exp(logits - safe[..., None]) @ v
+    return out.view(B, Hq, Q, D), lse.view(B, Hq, Q)
 
 
 def tiered_attention_row_ref(query: torch.Tensor, keys: TieredSide, scale: float, lse: torch.Tensor) -> torch.Tensor:

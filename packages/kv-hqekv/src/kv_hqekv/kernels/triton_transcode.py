@@ -158,7 +158,7 @@ def transcode_triton(
     args, meta = side_args(source)
     common = dict(
         D=D,
-        BLOCK_D=max(_pow2(D), G) if axis == "token" else _pow2(D),
+        BLOCK_D=max(_pow2(D), G if axis == "token" else 1, 8),  # whole groups, whole packed bytes
         PW=PW,
         BITS=bits,
         NORMAL=normal,
