@@ -246,3 +246,26 @@ def test_triton_window_importance_equals_reference(masked):
         for normalize in (True, False):
             got = window_importance_triton(q, k, valid, normalize, block_n=8, tiles=2)
             torch.testing.assert_close(got, window_importance_ref(q, k, valid, normalize), atol=1e-5, rtol=1e-5)
+
+
+def test_bad_input_names_the_argument():
+    """Malformed kernel descriptions and arguments raise errors naming what is wrong."""
+    from kv_hqekv.kernels import TierCodes
+
+    g = torch.Generator().manual_seed(9)
+    store = _store(g)
+    keys, _ = tiered_sides(store)
+    with pytest.raises(TypeError, match="tier must be uint8"):
+        TieredSide(keys.full, keys.tiers, keys.tier.int(), keys.row, keys.group, "channel", 4)
+    with pytest.raises(ValueError, match="row must be int32"):
+        TieredSide(keys.full, keys.tiers, keys.tier, keys.row.long(), keys.group, "channel", 4)
+    with pytest.raises(ValueError, match=r"tiers\[4\]"):
+        TieredSide(keys.full, {4: keys.tiers[2]}, keys.tier, keys.row, keys.group, "channel", 4)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        TierCodes(torch.zeros(1, 2, dtype=torch.uint8), torch.zeros(1, 16), torch.zeros(1, 16), 8)
+    with pytest.raises(ValueError, match="codebook must hold 2 levels"):
+        TierCodes(torch.zeros(1, 2, dtype=torch.uint8), torch.zeros(1, 16), torch.zeros(1, 16), 1, torch.zeros(3))
+    with pytest.raises(TypeError, match="return_row must be a bool"):
+        mixed_tier_attention(store, torch.randn(1, 2, 1, 16), return_row=1)
+    with pytest.raises(ValueError, match="query must be"):
+        store.attend(torch.randn(1, 3, 1, 16))
