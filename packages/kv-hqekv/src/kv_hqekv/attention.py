@@ -1,20 +1,21 @@
 """Decode attention over the mixed tiers of an :class:`~kv_hqekv.HqeKVStore`, read from the packed codes.
 
-The held entries are split by their (key tier, value tier) pair; each part is one call of
-:func:`kvcodec.quantized_attention` (a Triton kernel on CUDA that dequantizes the packed codes in registers with an
-online softmax and GQA; its PyTorch reference on CPU) over the codes of one key tier and one value tier plus the
-fp16 rows, and the parts are merged exactly with their log-sum-exps (:func:`kvcore.merge_attention`, the
-FlashAttention identity). The normalized 1-bit tier fits the uniform kernel exactly: its two levels
-``mean ± c·std`` are ``zero' + code·scale'`` with ``zero' = mean - c·std`` and ``scale' = 2c·std``.
+:func:`mixed_tier_attention` is the store's fused ``attend``: one pass over the held entries in the order of
+``read()``, each entry's key gathered from its key tier and its value from its value tier (fp16 rows, 4-/2-bit
+uniform codes, 1-bit normalized codes with the Gaussian-quantile codebook), dequantized in registers, with an
+online softmax and GQA (:func:`kv_hqekv.kernels.tiered_attention`: a Triton kernel on CUDA, its PyTorch reference
+on CPU). :func:`attention_row` gives the attention of every held entry summed over the query heads of its KV head,
+the row the importance window (§3.2) accumulates while decoding.
 
-This is at most 9 kernel launches per decode step (one per tier pair present), not the single-pass mixed-tier
-kernel the paper's CUDA GEMVs amount to; GPU speed is unmeasured.
+:func:`tier_pair_attention` is the earlier path, kept as an independent cross-check and for the benchmark: one
+:func:`kvcodec.quantized_attention` call per (key tier, value tier) pair present (up to 9), merged by log-sum-exp.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kv_hqekv.kernels import TierCodes, TieredSide, tiered_attention, tiered_attention_row
 from kvcodec import CodeRows, QuantizedSegment, normal_codebook, quantized_attention
 from kvcore import FULL, merge_attention
 from kvcore.attention import check_query, check_scale
@@ -31,10 +32,10 @@ def _uniform_params(units, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     return s, z
 
 
-def mixed_tier_attention(store, query: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``query [B, Hq, Q, D]`` over everything ``store`` holds; ``(out fp32 [B, Hq, Q, D], lse fp32
-    [B, Hq, Q])``, equal to ``kvcore.reference_attention(store.read(), query, scale)`` within float tolerance
-    (a value evicted while its key is kept contributes ``V = 0``)."""
+def tier_pair_attention(store, query: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The earlier path (module doc). Attention of ``query [B, Hq, Q, D]`` over everything ``store`` holds;
+    ``(out fp32 [B, Hq, Q, D], lse fp32 [B, Hq, Q])``, equal to ``kvcore.reference_attention(store.read(), query,
+    scale)`` within float tolerance (a value evicted while its key is kept contributes ``V = 0``)."""
     B, H, D = store._shape
     q = check_query(query, H, D, B)
     scale = check_scale(scale, D)
@@ -100,3 +101,84 @@ def mixed_tier_attention(store, query: torch.Tensor, scale: float | None = None)
             (ks, kr, kg), (vs, vr, vg) = cr
             parts.append(quantized_attention(q, QuantizedSegment(ks, vs, kr, kg, vr, vg, bias), scale))
     return merge_attention(parts) if parts else nothing
+
+
+def tiered_sides(store) -> tuple[TieredSide, TieredSide]:
+    """The keys and values ``store`` holds as :class:`~kv_hqekv.kernels.TieredSide` s whose maps ``[B, Hkv, T]``
+    are laid out like ``store.read()`` (the codes are viewed, not copied)."""
+    B, H, _ = store._shape
+    S = B * H
+    T = int(store.seq_lengths().max()) if S else 0
+    device = store._parts["k"][0].length.device
+    sides = []
+    for kind in ("k", "v"):
+        fp16, *quant = store._parts[kind]
+        slots = store._slots(kind)
+        tier = torch.zeros(S, T, dtype=torch.uint8, device=device)
+        row = torch.zeros(S, T, dtype=torch.int32, device=device)
+        group = torch.zeros(S, T, dtype=torch.int32, device=device)
+        seg, slot = slots[0]
+        tier[seg, slot] = FULL
+        row[seg, slot] = torch.arange(seg.numel(), dtype=torch.int32, device=device)
+        tables = {}
+        for b, units, (seg, slot) in zip(QUANT, quant, slots[1:]):
+            if units.empty:
+                continue
+            tier[seg, slot] = b
+            row[seg, slot] = torch.arange(units.nr, dtype=torch.int32, device=device)
+            group[seg, slot] = units.row_unit().int()
+            tables[b] = TierCodes(
+                units.codes[: units.nr],
+                units.scales[: units.nu].flatten(1),
+                units.zeros[: units.nu].flatten(1),
+                b,
+                units.codebook if b == 1 else None,
+            )
+        axis = units.quantizer.axis
+        full = fp16.rows if fp16.rows.dtype == store._dtype else fp16.rows.to(store._dtype)
+        maps = (tier.view(B, H, T), row.view(B, H, T), group.view(B, H, T))
+        sides.append(TieredSide(full, tables, *maps, axis, store.block))
+    return sides[0], sides[1]
+
+
+def mixed_tier_attention(
+    store, query: torch.Tensor, scale: float | None = None, *, return_row: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """Attention of ``query [B, Hq, Q, D]`` over everything ``store`` holds, in one fused pass (module doc).
+
+    Returns ``(out float32 [B, Hq, Q, D], lse float32 [B, Hq, Q])``, equal to
+    ``kvcore.reference_attention(store.read(), query, scale)`` within float tolerance (a value evicted while its key
+    is kept contributes ``V = 0``); with ``return_row=True`` also :func:`attention_row` under this ``lse``.
+    """
+    if not isinstance(return_row, bool):
+        raise TypeError(f"return_row must be a bool, got {type(return_row).__name__}")
+    B, H, D = store._shape
+    q = check_query(query, H, D, B)
+    scale = check_scale(scale, D)
+    keys, values = tiered_sides(store)
+    q = q.to(keys.tier.device)
+    out, lse = tiered_attention(q, keys, values, scale)
+    if not return_row:
+        return out, lse
+    return out, lse, tiered_attention_row(q, keys, scale, lse)
+
+
+def attention_row(
+    store, query: torch.Tensor, lse: torch.Tensor | None = None, scale: float | None = None
+) -> torch.Tensor:
+    """``[B, Hkv, T]`` float32, laid out like ``store.read()``: ``Σ_{h ∈ group} Σ_q exp(q·k_t·scale - lse)``, the
+    attention probability of every held entry summed over the query heads of its KV head (and the query rows).
+
+    ``lse [B, Hq, Q]`` is the log-sum-exp to normalize by: the store's own (default) or that of an attention merged
+    with the step's new tokens (:func:`kvcore.merge_attention`), so the row is the model's true attention row. This
+    is the per-step contribution to HqeKV's window importance (§3.2, summed over the last ``m`` queries).
+    """
+    B, H, D = store._shape
+    q = check_query(query, H, D, B)
+    scale = check_scale(scale, D)
+    if lse is None:
+        return mixed_tier_attention(store, q, scale, return_row=True)[2]
+    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"lse must be a tensor of shape {tuple(q.shape[:3])} (the query's [B, Hq, Q])")
+    keys, _ = tiered_sides(store)
+    return tiered_attention_row(q.to(keys.tier.device), keys, scale, lse.to(keys.tier.device))

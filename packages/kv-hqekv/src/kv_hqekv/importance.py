@@ -5,14 +5,16 @@ float32, divided by ``c_j = min(m, N - j)``, the number of window queries that s
 the paper's "cumulative" attention is the plain sum, ``normalize=False``). Query ``i`` of the window sits at column
 ``N - m + i`` of the keys and sees the columns up to its own.
 
-:func:`window_importance` is the dispatch point for a tiled Triton kernel (``m × N`` without materialising more
-than a tile); that kernel is not written yet, so every device runs :func:`window_importance_ref`, which materialises
-the ``[B, Hq, m, N]`` probabilities (``m = 20``: 80 bytes per key and query head).
+:func:`window_importance` runs the tiled Triton kernel on CUDA (:mod:`kv_hqekv.kernels.triton_importance`: two
+passes over key tiles, never more than a tile of the ``m × N`` probabilities) and :func:`window_importance_ref` on
+CPU, which materialises the ``[B, Hq, m, N]`` probabilities (``m = 20``: 80 bytes per key and query head).
 """
 
 from __future__ import annotations
 
 import torch
+
+from kvcodec.kernels.dispatch import use_triton
 
 
 def window_importance_ref(
@@ -65,4 +67,8 @@ def window_importance(
 
     Arguments are checked by the caller (:class:`~kv_hqekv.HqeKVScorer`); see :func:`window_importance_ref`.
     """
+    if use_triton(keys):
+        from kv_hqekv.kernels.triton_importance import window_importance_triton
+
+        return window_importance_triton(queries, keys, valid, normalize)
     return window_importance_ref(queries, keys, valid, normalize)

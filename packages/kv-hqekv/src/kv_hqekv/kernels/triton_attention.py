@@ -1,0 +1,214 @@
+"""Triton kernels: fused mixed-tier decode attention over a HqeKV cache, and its reduced attention row.
+
+Split-KV layout (FlashDecoding): program ``(s, j)`` owns KV head ``s = b·Hkv + h`` (all ``Hq/Hkv · Q`` query rows of
+its GQA group, K/V never repeated) and ``TILES`` tiles of ``BLOCK_T`` entries starting at ``j·TILES·BLOCK_T``; for
+every entry it gathers the key from the key's tier and the value from the value's tier (fp16 rows, 4-/2-bit uniform
+codes, 1-bit normalized codes; :mod:`kv_hqekv.kernels.triton_tiles`), dequantized in registers, with an online
+softmax (Dao et al. 2022, "FlashAttention", §3.1). The partial ``(acc, max, sum)`` of the splits are combined on
+the host, so the compiled kernel does not depend on the context length (no recompilation as decoding grows it,
+loop bounds are compile-time constants as the interpreter needs). Products are broadcast-and-sum in float32.
+
+The row kernel recomputes the logits of every held entry and sums ``exp(logit - lse)`` over the group's query
+rows: the reduced attention row the importance window of HqeKV (§3.2) collects while decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kv_hqekv.kernels.tiered import TieredSide
+from kv_hqekv.kernels.triton_tiles import OUT_CODE, _side_tile, side_args
+
+
+@triton.jit
+def _load_query(q_ptr, b, h, sqb, sqh, sqq, sqd, Q, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_D: tl.constexpr):  # fmt: skip
+    m = tl.arange(0, BLOCK_M)
+    mmask = m < GROUP * Q
+    hq = h * GROUP + m // Q
+    qi = m % Q
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    off = b.to(tl.int64) * sqb + hq.to(tl.int64) * sqh + qi.to(tl.int64) * sqq
+    qv = tl.load(q_ptr + off[:, None] + d[None, :].to(tl.int64) * sqd, mask=mmask[:, None] & dmask[None, :], other=0.0)
+    return qv.to(tl.float32), m, mmask, hq, qi, d, dmask
+
+
+@triton.jit
+def _tiered_attention_kernel(
+    q_ptr, acc_ptr, max_ptr, sum_ptr,
+    kt, kr, kg, kf, kc4, ks4, kz4, kk4, kc2, ks2, kz2, kk2, kc1, ks1, kz1, kk1, KC, KPW4, KPW2, KPW1,
+    vt, vr, vg, vf, vc4, vs4, vz4, vk4, vc2, vs2, vz2, vk2, vc1, vs1, vz1, vk1, VC, VPW4, VPW2, VPW1,
+    sqb, sqh, sqq, sqd, H, T, Q, NSPLIT, scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    TILES: tl.constexpr, FMAX: tl.constexpr, OUT: tl.constexpr,
+    KGCOL: tl.constexpr, KHAS4: tl.constexpr, KHAS2: tl.constexpr, KHAS1: tl.constexpr,
+    KCB4: tl.constexpr, KCB2: tl.constexpr, KCB1: tl.constexpr,
+    VGCOL: tl.constexpr, VHAS4: tl.constexpr, VHAS2: tl.constexpr, VHAS1: tl.constexpr,
+    VCB4: tl.constexpr, VCB2: tl.constexpr, VCB1: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    b = pid // H
+    h = pid % H
+    qv, m, mmask, _hq, _qi, d, dmask = _load_query(q_ptr, b, h, sqb, sqh, sqq, sqd, Q, GROUP, D, BLOCK_M, BLOCK_D)
+    qv = qv * scale
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for i in range(TILES):
+        t = (sp * TILES + i) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tmask = t < T
+        base = pid.to(tl.int64) * T + t
+        k, ktier = _side_tile(
+            kt, kr, kg, base, tmask, kf, kc4, ks4, kz4, kk4, kc2, ks2, kz2, kk2, kc1, ks1, kz1, kk1,
+            d, dmask, KC, KPW4, KPW2, KPW1, D, KGCOL, BLOCK_T, BLOCK_D,
+            KHAS4, KHAS2, KHAS1, KCB4, KCB2, KCB1, FMAX, OUT,
+        )  # fmt: skip
+        v, _ = _side_tile(
+            vt, vr, vg, base, tmask, vf, vc4, vs4, vz4, vk4, vc2, vs2, vz2, vk2, vc1, vs1, vz1, vk1,
+            d, dmask, VC, VPW4, VPW2, VPW1, D, VGCOL, BLOCK_T, BLOCK_D,
+            VHAS4, VHAS2, VHAS1, VCB4, VCB2, VCB1, FMAX, OUT,
+        )  # fmt: skip
+        held = tmask & (ktier != 0)
+        logits = tl.sum(qv[:, None, :] * k[None, :, :], axis=2)
+        logits = tl.where(held[None, :], logits, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(logits - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+    part = (pid.to(tl.int64) * NSPLIT + sp) * (GROUP * Q) + m
+    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=mmask[:, None] & dmask[None, :])
+    tl.store(max_ptr + part, m_i, mask=mmask)
+    tl.store(sum_ptr + part, l_i, mask=mmask)
+
+
+@triton.jit
+def _tiered_row_kernel(
+    q_ptr, lse_ptr, row_ptr,
+    kt, kr, kg, kf, kc4, ks4, kz4, kk4, kc2, ks2, kz2, kk2, kc1, ks1, kz1, kk1, KC, KPW4, KPW2, KPW1,
+    sqb, sqh, sqq, sqd, H, T, Q, scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    TILES: tl.constexpr, FMAX: tl.constexpr, OUT: tl.constexpr,
+    KGCOL: tl.constexpr, KHAS4: tl.constexpr, KHAS2: tl.constexpr, KHAS1: tl.constexpr,
+    KCB4: tl.constexpr, KCB2: tl.constexpr, KCB1: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    b = pid // H
+    h = pid % H
+    qv, _m, mmask, hq, qi, d, dmask = _load_query(q_ptr, b, h, sqb, sqh, sqq, sqd, Q, GROUP, D, BLOCK_M, BLOCK_D)
+    qv = qv * scale
+    lse = tl.load(lse_ptr + (b * (H * GROUP) + hq).to(tl.int64) * Q + qi, mask=mmask, other=float("-inf"))
+    seen = lse != float("-inf")
+    lse = tl.where(seen, lse, 0.0)
+    for i in range(TILES):
+        t = (sp * TILES + i) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tmask = t < T
+        base = pid.to(tl.int64) * T + t
+        k, ktier = _side_tile(
+            kt, kr, kg, base, tmask, kf, kc4, ks4, kz4, kk4, kc2, ks2, kz2, kk2, kc1, ks1, kz1, kk1,
+            d, dmask, KC, KPW4, KPW2, KPW1, D, KGCOL, BLOCK_T, BLOCK_D,
+            KHAS4, KHAS2, KHAS1, KCB4, KCB2, KCB1, FMAX, OUT,
+        )  # fmt: skip
+        held = tmask & (ktier != 0)
+        logits = tl.sum(qv[:, None, :] * k[None, :, :], axis=2)
+        p = tl.exp(logits - lse[:, None])
+        p = tl.where(seen[:, None] & held[None, :], p, 0.0)
+        tl.store(row_ptr + base, tl.sum(p, axis=0), mask=tmask)
+
+
+def _pow2(n: int) -> int:
+    return max(1, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _common(query: torch.Tensor, keys: TieredSide, block_t: int | None, tiles: int | None):
+    B, H, T = keys.tier.shape
+    Hq, Q = query.shape[1], query.shape[2]
+    D = keys.head_dim
+    group = Hq // H
+    bt = _pow2(block_t if block_t is not None else 32)
+    tl_ = tiles if tiles is not None else 4
+    nsplit = max(1, triton.cdiv(T, bt * tl_))
+    meta = dict(
+        GROUP=group,
+        D=D,
+        BLOCK_M=_pow2(group * Q),
+        BLOCK_T=bt,
+        BLOCK_D=_pow2(D),
+        TILES=tl_,
+        FMAX=float(torch.finfo(keys.dtype).max),
+        OUT=OUT_CODE[keys.dtype],
+    )
+    return B, H, T, Hq, Q, D, group, nsplit, meta
+
+
+def _prefixed(meta: dict, prefix: str) -> dict:
+    return {prefix + k: v for k, v in meta.items()}
+
+
+def tiered_attention_triton(
+    query: torch.Tensor,
+    keys: TieredSide,
+    values: TieredSide,
+    scale: float,
+    *,
+    block_t: int | None = None,
+    tiles: int | None = None,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton :func:`~kv_hqekv.kernels.reference.tiered_attention_ref` (same arguments, same results);
+    ``block_t`` entries per tile, ``tiles`` tiles per program."""
+    B, H, T, Hq, Q, D, group, nsplit, meta = _common(query, keys, block_t, tiles)
+    out = torch.zeros(B, Hq, Q, D, dtype=torch.float32, device=query.device)
+    lse = torch.full((B, Hq, Q), float("-inf"), dtype=torch.float32, device=query.device)
+    S, M = B * H, group * Q
+    if S == 0 or Q == 0 or D == 0 or T == 0:
+        return out, lse
+    acc = torch.empty(S, nsplit, M, D, dtype=torch.float32, device=query.device)
+    mx = torch.empty(S, nsplit, M, dtype=torch.float32, device=query.device)
+    sm = torch.empty(S, nsplit, M, dtype=torch.float32, device=query.device)
+    kargs, kmeta = side_args(keys)
+    vargs, vmeta = side_args(values)
+    _tiered_attention_kernel[(S, nsplit)](
+        query, acc, mx, sm, *kargs, *vargs, *query.stride(), H, T, Q, nsplit, float(scale),
+        **meta, **_prefixed(kmeta, "K"), **_prefixed(vmeta, "V"),
+        num_warps=num_warps, enable_fp_fusion=False,
+    )  # fmt: skip
+    top = mx.amax(1)  # [S, M]
+    top_safe = torch.where(torch.isfinite(top), top, 0.0)
+    w = torch.exp(mx - top_safe[:, None])  # 0 for splits that saw nothing
+    total = (sm * w).sum(1)
+    seen = total > 0
+    o = (acc * w[..., None]).sum(1) / torch.where(seen, total, 1.0)[..., None]
+    ls = torch.where(seen, top_safe + torch.log(torch.where(seen, total, 1.0)), float("-inf"))
+    return o.view(B, Hq, Q, D), ls.view(B, Hq, Q)
+
+
+def tiered_attention_row_triton(
+    query: torch.Tensor,
+    keys: TieredSide,
+    scale: float,
+    lse: torch.Tensor,
+    *,
+    block_t: int | None = None,
+    tiles: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Triton :func:`~kv_hqekv.kernels.reference.tiered_attention_row_ref` (same arguments, same results)."""
+    B, H, T, _Hq, Q, D, _group, nsplit, meta = _common(query, keys, block_t, tiles)
+    row = torch.zeros(B, H, T, dtype=torch.float32, device=query.device)
+    if B * H == 0 or Q == 0 or D == 0 or T == 0:
+        return row
+    kargs, kmeta = side_args(keys)
+    _tiered_row_kernel[(B * H, nsplit)](
+        query, lse.float().contiguous(), row, *kargs, *query.stride(), H, T, Q, float(scale),
+        **meta, **_prefixed(kmeta, "K"),
+        num_warps=num_warps, enable_fp_fusion=False,
+    )  # fmt: skip
+    return row

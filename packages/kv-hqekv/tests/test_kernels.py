@@ -1,0 +1,271 @@
+"""HqeKV kernels: fused mixed-tier decode attention, its reduced attention row, block transcode and window importance.
+
+Each Triton kernel runs under ``TRITON_INTERPRET=1`` on CPU (set by conftest) with small shapes and few programs,
+and is compared with its PyTorch reference; the references are compared with what the store reads back.
+"""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kv_hqekv import HqeKVStore, tier_quantizer, window_importance_ref
+from kv_hqekv.attention import attention_row, mixed_tier_attention, tier_pair_attention, tiered_sides
+from kv_hqekv.kernels import TieredSide, dequantize_side_ref, tiered_attention_row_ref, transcode_ref
+from kvcodec.packing import unpack_unchecked
+from kvcodec.stats import expand_groups
+from kvcore import EVICT, FULL, KVView, Plan, merge_attention, reference_attention
+
+TIERS = torch.tensor([FULL, 4, 2, 1], dtype=torch.uint8)
+
+
+def _plan(g, B, H, T, G, key_tiers=TIERS, value_tiers=None, evict_keys=True):
+    """Block-aligned random key and value tiers (values may be evicted under kept keys)."""
+    value_tiers = (
+        torch.cat([key_tiers, torch.tensor([EVICT], dtype=torch.uint8)]) if value_tiers is None else value_tiers
+    )
+    nb = -(-T // G)
+    kb = key_tiers[torch.randint(len(key_tiers), (B, H, nb), generator=g)].repeat_interleave(G, -1)[..., :T]
+    vb = value_tiers[torch.randint(len(value_tiers), (B, H, nb), generator=g)].repeat_interleave(G, -1)[..., :T]
+    if evict_keys and nb > 1:
+        kb[0, 0, :G] = EVICT  # a ragged head
+    return Plan(kb.contiguous(), vb.contiguous())
+
+
+def _store(g, B=1, H=2, T=24, D=16, G=4, dtype=torch.float32, **kw):
+    store = HqeKVStore(block=G)
+    k, v = torch.randn(B, H, T, D, generator=g).to(dtype), torch.randn(B, H, T, D, generator=g).to(dtype)
+    store.write(k, v, _plan(g, B, H, T, G, **kw), torch.arange(T).expand(B, T))
+    return store
+
+
+def _decoded_after_retier(g):
+    """A store written, extended by 4 decode tokens, re-tiered (fp16 -> 4 bits, 4-bit values -> 1 bit, one entry
+    per head evicted) and extended by one more token: decode positions past the prefill in every part."""
+    decoded = _store(g, evict_keys=False)
+    for t in range(24, 28):
+        decoded.append(
+            torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g), torch.tensor([[t]])
+        )
+    held = decoded.tiers()
+    kb = torch.where(held.key_bits == FULL, torch.tensor(4, dtype=torch.uint8), held.key_bits)  # fp16 -> 4 bits
+    kb[..., 1] = EVICT
+    vb = torch.where(held.bits_for_values == 4, torch.tensor(1, dtype=torch.uint8), held.bits_for_values)
+    decoded.retier(Plan(kb, vb))
+    decoded.append(torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g), torch.tensor([[28]]))
+    return decoded
+
+
+def _row_from_view(view: KVView, q: torch.Tensor, scale: float, lse: torch.Tensor) -> torch.Tensor:
+    B, H, T, _ = view.keys.shape
+    Hq, Q = q.shape[1], q.shape[2]
+    k = view.keys.float().repeat_interleave(Hq // H, 1)
+    logits = q.float() @ k.transpose(-1, -2) * scale + view.logit_bias.float().repeat_interleave(Hq // H, 1)[:, :, None]
+    p = torch.exp(logits - lse[..., None])
+    return p.view(B, H, Hq // H, Q, T).sum((2, 3))
+
+
+# -- fused attention: the store's path (the reference on CPU) -----------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_attend_equals_reference_over_read(dtype):
+    """attend() = reference attention over the dequantized read() view: every (key tier, value tier) pair, values
+    evicted under kept keys, a ragged head, GQA (4 query heads per KV head), two query rows."""
+    g = torch.Generator().manual_seed(1)
+    store = _store(g, B=2, H=2, T=48, D=32, G=8, dtype=dtype)
+    q = torch.randn(2, 8, 2, 32, generator=g).to(dtype)
+    out, lse = store.attend(q)
+    ref_out, ref_lse = reference_attention(store.read(), q)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    pair_out, pair_lse = tier_pair_attention(store, q)  # the earlier per-tier-pair path agrees
+    torch.testing.assert_close(out, pair_out, atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(lse, pair_lse, atol=1e-3, rtol=1e-4)
+
+
+def test_attend_with_empty_tiers_single_token_and_after_retier():
+    """Tiers absent from the store (only fp16 + 2-bit keys, no 4/1-bit values), a store of a single appended token,
+    and decode positions after re-tiering (demote + evict, then append) all match the reference."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    sparse = _store(
+        g, key_tiers=torch.tensor([FULL, 2], dtype=torch.uint8), value_tiers=torch.tensor([2, FULL], dtype=torch.uint8)
+    )
+    one = HqeKVStore(block=4)
+    one.append(torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g), torch.tensor([[7]]))
+    decoded = _decoded_after_retier(g)
+    assert decoded.tier_counts()["keys_16"].sum() == 2 and decoded.seq_lengths().tolist() == [[28, 28]]
+    for store in (sparse, one, decoded):
+        out, lse = store.attend(q)
+        ref_out, ref_lse = reference_attention(store.read(), q)
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), T=st.integers(1, 40), group=st.sampled_from([1, 2, 3]))
+def test_attend_property(seed, T, group):
+    """For any block-aligned mix of tiers (K and V ranked separately), context length and GQA group, the fused
+    attend equals softmax(q·K̂ᵀ/√d)·V̂ over the dequantized view, and the reduced row sums to group × Q per head."""
+    g = torch.Generator().manual_seed(seed)
+    store = _store(g, B=1, H=2, T=T, D=8, G=4)
+    q = torch.randn(1, 2 * group, 1, 8, generator=g)
+    out, lse, row = mixed_tier_attention(store, q, return_row=True)
+    ref_out, ref_lse = reference_attention(store.read(), q)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    seen = store.seq_lengths() > 0
+    expected = torch.where(seen, float(group), 0.0)
+    torch.testing.assert_close(row.sum(-1), expected, atol=1e-4, rtol=1e-5)
+
+
+def test_attention_row_under_a_merged_lse():
+    """attention_row(store, q, lse) with the lse of the attention merged with the step's own token is the model's
+    true attention row over the held entries: equal to the probabilities of the reference over read() + new token."""
+    g = torch.Generator().manual_seed(3)
+    store = _store(g)
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    own = KVView(
+        torch.randn(1, 2, 1, 16, generator=g),
+        torch.randn(1, 2, 1, 16, generator=g),
+        torch.full((1, 2, 1), 24),
+        torch.zeros(1, 2, 1),
+    )
+    _, lse = merge_attention([store.attend(q), reference_attention(own, q)])
+    row = attention_row(store, q, lse)
+    expected = _row_from_view(store.read(), q, 16**-0.5, lse)
+    torch.testing.assert_close(row, expected, atol=1e-5, rtol=1e-5)
+    assert bool((row.sum(-1) < 2.0).all())  # the new token takes some of the mass
+    with pytest.raises(ValueError, match="lse must be"):
+        attention_row(store, q, lse[..., None])
+
+
+# -- fused attention: the Triton kernel under the interpreter --------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_tiered_attention_equals_reference(dtype):
+    """The Triton kernel (two splits of two 4-entry tiles, GQA 2, two query rows) equals the reference, output,
+    lse and the reduced row, on a store with every tier pair, evicted values and a ragged head."""
+    pytest.importorskip("triton")
+    from kv_hqekv.kernels.triton_attention import tiered_attention_row_triton, tiered_attention_triton
+
+    g = torch.Generator().manual_seed(4)
+    store = _store(g, T=14, dtype=dtype)
+    keys, values = tiered_sides(store)
+    q = torch.randn(1, 4, 2, 16, generator=g).to(dtype)
+    out, lse = tiered_attention_triton(q, keys, values, 0.25, block_t=4, tiles=2)
+    ref_out, ref_lse = reference_attention(store.read(), q, 0.25)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    row = tiered_attention_row_triton(q, keys, 0.25, ref_lse, block_t=4, tiles=2)
+    torch.testing.assert_close(row, tiered_attention_row_ref(q, keys, 0.25, ref_lse), atol=1e-6, rtol=1e-5)
+
+
+def test_triton_tiered_attention_after_retier():
+    """The Triton kernel over a re-tiered store with decode tokens (one split of 32-entry tiles) = the reference."""
+    pytest.importorskip("triton")
+    from kv_hqekv.kernels.triton_attention import tiered_attention_triton
+
+    g = torch.Generator().manual_seed(8)
+    store = _decoded_after_retier(g)
+    q = torch.randn(1, 2, 1, 16, generator=g)
+    out, lse = tiered_attention_triton(q, *tiered_sides(store), 0.25, block_t=32, tiles=1)
+    ref_out, ref_lse = reference_attention(store.read(), q, 0.25)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+# -- transcode ------------------------------------------------------------------------------------------------------
+def _units(side: TieredSide, U: int) -> TieredSide:
+    """The side's entries regrouped as units of ``U`` consecutive entries (every entry held)."""
+    return TieredSide(
+        side.full,
+        side.tiers,
+        *(t.reshape(-1, U) for t in (side.tier, side.row, side.group)),
+        side.axis,
+        side.group_size,
+    )
+
+
+@pytest.mark.parametrize("bits", [4, 2, 1])
+def test_transcode_reference_is_dequantize_then_quantize(bits):
+    """transcode_ref of held keys (units of G entries, per channel) and values (per token) = the tier quantizer
+    applied to what read() returns for those entries: the transcode starts from the held representation."""
+    g = torch.Generator().manual_seed(5)
+    store = _store(g, T=16, D=8, evict_keys=False, value_tiers=TIERS)
+    keys, values = tiered_sides(store)
+    view = store.read()
+    for side, x, kind, U in ((keys, view.keys, "key", 4), (values, view.values, "value", 1)):
+        q = transcode_ref(_units(side, U), bits, side.axis, 4)
+        expected = tier_quantizer(bits, kind, 4).quantize(x.reshape(-1, U, 8))
+        assert torch.equal(q.codes, expected.codes) and torch.equal(q.scales, expected.scales)
+        assert torch.equal(q.zeros, expected.zeros)
+        assert torch.equal(dequantize_side_ref(side), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_transcode_equals_reference(dtype):
+    """Triton transcode = reference: uniform 4/2-bit bit for bit; normalized 1-bit statistics within float32 rounding
+    of the summation order (one step of the
+    cache dtype) and codes equal wherever the entry is not within that rounding of the group mean."""
+    pytest.importorskip("triton")
+    from kv_hqekv.kernels.triton_transcode import transcode_triton
+
+    g = torch.Generator().manual_seed(6)
+    store = _store(g, T=8, D=24, evict_keys=False, value_tiers=TIERS, dtype=dtype)
+    keys, values = tiered_sides(store)
+    for side, U in ((keys, 4), (values, 1)):
+        src = _units(side, U)
+        for bits in (4, 2, 1):
+            got, ref = transcode_triton(src, bits, side.axis, 4, block_r=8), transcode_ref(src, bits, side.axis, 4)
+            assert got.scales.dtype == ref.scales.dtype and got.shape == ref.shape
+            if bits > 1:
+                assert torch.equal(got.codes, ref.codes) and torch.equal(got.scales, ref.scales)
+                assert torch.equal(got.zeros, ref.zeros)
+                continue
+            ulp = torch.finfo(dtype).eps  # one rounding step of the stored statistics
+            torch.testing.assert_close(got.scales, ref.scales, atol=0, rtol=ulp)
+            torch.testing.assert_close(got.zeros, ref.zeros, atol=1e-6, rtol=ulp)
+            x = dequantize_side_ref(src).float()
+            mean = expand_groups(ref.zeros.float(), side.axis, 4, U, 24)
+            far = (x - mean).abs() > 1e-4  # not within float rounding of the group mean (the 1-bit bound)
+            got_codes, ref_codes = unpack_unchecked(got.codes, 1, 24), unpack_unchecked(ref.codes, 1, 24)
+            assert bool(far.float().mean() > 0.9) and torch.equal(got_codes[far], ref_codes[far])
+
+
+# -- window importance ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("masked", [False, True])
+def test_triton_window_importance_equals_reference(masked):
+    """The tiled kernel (8-key tiles, two per program, several splits) = window_importance_ref: causal window of 5
+    queries, GQA 2, padding excluded, normalized and plain sums, and a context exactly as long as the window."""
+    pytest.importorskip("triton")
+    from kv_hqekv.kernels.triton_importance import window_importance_triton
+
+    g = torch.Generator().manual_seed(7)
+    for B, Hq, H, m, N in ((2, 4, 2, 5, 37), (1, 2, 1, 6, 6)):
+        q, k = torch.randn(B, Hq, m, 16, generator=g), torch.randn(B, H, N, 16, generator=g)
+        valid = (torch.rand(B, N, generator=g) > 0.3) if masked else None
+        for normalize in (True, False):
+            got = window_importance_triton(q, k, valid, normalize, block_n=8, tiles=2)
+            torch.testing.assert_close(got, window_importance_ref(q, k, valid, normalize), atol=1e-5, rtol=1e-5)
+
+
+def test_bad_input_names_the_argument():
+    """Malformed kernel descriptions and arguments raise errors naming what is wrong."""
+    from kv_hqekv.kernels import TierCodes
+
+    g = torch.Generator().manual_seed(9)
+    store = _store(g)
+    keys, _ = tiered_sides(store)
+    with pytest.raises(TypeError, match="tier must be uint8"):
+        TieredSide(keys.full, keys.tiers, keys.tier.int(), keys.row, keys.group, "channel", 4)
+    with pytest.raises(ValueError, match="row must be int32"):
+        TieredSide(keys.full, keys.tiers, keys.tier, keys.row.long(), keys.group, "channel", 4)
+    with pytest.raises(ValueError, match=r"tiers\[4\]"):
+        TieredSide(keys.full, {4: keys.tiers[2]}, keys.tier, keys.row, keys.group, "channel", 4)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        TierCodes(torch.zeros(1, 2, dtype=torch.uint8), torch.zeros(1, 16), torch.zeros(1, 16), 8)
+    with pytest.raises(ValueError, match="codebook must hold 2 levels"):
+        TierCodes(torch.zeros(1, 2, dtype=torch.uint8), torch.zeros(1, 16), torch.zeros(1, 16), 1, torch.zeros(3))
+    with pytest.raises(TypeError, match="return_row must be a bool"):
+        mixed_tier_attention(store, torch.randn(1, 2, 1, 16), return_row=1)
+    with pytest.raises(ValueError, match="query must be"):
+        store.attend(torch.randn(1, 3, 1, 16))
