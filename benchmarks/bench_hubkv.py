@@ -8,7 +8,11 @@ tokens and a ``floor(0.02 N)`` recent window protected; compression ratio 0.95. 
                     (layer-wise, as KVzip), scattered into a keep mask (the plan);
 * ``refine``        HubKV refinement alone (``kv_hubkv.refine``: Triton on CUDA, PyTorch on CPU);
 * ``refine+select`` refinement followed by the same selection;
-* on CUDA also the unfused PyTorch reference (``refine_torch``) on the GPU, and Triton vs reference.
+* with Triton also ``kernel`` (the fused kernel's own device time per call, from ``torch.profiler``: what the
+  call time adds on top of it is launch, argument checks and the host synchronisation), the hot-path form
+  ``kv_hubkv.Refiner(check="deferred")`` (reused scratch, no synchronisation per call: ``hot``), the same
+  with the launch captured in a CUDA graph (``graph``), each followed by the selection, and the unfused PyTorch
+  reference (``refine_torch``) on the GPU with Triton vs reference.
 
 Ratios printed: ``overhead = (refine+select) / select - 1`` (Table 5's "Overhead") and
 ``ref/triton`` (speed-up of the fused kernel over the unfused reference).
@@ -40,7 +44,7 @@ except ImportError:  # running from a checkout without the workspace installed
     sys.path[:0] = [str(root / "packages/kv-hubkv/src"), str(root / "core/kvcore/src")]
     import kv_hubkv
 
-from kv_hubkv import refine_torch
+from kv_hubkv import Refiner, refine_torch
 from kv_hubkv.triton_kernel import HAS_TRITON, refine_triton
 
 L_FULL, H_KV = 36, 8
@@ -82,6 +86,21 @@ def peak_mb(fn, device) -> float:
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def kernel_ms(fn, device, calls: int = 20) -> float:
+    """Device time of the fused HubKV kernel per call (``torch.profiler``), or NaN off CUDA."""
+    if device.type != "cuda":
+        return float("nan")
+    fn()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    us = sum(e.self_device_time_total for e in prof.key_averages() if "_hubkv_refine_kernel" in e.key)
+    return us / calls / 1e3
 
 
 def _where(module) -> str:
@@ -131,6 +150,9 @@ def main(argv=None) -> None:
     )
     cols = ["N", "B", "select", "refine", "refine+select", "overhead"]
     if use_triton:
+        cols += ["kernel", "hot refine", "hot+select", "hot overhead"]
+        if device.type == "cuda":
+            cols += ["graph+select", "graph overhead"]
         cols += ["ref refine", "ref refine+select", "ref overhead", "ref/triton", "max abs diff", "peak MB"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
@@ -146,6 +168,17 @@ def main(argv=None) -> None:
             t_both = median_ms(lambda: select(fast(scores, ratio, prot), prot, ratio), min_run)
             row = [n, b, f"{t_sel:.3f}", f"{t_ref:.3f}", f"{t_both:.3f}", f"{t_both / t_sel - 1:+.1%}"]
             if use_triton:
+                hot = Refiner(check="deferred")
+                t_k = kernel_ms(lambda: refine_triton(scores, ratio, prot), device)
+                t_hot = median_ms(lambda: hot(scores, ratio, prot), min_run)
+                t_hot_both = median_ms(lambda: select(hot(scores, ratio, prot), prot, ratio), min_run)
+                hot.raise_if_error()
+                row += [f"{t_k:.3f}", f"{t_hot:.3f}", f"{t_hot_both:.3f}", f"{t_hot_both / t_sel - 1:+.1%}"]
+                if device.type == "cuda":
+                    graph = Refiner(check="deferred", cuda_graph=True)
+                    t_g = median_ms(lambda: select(graph(scores, ratio, prot), prot, ratio), min_run)
+                    graph.raise_if_error()
+                    row += [f"{t_g:.3f}", f"{t_g / t_sel - 1:+.1%}"]
                 r_ref = median_ms(lambda: refine_torch(scores, ratio, prot), min_run)
                 r_both = median_ms(lambda: select(refine_torch(scores, ratio, prot), prot, ratio), min_run)
                 diff = (refine_triton(scores, ratio, prot) - refine_torch(scores, ratio, prot)).abs().max().item()

@@ -150,3 +150,77 @@ def test_triton_rejects_negative_unprotected_and_inf_like_the_reference():
     _close(tk.refine_triton(s, 0.5, prot), refine_torch(s, 0.5, prot))  # negative but protected: allowed
     with pytest.raises(ValueError, match="finite"):
         tk.refine_triton(torch.tensor([[[0.1, float("inf")]]], device=DEVICE), 0.5, prot[:2])
+
+
+# -- hot path: one launch, reused scratch, deferred checks, CUDA-graph guard ------------------------------------
+class _CountingKernel:
+    """Wraps the jit kernel and counts its launches (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def test_triton_one_launch_per_call_and_reused_workspace(monkeypatch):
+    counting = _CountingKernel(tk._hubkv_refine_kernel)
+    monkeypatch.setattr(tk, "_hubkv_refine_kernel", counting)
+    s, prot = _inputs(3, (2, 3), 4, 37, False, "per_head", torch.float32)
+    ws = tk.RefineWorkspace()
+    first = tk.refine_triton_config(s, 0.7, prot, HubKVConfig(), workspace=ws, block_n=16)
+    ptrs = [t.data_ptr() for t in ws.buffers(6, s.device)]
+    out = torch.empty_like(first)
+    again = tk.refine_triton_config(s, 0.7, prot, HubKVConfig(), workspace=ws, block_n=16, out=out)
+    assert counting.launches == 2 and again is out
+    assert [t.data_ptr() for t in ws.buffers(6, s.device)] == ptrs  # the same scratch, counter reset by the kernel
+    assert int(ws.buffers(6, s.device)[1].item()) == 0
+    _close(first, refine_torch(s, 0.7, prot))
+    _close(again, first)
+
+
+def test_triton_deferred_check_raises_later_and_clears():
+    ws = tk.RefineWorkspace()
+    bad = torch.tensor([[[0.1, float("nan"), 0.3]]], device=DEVICE)
+    neg = torch.tensor([[[0.1, -0.2, 0.3]]], device=DEVICE)
+    good = torch.tensor([[[0.1, 0.2, 0.3]]], device=DEVICE)
+    tk.refine_triton_config(bad, 0.5, None, HubKVConfig(), workspace=ws, check="deferred")  # no raise here
+    tk.refine_triton_config(good, 0.5, None, HubKVConfig(), workspace=ws, check="deferred")
+    with pytest.raises(ValueError, match="finite"):
+        ws.raise_if_error()
+    ws.raise_if_error()  # cleared
+    tk.refine_triton_config(neg, 0.5, None, HubKVConfig(), workspace=ws, check="deferred")
+    with pytest.raises(ValueError, match=">= 0"):
+        ws.raise_if_error()
+    with pytest.raises(ValueError, match="finite"):  # eager: raised by the call, flag cleared
+        tk.refine_triton_config(bad, 0.5, None, HubKVConfig(), workspace=ws)
+    assert ws.error_code() == 0
+    with pytest.raises(ValueError, match="check"):
+        tk.refine_triton_config(good, 0.5, None, HubKVConfig(), check="later")
+    with pytest.raises(ValueError, match="out must be"):
+        tk.refine_triton_config(good, 0.5, None, HubKVConfig(), out=torch.empty(3, device=DEVICE))
+
+
+def test_refiner_matches_refine_and_guards_cuda_graphs():
+    from kv_hubkv import Refiner
+
+    s, prot = _inputs(5, (3,), 2, 29, False, "shared", torch.float32)
+    r = Refiner(check="deferred")
+    _close(r(s, 0.9, prot), refine_torch(s, 0.9, prot))
+    r.raise_if_error()
+    with pytest.raises(ValueError, match="check"):
+        Refiner(check="never")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA device"):
+            Refiner(check="deferred", cuda_graph=True)
+    else:
+        with pytest.raises(ValueError, match="deferred"):
+            Refiner(cuda_graph=True)
+        g = Refiner(check="deferred", cuda_graph=True)
+        with pytest.raises(ValueError, match="CUDA tensors"):
+            g(s.cpu(), 0.9, prot.cpu())
+        for seed in (5, 6):  # the second call replays the graph captured by the first, with new inputs
+            s2, p2 = _inputs(seed, (3,), 2, 29, False, "shared", torch.float32)
+            _close(g(s2, 0.9, p2).clone(), refine_torch(s2, 0.9, p2))
+        g.raise_if_error()

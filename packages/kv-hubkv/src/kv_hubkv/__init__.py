@@ -6,6 +6,7 @@ Main entry points
 -----------------
 refine, refine_config        the refinement (Triton on CUDA, PyTorch reference on CPU)
 refine_torch, refine_triton  the two back ends with the same signature
+Refiner, RefineWorkspace     the hot-path form: reused scratch, deferred value checks, optional CUDA graphs
 HubKVConfig                  validated hyper-parameters (paper defaults)
 HubKV, hubkv                 kvcore Scorer wrapper / ready-made Compressor around a base method
 DecodingSchedule             decoding-stage re-compression parameters (§4.3, App. A.1)
@@ -27,15 +28,19 @@ from .decoding import DecodingSchedule
 from .hubs import local_hubs, smd_discount
 from .reference import refine_torch
 from .refine import refine, refine_config
+from .refiner import Refiner
 from .scorer import HubKV
 from .selectivity import head_statistics, head_weights
 from .triton_kernel import HAS_TRITON, refine_triton
+from .workspace import RefineWorkspace
 
 __all__ = [
     "HAS_TRITON",
     "DecodingSchedule",
     "HubKV",
     "HubKVConfig",
+    "RefineWorkspace",
+    "Refiner",
     "diagnostics",
     "head_statistics",
     "head_weights",

@@ -3,30 +3,31 @@
 Design
 ------
 The score tensor is viewed as ``R = prod(leading dims)`` rows of ``H`` heads (one row = one layer,
-or one layer × batch row), each cut into ``C`` chunks of ``BLOCK_N`` tokens. Three launches:
+or one layer × batch row). **One launch**, one program per row, holding ``[BLOCK_H, BLOCK_N]`` tiles
+(``BLOCK_H = next_pow2(H)``) of the row's chunks in turn:
 
-1. *statistics* — one program per (row, chunk) holds a ``[BLOCK_H, BLOCK_N]`` tile
-   (``BLOCK_H = next_pow2(H)``) and writes per-head partial count, mean, centred sum of squares,
-   min, max of the unprotected scores, and a count of non-finite scores;
-2. *heads* — one program per row merges its ``C`` partials exactly
-   (``M2 = Σ M2_c + Σ n_c (μ_c − μ)²``), clamps ``σ`` to half the range as in
-   :mod:`kv_hubkv.selectivity`, and computes ``c = σ/(μ+ε)``, ``c̄``, ``β = clip((c/c̄)^τ, β_min,
-   β_max)`` and the two mixing factors ``(1-λ) + λβ`` (hub) and ``(1-λ) + λβγ`` (non-hub); it also
-   writes the row's largest unprotected ``z`` (the first maximum of a head is a hub and ``s >= 0``,
-   so that is ``max s · factor_hub``) and an error flag;
-3. *mixing* — one program per (row, chunk): masked one-sided max-pools over the ``k`` left and
-   ``k`` right neighbours (protected neighbours read as ``-inf``; left strict / right non-strict
-   comparison gives the lowest-index tie-break, see :mod:`kv_hubkv.hubs`), then the SMD discount,
-   head weight and ratio gate as one multiply (``z = s·((1-λ) + λβq)``, q ∈ {1, γ}; App. J.3); the
-   protected score ``P`` (:mod:`kv_hubkv.ceiling`) comes from the rows' maxima, so it is written in
-   the same pass. Neighbour loads re-read the tile's halo, which is cache-resident.
+1. *statistics* — per head, count, mean and centred sum of squares of the unprotected scores merged
+   chunk by chunk (``M2 = M2_a + M2_b + δ² n_a n_b / n``), min, max and a count of non-finite scores;
+2. *head factors* — ``σ`` clamped to half the range as in :mod:`kv_hubkv.selectivity`, ``c = σ/(μ+ε)``,
+   ``c̄``, ``β = clip((c/c̄)^τ, β_min, β_max)`` and the two mixing factors ``(1-λ) + λβ`` (hub) and
+   ``(1-λ) + λβγ`` (non-hub); the row's largest unprotected ``z`` (the first maximum of a head is a hub
+   and ``s >= 0``, so that is ``max s · factor_hub``); the value checks raise the workspace's error flag
+   (:mod:`kv_hubkv.workspace`) with an atomic max -- no host synchronisation in the kernel;
+3. *mixing* — masked one-sided max-pools over the ``k`` left and ``k`` right neighbours (protected
+   neighbours read as ``-inf``; left strict / right non-strict comparison gives the lowest-index
+   tie-break, see :mod:`kv_hubkv.hubs`), then the SMD discount, head weight and ratio gate as one
+   multiply (``z = s·((1-λ) + λβq)``, q ∈ {1, γ}; App. J.3); protected entries get 1;
+4. *protected score* ``P`` (:mod:`kv_hubkv.ceiling`) — every program increments a completion counter
+   (acquire/release); the last one reads every row's maximum, resets the counter for the next call and,
+   only if that maximum reached 1 (then ``P`` is the next float above it), rewrites the protected
+   entries of every row. With scores below ``1 / β_max``-ish (attention weights) that path never runs.
 
-The (row, chunk) grid fills the GPU even for one layer at batch 1, where one program per row (the
-first version of this kernel) left most multiprocessors idle. Value checks (finite scores,
-non-negative unprotected scores) are folded into the statistics: the launcher reads the flags back
-with its only host synchronisation and raises the reference's ``ValueError`` before returning.
-No loop in any kernel has a run-time bound, which keeps them runnable in Triton 3.6's interpreter
-with NumPy >= 2.5.
+The previous version used three launches over a (row, chunk) grid (statistics, heads, mixing) and a host
+synchronisation to read the error flags; its per-call cost (launches, allocations, sync) dominated at
+the paper's Table 5 shapes. Scratch (row maxima, counter, flag) lives in a reusable
+:class:`~kv_hubkv.workspace.RefineWorkspace`; :class:`kv_hubkv.Refiner` adds deferred checks and CUDA
+graphs. No loop in the kernel has a run-time bound (chunk and row counts are compile-time constants),
+which keeps it runnable in Triton 3.6's interpreter with NumPy >= 2.5.
 
 Under ``TRITON_INTERPRET=1`` the launcher also runs on CPU tensors (that is how the tests compare it
 with :func:`kv_hubkv.reference.refine_torch`); everything is computed in float32 (no ``tl.dot``).
@@ -36,8 +37,9 @@ from __future__ import annotations
 
 import torch
 
-from .checks import NEGATIVE_MSG, NONFINITE_MSG, prepare
+from .checks import prepare
 from .config import HubKVConfig
+from .workspace import RefineWorkspace
 
 try:  # triton is an optional extra: `pip install kv-hubkv[triton]`
     import triton
@@ -48,120 +50,10 @@ except ImportError:  # pragma: no cover - exercised only without triton
 
 HAS_TRITON = triton is not None
 
-__all__ = ["HAS_TRITON", "refine_triton", "refine_triton_config"]
+__all__ = ["HAS_TRITON", "RefineWorkspace", "refine_triton", "refine_triton_config"]
 
 
 if HAS_TRITON:
-
-    @triton.jit
-    def _hubkv_stats_kernel(
-        s_ptr,
-        p_ptr,
-        st_ptr,
-        H,
-        N,
-        C,
-        RC,
-        s_sr,
-        s_sh,
-        s_sn,
-        p_sr,
-        p_sh,
-        p_sn,
-        HAS_PROT: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-    ):
-        # one program per (row, chunk): partial statistics of the chunk's unprotected scores
-        pid = tl.program_id(0).to(tl.int64)
-        row = pid // C
-        chunk = pid % C
-        offs_h = tl.arange(0, BLOCK_H)
-        offs_n = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
-        hmask = offs_h < H
-        valid = hmask[:, None] & (offs_n[None, :] < N)
-        x = tl.load(s_ptr + row * s_sr + offs_h[:, None] * s_sh + offs_n[None, :] * s_sn, mask=valid, other=0.0).to(
-            tl.float32
-        )
-        if HAS_PROT:
-            pr = tl.load(p_ptr + row * p_sr + offs_h[:, None] * p_sh + offs_n[None, :] * p_sn, mask=valid, other=1)
-            u = valid & (pr == 0)
-        else:
-            u = valid
-        nb = tl.sum(u.to(tl.float32), axis=1)
-        mb = tl.sum(tl.where(u, x, 0.0), axis=1) / tl.maximum(nb, 1.0)
-        d = tl.where(u, x - mb[:, None], 0.0)
-        m2b = tl.sum(d * d, axis=1)
-        lo = tl.min(tl.where(u, x, float("inf")), axis=1)
-        hi = tl.max(tl.where(u, x, float("-inf")), axis=1)
-        # non-finite anywhere (protected included; NaN fails every comparison)
-        bad = tl.sum((valid & ~(tl.abs(x) < float("inf"))).to(tl.float32), axis=1)
-        base = st_ptr + pid * BLOCK_H + offs_h
-        tl.store(base, nb)
-        tl.store(base + RC * BLOCK_H, mb)
-        tl.store(base + 2 * RC * BLOCK_H, m2b)
-        tl.store(base + 3 * RC * BLOCK_H, lo)
-        tl.store(base + 4 * RC * BLOCK_H, hi)
-        tl.store(base + 5 * RC * BLOCK_H, bad)
-
-    @triton.jit
-    def _hubkv_head_kernel(
-        st_ptr,
-        fac_ptr,
-        rowmax_ptr,
-        flag_ptr,
-        H,
-        C,
-        RC,
-        gamma,
-        tau,
-        zero_pow,
-        beta_min,
-        beta_max,
-        lam,
-        one_minus_lam,
-        eps,
-        BLOCK_H: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-    ):
-        # one program per row: merge the chunks' statistics, head selectivity (Eqs. 8-9), factors
-        row = tl.program_id(0).to(tl.int64)
-        offs_c = tl.arange(0, BLOCK_C)
-        offs_h = tl.arange(0, BLOCK_H)
-        cm = offs_c < C
-        m = cm[:, None] & (offs_h[None, :] < BLOCK_H)
-        idx = (row * C + offs_c[:, None]) * BLOCK_H + offs_h[None, :]
-        nb = tl.load(st_ptr + idx, mask=m, other=0.0)
-        mb = tl.load(st_ptr + RC * BLOCK_H + idx, mask=m, other=0.0)
-        m2b = tl.load(st_ptr + 2 * RC * BLOCK_H + idx, mask=m, other=0.0)
-        lo = tl.min(tl.load(st_ptr + 3 * RC * BLOCK_H + idx, mask=m, other=float("inf")), axis=0)
-        hi = tl.max(tl.load(st_ptr + 4 * RC * BLOCK_H + idx, mask=m, other=float("-inf")), axis=0)
-        bad = tl.sum(tl.sum(tl.load(st_ptr + 5 * RC * BLOCK_H + idx, mask=m, other=0.0), axis=1), axis=0)
-        # exact parallel merge: M2 = sum M2_c + sum n_c (mean_c - mean)^2
-        cnt = tl.sum(nb, axis=0)
-        mean = tl.sum(nb * mb, axis=0) / tl.maximum(cnt, 1.0)
-        dm = mb - mean[None, :]
-        m2 = tl.sum(m2b + nb * dm * dm, axis=0)
-        hmask = offs_h < H
-        # population std, clamped to half the range (Popoviciu): exactly 0 on constant heads
-        std = tl.minimum(tl.sqrt(m2 / tl.maximum(cnt, 1.0)), tl.where(cnt > 0, (hi - lo) * 0.5, 0.0))
-        c = std / (mean + eps)
-        hvalid = hmask & (cnt > 0)
-        n_valid = tl.sum(hvalid.to(tl.float32), axis=0)
-        cbar = tl.sum(tl.where(hvalid, c, 0.0), axis=0) / tl.maximum(n_valid, 1.0)
-        rel = tl.where(cbar > 0, c / tl.where(cbar > 0, cbar, 1.0), 1.0)
-        powv = tl.where(rel > 0, tl.exp2(tau * tl.log2(tl.maximum(rel, 1e-30))), zero_pow)
-        beta = tl.minimum(tl.maximum(powv, beta_min), beta_max)
-        fac_hub = one_minus_lam + lam * beta
-        fac_non = one_minus_lam + lam * (beta * gamma)
-        tl.store(fac_ptr + row * 2 * BLOCK_H + offs_h, fac_hub)
-        tl.store(fac_ptr + row * 2 * BLOCK_H + BLOCK_H + offs_h, fac_non)
-        # largest unprotected z of the row: the first maximum of a head is a hub and s >= 0, so it is
-        # hi * fac_hub, the same float32 product the mixing kernel computes there
-        tl.store(rowmax_ptr + row, tl.max(tl.where(hvalid, hi * fac_hub, float("-inf")), axis=0))
-        # error flags: 1 = a non-finite score, 2 = a negative unprotected score
-        neg = tl.sum((hvalid & (lo < 0)).to(tl.float32), axis=0)
-        tl.store(flag_ptr + row, tl.where(bad > 0, 1, tl.where(neg > 0, 2, 0)).to(tl.int32))
 
     @triton.jit
     def _next_up(v):
@@ -169,15 +61,15 @@ if HAS_TRITON:
         return (v.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _hubkv_mix_kernel(
+    def _hubkv_refine_kernel(
         s_ptr,
         p_ptr,
         out_ptr,
-        fac_ptr,
         rowmax_ptr,
+        count_ptr,
+        flag_ptr,
         H,
         N,
-        C,
         R,
         s_sr,
         s_sh,
@@ -187,55 +79,137 @@ if HAS_TRITON:
         p_sn,
         o_sr,
         o_sh,
+        gamma,
+        tau,
+        zero_pow,
+        beta_min,
+        beta_max,
+        lam,
+        one_minus_lam,
+        eps,
         K: tl.constexpr,
         HAS_PROT: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        CHUNKS: tl.constexpr,
         BLOCK_R: tl.constexpr,
     ):
-        # one program per (row, chunk): hubs (Eq. 6), SMD (Eq. 7), calibration + gate (Eqs. 9-10)
-        pid = tl.program_id(0).to(tl.int64)
-        row = pid // C
-        chunk = pid % C
+        # one program per row (one launch): statistics pass, head factors, mixing pass, then the last program to
+        # finish fixes the protected score P if some unprotected z of the call reached 1
+        row = tl.program_id(0).to(tl.int64)
         offs_h = tl.arange(0, BLOCK_H)
         hmask = offs_h < H
-        offs_n = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = hmask[:, None] & (offs_n[None, :] < N)
         s_base = s_ptr + row * s_sr + offs_h[:, None] * s_sh
         p_base = p_ptr + row * p_sr + offs_h[:, None] * p_sh
-        x = tl.load(s_base + offs_n[None, :] * s_sn, mask=valid, other=0.0).to(tl.float32)
-        if HAS_PROT:
-            pr = tl.load(p_base + offs_n[None, :] * p_sn, mask=valid, other=1)
-            u = valid & (pr == 0)
-        else:
-            u = valid
-        left = tl.full((BLOCK_H, BLOCK_N), float("-inf"), tl.float32)
-        right = tl.full((BLOCK_H, BLOCK_N), float("-inf"), tl.float32)
-        for j in tl.static_range(1, K + 1):
-            il = offs_n - j
-            ml = hmask[:, None] & (il[None, :] >= 0) & (il[None, :] < N)
-            xl = tl.load(s_base + il[None, :] * s_sn, mask=ml, other=float("-inf")).to(tl.float32)
-            ir = offs_n + j
-            mr = hmask[:, None] & (ir[None, :] < N)
-            xr = tl.load(s_base + ir[None, :] * s_sn, mask=mr, other=float("-inf")).to(tl.float32)
+        # -- 1. statistics of the unprotected scores, merged chunk by chunk (Chan et al.'s parallel update) --
+        cnt = tl.zeros((BLOCK_H,), tl.float32)
+        mean = tl.zeros((BLOCK_H,), tl.float32)
+        m2 = tl.zeros((BLOCK_H,), tl.float32)
+        lo = tl.full((BLOCK_H,), float("inf"), tl.float32)
+        hi = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+        bad = tl.zeros((BLOCK_H,), tl.float32)
+        for c in range(CHUNKS):
+            offs_n = c * BLOCK_N + tl.arange(0, BLOCK_N)
+            valid = hmask[:, None] & (offs_n[None, :] < N)
+            x = tl.load(s_base + offs_n[None, :] * s_sn, mask=valid, other=0.0).to(tl.float32)
             if HAS_PROT:
-                pl = tl.load(p_base + il[None, :] * p_sn, mask=ml, other=1)
-                xl = tl.where(pl == 0, xl, float("-inf"))
-                pq = tl.load(p_base + ir[None, :] * p_sn, mask=mr, other=1)
-                xr = tl.where(pq == 0, xr, float("-inf"))
-            left = tl.maximum(left, xl)
-            right = tl.maximum(right, xr)
-        # left strict / right non-strict: the lowest index wins ties (see kv_hubkv.hubs)
-        hub = (x > left) & (x >= right)
-        fac_hub = tl.load(fac_ptr + row * 2 * BLOCK_H + offs_h)
-        fac_non = tl.load(fac_ptr + row * 2 * BLOCK_H + BLOCK_H + offs_h)
-        # z = (1-λ)s + λβs̃ in the factorised form s·((1-λ) + λβq), q ∈ {1, γ} (App. J.3)
-        z = x * tl.where(hub, fac_hub[:, None], fac_non[:, None])
-        # protected score P (Eq. 13, kv_hubkv.ceiling): 1, or the next float above the call's max z
-        offs_r = tl.arange(0, BLOCK_R)
-        zmax = tl.max(tl.load(rowmax_ptr + offs_r, mask=offs_r < R, other=float("-inf")), axis=0)
-        ceiling = tl.where(zmax >= 1.0, _next_up(zmax), 1.0)
-        tl.store(out_ptr + row * o_sr + offs_h[:, None] * o_sh + offs_n[None, :], tl.where(u, z, ceiling), mask=valid)
+                pr = tl.load(p_base + offs_n[None, :] * p_sn, mask=valid, other=1)
+                u = valid & (pr == 0)
+            else:
+                u = valid
+            nb = tl.sum(u.to(tl.float32), axis=1)
+            mb = tl.sum(tl.where(u, x, 0.0), axis=1) / tl.maximum(nb, 1.0)
+            d = tl.where(u, x - mb[:, None], 0.0)
+            m2b = tl.sum(d * d, axis=1)
+            tot = cnt + nb
+            delta = mb - mean
+            w = nb / tl.maximum(tot, 1.0)
+            mean = mean + delta * w
+            m2 = m2 + m2b + delta * delta * cnt * w
+            cnt = tot
+            lo = tl.minimum(lo, tl.min(tl.where(u, x, float("inf")), axis=1))
+            hi = tl.maximum(hi, tl.max(tl.where(u, x, float("-inf")), axis=1))
+            # non-finite anywhere (protected included; NaN fails every comparison)
+            bad += tl.sum((valid & ~(tl.abs(x) < float("inf"))).to(tl.float32), axis=1)
+        # -- 2. head selectivity (Eqs. 8-9) and mixing factors --
+        # population std, clamped to half the range (Popoviciu): exactly 0 on constant heads
+        std = tl.minimum(tl.sqrt(m2 / tl.maximum(cnt, 1.0)), tl.where(cnt > 0, (hi - lo) * 0.5, 0.0))
+        cv = std / (mean + eps)
+        hvalid = hmask & (cnt > 0)
+        n_valid = tl.sum(hvalid.to(tl.float32), axis=0)
+        cbar = tl.sum(tl.where(hvalid, cv, 0.0), axis=0) / tl.maximum(n_valid, 1.0)
+        rel = tl.where(cbar > 0, cv / tl.where(cbar > 0, cbar, 1.0), 1.0)
+        powv = tl.where(rel > 0, tl.exp2(tau * tl.log2(tl.maximum(rel, 1e-30))), zero_pow)
+        beta = tl.minimum(tl.maximum(powv, beta_min), beta_max)
+        fac_hub = one_minus_lam + lam * beta
+        fac_non = one_minus_lam + lam * (beta * gamma)
+        # error flag (sticky until read): 1 = a non-finite score, 2 = a negative unprotected score
+        neg = tl.sum((hvalid & (lo < 0)).to(tl.float32), axis=0)
+        nonfinite = tl.sum(bad, axis=0)
+        code = tl.where(nonfinite > 0, 1, tl.where(neg > 0, 2, 0)).to(tl.int32)
+        tl.atomic_max(flag_ptr, code)
+        # -- 3. hubs (Eq. 6), SMD (Eq. 7), calibration + gate (Eqs. 9-10); protected entries get 1 for now --
+        for c in range(CHUNKS):
+            offs_n = c * BLOCK_N + tl.arange(0, BLOCK_N)
+            valid = hmask[:, None] & (offs_n[None, :] < N)
+            x = tl.load(s_base + offs_n[None, :] * s_sn, mask=valid, other=0.0).to(tl.float32)
+            if HAS_PROT:
+                pr = tl.load(p_base + offs_n[None, :] * p_sn, mask=valid, other=1)
+                u = valid & (pr == 0)
+            else:
+                u = valid
+            left = tl.full((BLOCK_H, BLOCK_N), float("-inf"), tl.float32)
+            right = tl.full((BLOCK_H, BLOCK_N), float("-inf"), tl.float32)
+            for j in tl.static_range(1, K + 1):
+                il = offs_n - j
+                ml = hmask[:, None] & (il[None, :] >= 0) & (il[None, :] < N)
+                xl = tl.load(s_base + il[None, :] * s_sn, mask=ml, other=float("-inf")).to(tl.float32)
+                ir = offs_n + j
+                mr = hmask[:, None] & (ir[None, :] < N)
+                xr = tl.load(s_base + ir[None, :] * s_sn, mask=mr, other=float("-inf")).to(tl.float32)
+                if HAS_PROT:
+                    pl = tl.load(p_base + il[None, :] * p_sn, mask=ml, other=1)
+                    xl = tl.where(pl == 0, xl, float("-inf"))
+                    pq = tl.load(p_base + ir[None, :] * p_sn, mask=mr, other=1)
+                    xr = tl.where(pq == 0, xr, float("-inf"))
+                left = tl.maximum(left, xl)
+                right = tl.maximum(right, xr)
+            # left strict / right non-strict: the lowest index wins ties (see kv_hubkv.hubs)
+            hub = (x > left) & (x >= right)
+            # z = (1-λ)s + λβs̃ in the factorised form s·((1-λ) + λβq), q ∈ {1, γ} (App. J.3)
+            z = x * tl.where(hub, fac_hub[:, None], fac_non[:, None])
+            tl.store(out_ptr + row * o_sr + offs_h[:, None] * o_sh + offs_n[None, :], tl.where(u, z, 1.0), mask=valid)
+        # largest unprotected z of the row: the first maximum of a head is a hub and s >= 0, so it is
+        # hi * fac_hub, the same float32 product the mixing pass computes there
+        tl.store(rowmax_ptr + row, tl.max(tl.where(hvalid, hi * fac_hub, float("-inf")), axis=0))
+        # -- 4. protected score P (Eq. 13, kv_hubkv.ceiling): 1, or the next float above the call's max z --
+        # the last program to finish (release/acquire on the counter orders every row's stores before it) reads
+        # every row's maximum, resets the counter for the next call and, only if that maximum reached 1,
+        # rewrites the protected entries of every row
+        done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+        if done == R - 1:
+            tl.atomic_xchg(count_ptr, 0)
+            offs_r = tl.arange(0, BLOCK_R)
+            zmax = tl.max(tl.load(rowmax_ptr + offs_r, mask=offs_r < R, other=float("-inf")), axis=0)
+            if HAS_PROT:  # noqa: SIM102 (a compile-time branch around a run-time one)
+                if zmax >= 1.0:
+                    ceiling = _next_up(zmax)
+                    for r in range(BLOCK_R):
+                        rr = (offs_h * 0 + r).to(tl.int64)  # the row, as a tensor (both back ends)
+                        rmask = hmask & (rr < R)
+                        for c in range(CHUNKS):
+                            offs_n = c * BLOCK_N + tl.arange(0, BLOCK_N)
+                            valid = rmask[:, None] & (offs_n[None, :] < N)
+                            pr = tl.load(
+                                p_ptr + rr[:, None] * p_sr + offs_h[:, None] * p_sh + offs_n[None, :] * p_sn,
+                                mask=valid,
+                                other=0,
+                            )
+                            tl.store(
+                                out_ptr + rr[:, None] * o_sr + offs_h[:, None] * o_sh + offs_n[None, :],
+                                tl.zeros((BLOCK_H, BLOCK_N), tl.float32) + ceiling,
+                                mask=valid & (pr != 0),
+                            )
 
 
 def _next_pow2(n: int) -> int:
@@ -244,10 +218,10 @@ def _next_pow2(n: int) -> int:
 
 def _default_block_n(n: int, block_h: int, device: torch.device) -> int:
     if device.type != "cuda":
-        # interpreter: cost ~ ops x programs, so one chunk per row
+        # interpreter: cost ~ ops x iterations, so one chunk per row
         return _next_pow2(n)
-    # ~4k scores per program: enough work per program, and (rows x chunks) programs fill the GPU
-    return max(16, min(_next_pow2(n), max(16, 4096 // block_h)))
+    # ~8k scores per tile: a [BLOCK_H, BLOCK_N] tile per loop iteration
+    return max(16, min(_next_pow2(n), max(16, 8192 // block_h)))
 
 
 def refine_triton_config(
@@ -257,73 +231,85 @@ def refine_triton_config(
     config: HubKVConfig,
     *,
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = 8,
+    workspace: RefineWorkspace | None = None,
+    check: str = "eager",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`refine_triton` with a ready :class:`HubKVConfig`.
 
-    Three launches over ``R = prod(leading dims)`` rows of ``H`` heads cut into ``C`` chunks of
-    ``block_n`` tokens: partial statistics per (row, chunk); per row, the merged statistics, head
-    selectivity and mixing factors; then hubs and mixing per (row, chunk). Value checks (finite,
-    non-negative) are folded into the statistics and read back with one synchronisation at the end.
+    One launch of one program per row (``R = prod(leading dims)`` rows of ``H`` heads): the statistics pass, the
+    head factors and the mixing pass over ``block_n``-token chunks, then the protected score of the call by the
+    last program to finish. Argument checks (types, shapes, ratio) run on the host and need no synchronisation;
+    the value checks (finite, non-negative unprotected scores) are folded into the kernel and land in the
+    workspace's error flag.
 
     Parameters
     ----------
     block_n : int, optional
-        Tokens per program (power of two). Default: ``next_pow2(N)`` off-GPU (the interpreter),
-        ``4096 // next_pow2(H)`` on CUDA.
-    num_warps : int, default 4
+        Tokens per loop iteration (power of two). Default: ``next_pow2(N)`` off-GPU (the interpreter),
+        ``8192 // next_pow2(H)`` on CUDA.
+    num_warps : int, default 8
         Warps per program on CUDA.
+    workspace : RefineWorkspace, optional
+        Reused scratch (row maxima, completion counter, error flag); a fresh one per call if omitted.
+    check : {"eager", "deferred"}
+        ``"eager"``: read the error flag before returning (one host synchronisation) and raise the reference's
+        ``ValueError``. ``"deferred"``: no synchronisation; the flag stays set in ``workspace`` until
+        :meth:`RefineWorkspace.raise_if_error` reads it (the returned scores are then unspecified).
+    out : torch.Tensor, optional
+        float32 contiguous output of the scores' shape to write into (a preallocated buffer).
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed: pip install 'kv-hubkv[triton]' (or use refine_torch)")
+    if check not in ("eager", "deferred"):
+        raise ValueError(f"check must be 'eager' or 'deferred', got {check!r}")
     scores, prot, r = prepare(scores, ratio, protected, config, values=False)
     shape = scores.shape
+    dev = scores.device
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=dev)
+    elif not (
+        isinstance(out, torch.Tensor)
+        and out.shape == shape
+        and out.dtype == torch.float32
+        and out.device == dev
+        and out.is_contiguous()
+    ):
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {tuple(shape)} on {dev}")
     if scores.numel() == 0:
-        return torch.empty(shape, dtype=torch.float32, device=scores.device)
+        return out
     H, N = shape[-2], shape[-1]
     s3 = scores.reshape(-1, H, N)
     R = s3.shape[0]
-    dev = scores.device
     block_h = _next_pow2(H)
     bn = block_n if block_n is not None else _default_block_n(N, block_h, dev)
     if bn < 1 or bn & (bn - 1):
         raise ValueError(f"block_n must be a power of two >= 1, got {bn}")
-    C = triton.cdiv(N, bn)
-    out = torch.empty((R, H, N), dtype=torch.float32, device=dev)
-    stats = torch.empty((6, R * C, block_h), dtype=torch.float32, device=dev)
-    fac = torch.empty((R, 2, block_h), dtype=torch.float32, device=dev)
-    rowmax = torch.empty((R,), dtype=torch.float32, device=dev)
-    flags = torch.empty((R,), dtype=torch.int32, device=dev)
+    ws = RefineWorkspace() if workspace is None else workspace
+    rowmax, count, flag = ws.buffers(R, dev)
+    o3 = out.view(R, H, N)
     if prot is not None:
         p3 = prot.reshape(-1, H, N).view(torch.uint8)
         p_strides = p3.stride()
     else:
-        p3 = out  # never read (HAS_PROT=False)
+        p3 = o3  # never read (HAS_PROT=False)
         p_strides = (0, 0, 0)
     lam = config.gate(r)
-    _hubkv_stats_kernel[(R * C,)](
+    _hubkv_refine_kernel[(R,)](
         s3,
         p3,
-        stats,
+        o3,
+        rowmax,
+        count,
+        flag,
         H,
         N,
-        C,
-        R * C,
+        R,
         *s3.stride(),
         *p_strides,
-        HAS_PROT=prot is not None,
-        BLOCK_H=block_h,
-        BLOCK_N=bn,
-        num_warps=num_warps,
-    )
-    _hubkv_head_kernel[(R,)](
-        stats,
-        fac,
-        rowmax,
-        flags,
-        H,
-        C,
-        R * C,
+        o3.stride(0),
+        o3.stride(1),
         config.gamma,
         config.tau,
         1.0 if config.tau == 0 else 0.0,
@@ -332,35 +318,17 @@ def refine_triton_config(
         lam,
         1.0 - lam,
         config.eps,
-        BLOCK_H=block_h,
-        BLOCK_C=_next_pow2(C),
-        num_warps=1 if dev.type != "cuda" else 4,
-    )
-    _hubkv_mix_kernel[(R * C,)](
-        s3,
-        p3,
-        out,
-        fac,
-        rowmax,
-        H,
-        N,
-        C,
-        R,
-        *s3.stride(),
-        *p_strides,
-        out.stride(0),
-        out.stride(1),
         K=config.half_window,
         HAS_PROT=prot is not None,
         BLOCK_H=block_h,
         BLOCK_N=bn,
+        CHUNKS=triton.cdiv(N, bn),
         BLOCK_R=_next_pow2(R),
-        num_warps=num_warps,
+        num_warps=num_warps if dev.type == "cuda" else 1,
     )
-    flag = int(flags.max())  # the one host synchronisation
-    if flag:
-        raise ValueError(NONFINITE_MSG if flag == 1 else NEGATIVE_MSG)
-    return out.reshape(shape)
+    if check == "eager":
+        ws.raise_if_error()
+    return out
 
 
 def refine_triton(

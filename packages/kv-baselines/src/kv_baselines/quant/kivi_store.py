@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 import warnings
 
 import torch
 
+from kv_baselines.quant.kivi_decode import DecodeState, eligible
 from kv_baselines.quant.kivi_layout import Positions, Side, uniform
 from kvcodec import CodeRows, QuantizedSegment, UniformQuantizer, quantized_attention
 from kvcodec.kernels.dispatch import use_triton
@@ -27,8 +30,9 @@ class KIVIUnquantizedWarning(UserWarning):
 
 
 def _append_positions(positions: object, shape: tuple[int, int], last: torch.Tensor | None) -> torch.Tensor:
-    """:func:`kvcore.checks.check_positions` for appended positions (every entry kept), int64, with one host sync
-    when they are valid (the decode hot path); invalid ones get ``check_positions``' own error."""
+    """:func:`kvcore.checks.check_positions` for appended positions (every entry kept), int64: read on the host for
+    the few positions of a CPU decode step, otherwise with one host sync when they are valid (the decode hot path);
+    invalid ones get ``check_positions``' own error."""
     if (
         isinstance(positions, torch.Tensor)
         and positions.dtype in (torch.int32, torch.int64)
@@ -36,14 +40,32 @@ def _append_positions(positions: object, shape: tuple[int, int], last: torch.Ten
         and shape[1] > 0
     ):
         p = positions.long()
-        bad = ((p < 0) | (p > MAX_POSITION)).any()
-        if shape[1] > 1:
-            bad = bad | (p[:, 1:] <= p[:, :-1]).any()
-        if last is not None:
-            bad = bad | (p[:, 0] <= last.to(p.device)).any()
-        if not bool(bad):
-            return p
+        if p.device.type == "cpu" and p.numel() <= 64:
+            rows = p.tolist()
+            prev = [-1] * len(rows) if last is None else last.tolist()
+            if all(
+                r[0] > before and r[-1] <= MAX_POSITION and all(a < b for a, b in itertools.pairwise(r))
+                for r, before in zip(rows, prev)
+            ):
+                return p
+        else:
+            bad = ((p < 0) | (p > MAX_POSITION)).any()
+            if shape[1] > 1:
+                bad = bad | (p[:, 1:] <= p[:, :-1]).any()
+            if last is not None:
+                bad = bad | (p[:, 0] <= last.to(p.device)).any()
+            if not bool(bad):
+                return p
     return check_positions("positions", positions, shape, after=last)
+
+
+def _finite(keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Raise :func:`kvcore.checks.check_finite`'s error for non-finite keys or values. One reduction per tensor: a
+    non-finite entry makes the sum non-finite (a finite sum clears both); only a non-finite sum (which overflow
+    can also give) runs the element-wise check."""
+    if not math.isfinite(float(keys.sum(dtype=torch.float32)) + float(values.sum(dtype=torch.float32))):
+        check_finite("keys", keys)
+        check_finite("values", values)
 
 
 class KIVIStore(Store):
@@ -93,7 +115,11 @@ class KIVIStore(Store):
     codes, one parameter row per group, full-precision rows) with ``O(B*H)`` counts, and one true position per entry
     shared by keys and values in the narrowest safe integer dtype (int16 below position 32768). Held bytes are the
     packed size (codes + scales + zeros + residual) plus those positions: within 3% of it for SmolLM2's fp32 cache
-    at 2k tokens.
+    at 2k tokens. While a float32 CPU cache decodes with every head holding the same entries (KIVI without eviction),
+    ``append`` moves it to the decode layout (:mod:`kv_baselines.quant.kivi_decode`): strided buffers with a bounded
+    reserve, counted in ``nbytes()`` and still within 3% of the packed size, that a decode step writes in place and
+    ``attend`` unpacks with one vectorised pass per side. Any other operation turns it back into the flat layout
+    first (the same entries, bit for bit).
 
     Every mutation (``write``, ``append``, ``retier``, ``crop``, ``reorder``) is all-or-nothing: arguments are
     validated first (finite entries, positions as :func:`kvcore.checks.check_positions`), then the new state is built
@@ -209,7 +235,28 @@ class KIVIStore(Store):
         B, H, D = self._shape if shape is None else shape
         if last is None:
             last = pos.last().view(B, H).amax(1) if B * H else torch.full((B,), -1, dtype=torch.long)
-        self._sides, self._pos, self._shape, self._last_pos = sides, pos, (B, H, D), last
+        self._fs, self._fp, self._dec, self._shape, self._last_pos = sides, pos, None, (B, H, D), last
+
+    # -- representations -------------------------------------------------------------------------------
+    @property
+    def _sides(self) -> dict[str, Side]:
+        """The flat sides (turning a decode-layout state back into them first)."""
+        self._flat()
+        return self._fs
+
+    @property
+    def _pos(self) -> Positions | None:
+        """The flat positions (turning a decode-layout state back into them first)."""
+        self._flat()
+        return self._fp
+
+    def _flat(self) -> None:
+        """Hold the state in the flat layout (:mod:`~kv_baselines.quant.kivi_layout`): every operation but
+        ``append``, ``attend``, ``nbytes``, ``seq_lengths`` and ``entry_counts`` works on it. The same entries, bit
+        for bit; only the decode layout's reserve is given back."""
+        if self._dec is not None:
+            self._fs, self._fp = self._dec.to_flat()
+            self._dec = None
 
     # -- fused attention -------------------------------------------------------------------------------
     def _dense(self, kind: str, rows_q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -300,6 +347,11 @@ class KIVIStore(Store):
         B, H, D = self._shape
         q = check_query(query, H, D, B)
         scale = check_scale(scale, D)
+        if self._dec is not None:
+            Hq, Q = q.shape[1], q.shape[2]
+            qf = q.to(self._dec.kc.device).float().reshape(B, H, Hq // H * Q, D).reshape(B * H, -1, D)
+            out, lse = self._dec.attend(qf, scale)
+            return out.view(B, Hq, Q, D), lse.view(B, Hq, Q)
         ks, vs = self._sides["k"], self._sides["v"]
         if not (isinstance(ks.quantizer, UniformQuantizer) and isinstance(vs.quantizer, UniformQuantizer)):
             return reference_attention(self.read(), q, scale)
@@ -333,8 +385,9 @@ class KIVIStore(Store):
         self._shape: tuple[int, int, int] | None = None  # (B, H, D)
         self._dtype: torch.dtype | None = None
         self._last_pos: torch.Tensor | None = None  # [B] largest position held per batch row (-1: none)
-        self._sides: dict[str, Side] = {}
-        self._pos: Positions | None = None
+        self._fs: dict[str, Side] = {}  # the flat layout (kivi_layout), or
+        self._fp: Positions | None = None
+        self._dec: DecodeState | None = None  # the decode layout (kivi_decode) while decoding on CPU
 
     def _empty(self, S: int, D: int, dtype: torch.dtype, device: torch.device) -> dict[str, Side]:
         return {
@@ -424,10 +477,17 @@ class KIVIStore(Store):
         B, H, n, D = keys.shape
         last = None if self._shape is None else self._last_pos
         positions = _append_positions(positions, (B, n), last).to(keys.device)
-        if not bool(torch.isfinite(keys).all() & torch.isfinite(values).all()):  # one host sync on the hot path
-            check_finite("keys", keys)
-            check_finite("values", values)
+        _finite(keys, values)
         S = B * H
+        if self._shape is not None and not use_triton(keys):
+            dec = self._dec
+            if dec is None and eligible(self._fs, self._fp, B, H, self.residual):
+                dec = DecodeState.of(self._fs, self._fp, B, H, self.residual)
+            if dec is not None:  # the decode layout: written in place (all-or-nothing inside)
+                dec.append(keys, values, positions)
+                self._dec, self._fs, self._fp = dec, {}, None
+                self._last_pos = positions[:, -1]
+                return
         if self._shape is None:
             sides, held = (
                 self._empty(S, D, keys.dtype, keys.device),
@@ -475,6 +535,8 @@ class KIVIStore(Store):
         if self._shape is None:
             return torch.zeros(0, 0, dtype=torch.long)
         B, H, _ = self._shape
+        if self._dec is not None:
+            return torch.full((B, H), self._dec.length, dtype=torch.long)
         return self._pos.count.view(B, H).clone()
 
     def entry_counts(self) -> dict[str, torch.Tensor]:
@@ -486,6 +548,13 @@ class KIVIStore(Store):
             return {}
         B, H, _ = self._shape
         out = {}
+        if self._dec is not None:
+            c = self._dec.counts()
+            for name, q, r in (("keys", c["kq"], c["kr"]), ("values", c["vq"], c["vr"])):
+                out[f"{name}_quantized"] = torch.full((B, H), q, dtype=torch.long)
+                out[f"{name}_residual"] = torch.full((B, H), r, dtype=torch.long)
+                out[f"{name}_full"] = torch.full((B, H), r, dtype=torch.long)
+            return out
         for kind, name in (("k", "keys"), ("v", "values")):
             side = self._sides[kind]
             out[f"{name}_quantized"] = side.qcount.view(B, H).clone()

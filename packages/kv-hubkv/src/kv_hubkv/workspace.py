@@ -1,0 +1,55 @@
+"""Scratch of the fused HubKV kernel, reused across calls, and its asynchronous error flag.
+
+The kernel (:mod:`kv_hubkv.triton_kernel`) needs three small device buffers: every row's largest refined score,
+a completion counter (the last program to finish computes the protected score of the call, then resets it to 0)
+and an error flag. Allocating them per call costs allocator work and a memset launch; a :class:`RefineWorkspace`
+holds them across calls (and across the calls a CUDA graph replays).
+
+The value checks of :func:`kv_hubkv.refine` (finite scores, non-negative unprotected scores; paper §3.1) are folded
+into the kernel: it raises the flag (``1`` = a non-finite score, ``2`` = a negative unprotected score) on the device.
+Reading the flag is the only host synchronisation of a call: ``check="eager"`` reads it before returning (the
+default, and the contract of :func:`kv_hubkv.refine`); ``check="deferred"`` leaves it set until
+:meth:`RefineWorkspace.raise_if_error` reads it -- e.g. once per batch, after the selection that consumes the
+scores -- so the hot path has no synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import NEGATIVE_MSG, NONFINITE_MSG
+
+__all__ = ["RefineWorkspace"]
+
+
+class RefineWorkspace:
+    """Device scratch of :func:`kv_hubkv.triton_kernel.refine_triton_config` and its sticky error flag.
+
+    Buffers are allocated on first use per device and grown (never shrunk) when a call has more rows; their
+    addresses stay fixed otherwise, which a captured CUDA graph relies on.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def buffers(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(row maxima float32 [>= rows], counter int32 [1], flag int32 [1])`` on ``device``."""
+        key = str(device)
+        have = self._bufs.get(key)
+        if have is None or have[0].numel() < rows:
+            counter = torch.zeros(1, dtype=torch.int32, device=device) if have is None else have[1]
+            flag = torch.zeros(1, dtype=torch.int32, device=device) if have is None else have[2]
+            have = self._bufs[key] = (torch.empty(max(rows, 1), dtype=torch.float32, device=device), counter, flag)
+        return have
+
+    def error_code(self) -> int:
+        """The flag's value (one host synchronisation per device): 0 = no error, 1 = non-finite, 2 = negative."""
+        return max((int(b[2].item()) for b in self._bufs.values()), default=0)
+
+    def raise_if_error(self) -> None:
+        """Raise the reference's ``ValueError`` if a call since the last check saw bad scores (and clear the flag)."""
+        code = self.error_code()
+        if code:
+            for _, _, flag in self._bufs.values():
+                flag.zero_()
+            raise ValueError(NONFINITE_MSG if code == 1 else NEGATIVE_MSG)
