@@ -3,8 +3,9 @@
 ``kv-hqekv search --bits 2.0 --model smollm2 --trials 200 --seed 0 --out shares.json`` searches the tier shares on
 a calibration window of ``lee_background.cor`` (the corpus kvbench evaluates on) taken from its held-out
 calibration stories (``kvbench.tasks.CALIBRATION_STORIES``, never in kvbench's evaluation windows) and writes a
-shares file with its settings; ``kv_hqekv.hqekv(bits, shares=load_shares(path))`` uses it. The model loader and the corpus come from ``kvbench`` and the adapter from ``kv-hf`` (install them next to
-kv-hqekv; this package does not depend on them).
+shares file with its settings; ``kv_hqekv.hqekv(bits, shares=load_shares(path))`` uses it. The model loader and
+the corpus come from ``kvbench`` and the adapter from ``kv-hf`` (install them next to kv-hqekv; this package does
+not depend on them).
 """
 
 from __future__ import annotations
