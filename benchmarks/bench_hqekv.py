@@ -11,14 +11,20 @@ The context is compressed with the paper's 2-bit shares (Table 9, Llama) at one 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import platform
 import time
 
 import torch
 
 from kv_hqekv import HqeKVConfig, hqekv, requantize
+<<<<<<< HEAD
 from kv_hqekv.attention import tier_pair_attention
 from kvcore import ScoringContext, reference_attention
+=======
+from kvcore import ScoringContext, reference_attention, replan_view
+>>>>>>> hqs
 
 
 def timeit(fn, repeat: int) -> float:
@@ -74,8 +80,13 @@ def main() -> None:
         "held / packed",
         "held / fp16",
     )
+<<<<<<< HEAD
     print("| " + " | ".join((*cols, "retier s")) + " |")
     print("|" + "---|" * (len(cols) + 1))
+=======
+    print("| " + " | ".join((*cols, "retier s (read view)", "retier s (window state)")) + " |")
+    print("|---|---|---|---|---|---|---|---|---|")
+>>>>>>> hqs
     g = torch.Generator(device="cpu").manual_seed(0)
     for N in (int(x) for x in args.lengths.split(",")):
         k = torch.randn(B, H, N, D, generator=g).to(dev, dtype)
@@ -99,13 +110,27 @@ def main() -> None:
                 torch.randn(B, H, 1, D, device=dev, dtype=dtype),
                 torch.tensor([[pos]], device=dev),
             )
+        old_store = copy.deepcopy(store)  # the earlier path: score the read() view again (kvcore.replan_view)
+        decode = dataclasses.replace(c, selector=c.selector.for_decoding())
         t0 = time.perf_counter()
-        requantize(store, c, q)
+        old_plan = replan_view(old_store, decode, queries=q)
+        old_store.retier(old_plan)
+        retier_old = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        plan = requantize(store, c, q)  # scores from the window state, never read()
         retier = time.perf_counter() - t0
+        same = torch.equal(plan.key_bits, old_plan.key_bits) and torch.equal(
+            plan.bits_for_values, old_plan.bits_for_values
+        )
         print(
+<<<<<<< HEAD
             f"| {N} | {fused * 1e3:.1f} | {pair * 1e3:.1f} | {pair / fused:.1f}x | "
             f"{deq * 1e3:.1f} | {sdpa * 1e3:.2f} | {fused / sdpa:.1f}x | "
             f"{held / packed:.3f} | {held / fp:.3f} | {retier:.2f} |"
+=======
+            f"| {N} | {fused * 1e3:.1f} | {deq * 1e3:.1f} | {sdpa * 1e3:.2f} | {fused / sdpa:.1f}x | "
+            f"{held / packed:.3f} | {held / fp:.3f} | {retier_old:.2f} | {retier:.2f}{'' if same else ' (differ)'} |"
+>>>>>>> hqs
         )
 
 

@@ -114,3 +114,60 @@ def test_compress_next_prefill_merges_a_second_prompt():
         assert bool((layer.store.seq_lengths() == Budget(ratio=0.5).kept(6 + 12)).all())
         pos = layer.store.read().positions
         assert bool((pos < 24).all()) and bool(((pos >= 12).sum(-1) > 0).all())
+
+
+def _own_replanner(calls, keep):
+    """A compressor-declared re-planner that records its calls and keeps the ``keep`` newest entries per head."""
+    from kvcore import EVICT, Plan, replan_view
+
+    def replanner(store, compressor, **kwargs):
+        calls.append((compressor.budget, kwargs["queries"]))
+        plan = replan_view(store, compressor, **kwargs)
+        bits = plan.key_bits.clone()
+        bits[..., : max(0, bits.shape[-1] - keep)] = EVICT
+        return Plan(bits)
+
+    return replanner
+
+
+@torch.no_grad()
+def test_compressor_declared_replan_runs_every_n_tokens_under_its_own_budget():
+    """A compressor with ``replan_every`` (HqeKV's re-tiering) is re-planned every N committed tokens with no
+    target, through its own ``replanner`` and budget; ``CacheOptions(replan=False)`` and a paused cache skip it."""
+    import dataclasses
+
+    model = tiny_model("llama")
+    calls = []
+    base = make(WindowScorer(), ratio=0.0)
+    comp = dataclasses.replace(base, replan_every=4, replanner=_own_replanner(calls, keep=10))
+    cache = kv_hf.compressed_cache(model, comp, query_window=3)
+    logits = model(prompt(16), past_key_values=cache).logits[:, -1]
+    for step in range(1, 9):
+        logits = model(logits.argmax(-1, keepdim=True), past_key_values=cache).logits[:, -1]
+        assert all(layer.recompressions == step // 4 for layer in cache.layers)
+    assert len(calls) == 2 * len(cache.layers) and all(b == base.budget for b, _ in calls)
+    assert all(q is not None and q.shape[2] == 3 for _, q in calls)
+    assert all(bool((n == 10).all()) for n in _lengths(cache))
+
+    off = kv_hf.compressed_cache(model, comp, replan=False)
+    logits = model(prompt(16), past_key_values=off).logits[:, -1]
+    for _ in range(8):
+        logits = model(logits.argmax(-1, keepdim=True), past_key_values=off).logits[:, -1]
+    assert all(layer.recompressions == 0 for layer in off.layers)
+    assert all(bool((n == 24).all()) for n in _lengths(off))
+
+
+@torch.no_grad()
+def test_answer_pauses_a_declared_replan_so_the_context_comes_back():
+    """kv_hf.generate_answer rolls the answer back; the compressor's own re-plan waits meanwhile, so the context
+    held before the question is held again after it."""
+    import dataclasses
+
+    model = tiny_model("llama")
+    comp = dataclasses.replace(make(WindowScorer(), ratio=0.0), replan_every=2, replanner=_own_replanner([], keep=4))
+    cache = kv_hf.compressed_cache(model, comp)
+    model(prompt(12), past_key_values=cache)
+    before = [layer.store.read().positions.clone() for layer in cache.layers]
+    kv_hf.generate_answer(model, cache, prompt(3, seed=5), max_new_tokens=6)
+    assert all(torch.equal(b, layer.store.read().positions) for b, layer in zip(before, cache.layers))
+    assert all(layer.recompressions == 0 for layer in cache.layers) and not cache.replan_paused

@@ -319,3 +319,24 @@ def test_continuation_split_real_tokenizer(smollm2_tokenizer) -> None:
     assert 70_000 < len(ids) < 80_000
     pairs = list(continuation_split(lee_background(), smollm2_tokenizer, 1024, 128, n=4, seed=0))
     assert [(len(c), len(k)) for c, k in pairs] == [(1024, 128)] * 4
+
+
+def test_calibration_stories_are_held_out_of_the_evaluation_windows():
+    """The calibration part (HqeKV's ratio search text) and the evaluation part split the corpus by story, and every
+    teacher-forced window kvbench cuts from the evaluation part lies in evaluation stories: no window overlaps a
+    calibration story (byte tokens decode back to the exact text of each window)."""
+    from kvbench.tasks import CALIBRATION_STORIES, continuation_split, lee_background
+
+    stories = lee_background().splitlines(keepends=True)
+    calibration, evaluation = lee_background(part="calibration"), lee_background(part="evaluation")
+    assert calibration == "".join(stories[i] for i in CALIBRATION_STORIES)
+    assert len(calibration) + len(evaluation) == len(lee_background()) and len(CALIBRATION_STORIES) >= 20
+    eval_bytes = evaluation.encode("utf-8")
+    held_out = [s.strip().encode("utf-8") for s in stories[CALIBRATION_STORIES.start :] if s.strip()]
+    windows = list(continuation_split(evaluation, ByteTokenizer(), 3000, 200, 40, seed=0))
+    for ctx, cont in windows:
+        text = bytes(ctx + cont)
+        assert text in eval_bytes
+        assert not any(text[:80] in story or story[:80] in text for story in held_out)
+    with pytest.raises(ValueError, match="part must be one of"):
+        lee_background(part="train")

@@ -75,3 +75,42 @@ def test_prefill_compresses_for_real():
     assert int(counts["keys_16"][0, 0]) == 2 * 32 + 300 % 32  # two fp16 blocks + the residual tail
     out = model(x[:, -1:], past_key_values=cache)
     assert bool(torch.isfinite(out.logits).all())
+
+
+@torch.no_grad()
+def test_kv_hf_retiers_every_T_decoded_tokens():
+    """Through the normal adapter path (no target, no kv_hqekv call): the compressor's replan_every = T = 32 makes
+    kv-hf re-tier every 32 decoded tokens. Bits never increase, an evicted position never returns, logits stay
+    finite, and the held bytes fall at each flush (the residual's 32 fp16 tokens are quantized)."""
+    model = tiny_llama()
+    cache = kv_hf.compressed_cache(model, hqekv(2.0))
+    logits = kv_hf.prefill(model, cache, ids(256))
+    rank = torch.tensor([0, 1, 2, 0, 3] + [0] * 11 + [4])
+
+    def held(layer):  # true position -> (key rank, value rank) of head 0 of row 0
+        view, t = layer.store.read(), layer.store.tiers()
+        pos = view.positions[0, 0].tolist()
+        kr, vr = rank[t.key_bits[0, 0].long()].tolist(), rank[t.bits_for_values[0, 0].long()].tolist()
+        return {p: (kr[i], vr[i]) for i, p in enumerate(pos) if p >= 0}
+
+    before = [held(layer) for layer in cache.layers]
+    gone: list[set] = [set() for _ in cache.layers]
+    tok = (logits if logits.ndim == 2 else logits[:, -1]).argmax(-1, keepdim=True)
+    for step in range(1, 65):
+        nbytes = cache.nbytes()
+        out = model(tok, past_key_values=cache)
+        assert bool(torch.isfinite(out.logits).all())
+        tok = out.logits[:, -1:].argmax(-1)
+        assert all(layer.recompressions == step // 32 for layer in cache.layers)
+        if step % 32 == 0:
+            assert cache.nbytes() < nbytes, "a flush must quantize the residual"
+            for i, layer in enumerate(cache.layers):
+                now = held(layer)
+                for p, (k, v) in now.items():
+                    assert p not in gone[i], f"evicted position {p} came back"
+                    if p in before[i]:
+                        assert k <= before[i][p][0] and v <= before[i][p][1], "bits increased"
+                gone[i] |= set(before[i]) - set(now)
+                before[i] = now
+    counts = cache.layers[0].store.tier_counts()
+    assert int(counts["keys_16"][0, 0]) < 2 * 32 + 64  # the decoded tokens were tiered, not kept fp16

@@ -17,7 +17,7 @@ from kvcore.protection import Protection
 from kvcore.protocols import Quantizer, Scorer, Selector, Store
 from kvcore.quantized import QuantizedTensor, packed_width
 from kvcore.registry import Method
-from kvcore.replan import replan, retier_store
+from kvcore.replan import cap_plan, replan, replan_view, retier_store
 from kvcore.scores import Scores
 from kvcore.selectors import TieredSelector, TopKSelector, solve_shares, tier_counts
 from kvcore.stores import DenseStore
@@ -45,6 +45,7 @@ __all__ = [
     "Store",
     "TieredSelector",
     "TopKSelector",
+    "cap_plan",
     "checks",
     "merge_attention",
     "packed_width",
@@ -53,6 +54,7 @@ __all__ = [
     "reference_attention",
     "registry",
     "replan",
+    "replan_view",
     "retier_store",
     "solve_shares",
     "storage_bytes",

@@ -45,6 +45,15 @@ class Compressor:
     validate : bool
         Reject NaN / ±inf keys, values and queries with a ``ValueError`` naming the tensor and the layer (one
         reduction per tensor and a host sync). ``False`` skips the check, for trusted hot paths.
+    replan_every : int, optional
+        The method re-plans its own held entries every ``N`` decoded tokens, under this compressor's own budget
+        (HqeKV re-tiers every ``T = 32`` tokens, §3.5). Adapters honour it without a re-compression target;
+        ``None`` (default): the method does nothing while decoding unless the adapter is told to re-compress.
+    replanner : callable, optional
+        ``replanner(store, compressor, *, queries, extras, layer_idx, protect_before) -> Plan``: how
+        :func:`kvcore.replan` re-plans this compressor's held entries (a method that scores from state its
+        store keeps, such as HqeKV's window); it may hand back to :func:`kvcore.replan_view`. ``None``
+        (default): :func:`kvcore.replan_view`, which scores the store's ``read()`` view.
     """
 
     scorer: Scorer
@@ -55,6 +64,8 @@ class Compressor:
     name: str = ""
     strict: bool = False
     validate: bool = True
+    replan_every: int | None = None
+    replanner: Callable[..., Plan] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.scorer, Scorer):
@@ -70,6 +81,11 @@ class Compressor:
         for flag in ("strict", "validate"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
+        every = self.replan_every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"replan_every must be an int >= 1 or None, got {every!r}")
+        if self.replanner is not None and not callable(self.replanner):
+            raise TypeError(f"replanner must be callable or None, got {type(self.replanner).__name__}")
 
     def with_budget(self, **changes) -> Compressor:
         """A copy with budget fields replaced, e.g. ``c.with_budget(ratio=0.75)``."""

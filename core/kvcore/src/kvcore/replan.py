@@ -45,6 +45,27 @@ def replan(
 ) -> Plan:
     """Score and select the entries ``store`` holds again; a plan laid out like ``store.read()`` for ``retier``.
 
+    Runs ``compressor.replanner`` when the compressor declares one (a method that scores from state its store
+    keeps), otherwise :func:`replan_view`. Arguments, return value and errors as :func:`replan_view`.
+    """
+    if not isinstance(compressor, Compressor):
+        raise TypeError(f"compressor must be a kvcore.Compressor, got {type(compressor).__name__}")
+    fn = replan_view if compressor.replanner is None else compressor.replanner
+    return fn(store, compressor, queries=queries, extras=extras, layer_idx=layer_idx, protect_before=protect_before)
+
+
+def replan_view(
+    store: Store,
+    compressor: Compressor,
+    *,
+    queries: torch.Tensor | None = None,
+    extras: Mapping[str, Any] | None = None,
+    layer_idx: int = 0,
+    protect_before: int | None = None,
+) -> Plan:
+    """Re-plan from the ``read()`` view: score and select the held entries again; a plan laid out like
+    ``store.read()`` for ``retier``.
+
     Parameters
     ----------
     store : Store
@@ -108,7 +129,7 @@ def replan(
         key_bits, value_bits = _plan_per_head(compressor, keys, values, positions, queries, layer_idx, protect_before)
     inverse = torch.argsort(order, dim=-1)
     key_bits, value_bits = key_bits.gather(-1, inverse), value_bits.gather(-1, inverse)
-    return _cap(store, key_bits, value_bits, view.valid & torch.isfinite(view.logit_bias))
+    return cap_plan(store, key_bits, value_bits, view.valid & torch.isfinite(view.logit_bias))
 
 
 def retier_store(
@@ -209,8 +230,9 @@ def _plan_per_head(compressor, keys, values, positions, queries, layer_idx, prot
     return key_bits, value_bits
 
 
-def _cap(store: Store, key_bits: torch.Tensor, value_bits: torch.Tensor, valid: torch.Tensor) -> Plan:
-    """``min(held, new)`` per entry, padding ``EVICT``; refuses demotions a store without ``can_demote`` rejects."""
+def cap_plan(store: Store, key_bits: torch.Tensor, value_bits: torch.Tensor, valid: torch.Tensor) -> Plan:
+    """``min(held, new)`` per entry against ``store.tiers()``, padding (``valid`` False) ``EVICT``; refuses demotions
+    a store without ``can_demote`` rejects. For re-planners that score without the ``read()`` view."""
     held = store.tiers()
     hk = held.key_bits.to(key_bits.device)
     hv = held.bits_for_values.to(key_bits.device)

@@ -43,6 +43,10 @@ class CompressedCache(Cache):
     query_window : int or None
         Trailing post-RoPE queries captured per layer (``None``: every prompt query); see
         :func:`kv_hf.support.resolve_query_window`.
+    replan_paused : bool
+        While True, periodic re-compression (``recompress_every`` or the compressor's own ``replan_every``) waits;
+        :func:`kv_hf.generate_answer` pauses it while an answer that will be rolled back is decoded (the context
+        must come back exactly).
     compress_seconds : float
         Wall time spent compressing so far (scoring, selection, Store writes, re-compressions and KVzip's
         reconstruction pass), separate from the model's own forward passes.
@@ -60,6 +64,7 @@ class CompressedCache(Cache):
         enable_attention(model)
         self._config = config
         self.compress_seconds = 0.0
+        self.replan_paused = False
         self._timing = 0
         super().__init__(
             layers=[
@@ -113,7 +118,7 @@ class CompressedCache(Cache):
                     layer.compress()
             elif layer.layer_idx == len(self.layers) - 1:
                 self.compress()
-        elif layer.recompress_due:
+        elif layer.recompress_due and not self.replan_paused:
             with self.timed():
                 layer.recompress()
 
@@ -260,7 +265,7 @@ def compressed_cache(model: PreTrainedModel, compressor: Compressor, **options: 
         Any kvcompress method (``Compressor(scorer=, selector=, store=, budget=)``).
     **options
         Fields of :class:`CacheOptions`: ``query_window``, ``recompress_every``, ``target_length``,
-        ``target_ratio``, ``recompressor``.
+        ``target_ratio``, ``recompressor``, ``replan``.
 
     Returns
     -------

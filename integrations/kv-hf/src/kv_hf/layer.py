@@ -15,7 +15,8 @@ State machine:
     Updates are appended to the Store (``Store.append``) with their true positions; attention sees the Store's
     ``read()`` view (plus the step's own raw tokens) with the view's per-entry logit bias, or — when the Store
     declares ``can_attend`` — through its fused ``attend`` merged with the step's own tokens. Every
-    ``recompress_every`` committed tokens the cache re-plans the stored entries (``kvcore.retier_store``).
+    ``recompress_every`` committed tokens (or the compressor's own ``replan_every``) the cache re-plans the stored
+    entries (``kvcore.retier_store``).
 ``scratch``
     Updates are attended to but not kept (KVzip's reconstruction pass); an observer sees the queries.
 
@@ -274,9 +275,18 @@ class CompressedLayer(CacheLayerMixin):
         self.next_positions = last if self.next_positions is None else torch.maximum(self.next_positions, last)
 
     @property
+    def replan_every(self) -> int | None:
+        """Committed tokens between re-compressions: ``options.recompress_every``, else the compressor's own
+        ``replan_every`` (a method that re-plans while decoding under its own budget, such as HqeKV's ``T``) unless
+        ``options.replan`` is False."""
+        if self.options.recompress_every:
+            return self.options.recompress_every
+        return self.recompressor.replan_every if self.options.replan else None
+
+    @property
     def recompress_due(self) -> bool:
-        """``recompress_every`` tokens were committed to the Store since the last (re-)compression."""
-        every = self.options.recompress_every
+        """:attr:`replan_every` tokens were committed to the Store since the last (re-)compression."""
+        every = self.replan_every
         return self.mode == STORE and bool(every) and self._since >= every
 
     def _positions(self, position_ids: torch.Tensor | None, B: int, q: int, device: torch.device) -> torch.Tensor:
@@ -392,7 +402,8 @@ class CompressedLayer(CacheLayerMixin):
 
     def recompress(self, target_length: int | None = None, target_ratio: float | None = None) -> None:
         """Re-score the stored entries and prune them to ``target_length`` per head (or keep ``1 - target_ratio``
-        of the tokens seen by the longest row); defaults come from the cache options.
+        of the tokens seen by the longest row); defaults come from the cache options. With no target anywhere and a
+        re-compressor that declares ``replan_every``, it re-plans under its own budget (HqeKV's re-tiering).
 
         Queries are the last ``query_window`` committed queries (the recent decode steps). The held entries are
         re-planned in place (``kvcore.replan`` then ``Store.retier``): kept entries are untouched, never
@@ -402,17 +413,24 @@ class CompressedLayer(CacheLayerMixin):
         opts = self.options
         if target_length is None and target_ratio is None:
             target_length, target_ratio = opts.target_length, opts.target_ratio
-        if (target_length is None) == (target_ratio is None):
-            raise ValueError("recompress needs exactly one of target_length or target_ratio")
+        own = target_length is None and target_ratio is None and self.recompressor.replan_every is not None
+        if not own and (target_length is None) == (target_ratio is None):
+            raise ValueError(
+                "recompress needs exactly one of target_length or target_ratio (or a compressor that declares "
+                "replan_every: it re-plans under its own budget)"
+            )
         if self.pending is not None:
             raise ValueError(f"layer {self.layer_idx}: compress the pending prefill before re-compressing")
         self._since = 0
         if not self.held():
             return
-        if target_length is None:
-            seen = int(self.next_positions.max()) if self.next_positions is not None else self.seen
-            target_length = max(1, math.floor(seen * (1.0 - target_ratio) + 1e-9))
-        compressor = self.recompressor.with_budget(ratio=None, tokens=int(target_length))
+        if own:
+            compressor = self.recompressor  # its own budget and re-planner (kvcore.replan runs compressor.replanner)
+        else:
+            if target_length is None:
+                seen = int(self.next_positions.max()) if self.next_positions is not None else self.seen
+                target_length = max(1, math.floor(seen * (1.0 - target_ratio) + 1e-9))
+            compressor = self.recompressor.with_budget(ratio=None, tokens=int(target_length))
         if compressor.scorer.needs_queries and self.queries is None:
             raise ValueError(missing_message(compressor, ["queries"], self.query_window))
         self._held = None

@@ -33,6 +33,11 @@ class CacheOptions:
     recompressor : kvcore.Compressor, optional
         Scorer/selector/protection used for re-compression (default: the cache's compressor). Its store is not
         used: entries are rewritten into each layer's existing Store.
+    replan : bool
+        Honour a compressor that declares ``replan_every`` (``kvcore.Compressor``: a method that re-plans its held
+        entries while decoding under its own budget, such as HqeKV's re-tiering every ``T = 32`` tokens): with no
+        ``recompress_every``, the cache re-plans every ``replan_every`` committed tokens with the (re-)compressor
+        as it is, no target needed. Default True; False decodes without it (an ablation).
     """
 
     query_window: int | None = None
@@ -40,6 +45,7 @@ class CacheOptions:
     target_length: int | None = None
     target_ratio: float | None = None
     recompressor: Compressor | None = None
+    replan: bool = True
 
     def __post_init__(self) -> None:
         for name in ("query_window", "recompress_every", "target_length"):
@@ -60,5 +66,7 @@ class CacheOptions:
             raise ValueError("give either target_length or target_ratio, not both")
         if self.recompress_every is not None and self.target_length is None and self.target_ratio is None:
             raise ValueError("recompress_every needs a target: target_length=... or target_ratio=...")
+        if not isinstance(self.replan, bool):
+            raise TypeError(f"replan must be a bool, got {type(self.replan).__name__}")
         if self.recompressor is not None and not isinstance(self.recompressor, Compressor):
             raise TypeError(f"recompressor must be a kvcore.Compressor, got {type(self.recompressor).__name__}")

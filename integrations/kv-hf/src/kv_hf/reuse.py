@@ -72,10 +72,12 @@ def generate_answer(
         torch.zeros(B, dtype=torch.long, device=question_ids.device) if start is None else start.to(question_ids.device)
     )
     pos = start[:, None] + torch.arange(q, device=question_ids.device)
-    out = model(input_ids=question_ids, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
     tokens = []
     done = torch.zeros(B, dtype=torch.bool, device=question_ids.device)
+    paused, since = cache.replan_paused, [layer._since for layer in cache.layers]
+    cache.replan_paused = paused or not keep  # a method's own re-plan would change the context for good
     try:
+        out = model(input_ids=question_ids, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
         for i in range(max_new_tokens):
             nxt = out.logits[:, -1].argmax(-1)
             if eos is not None:
@@ -89,8 +91,11 @@ def generate_answer(
                 input_ids=nxt[:, None], past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1
             )
     finally:
+        cache.replan_paused = paused
         if not keep:
             cache.rollback(length)
+            for layer, n in zip(cache.layers, since):
+                layer._since = n
     return torch.stack(tokens, 1)
 
 

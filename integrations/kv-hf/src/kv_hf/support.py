@@ -105,7 +105,7 @@ def check_compressor(compressor: object, options: CacheOptions) -> Compressor:
     if not isinstance(compressor, Compressor):
         raise TypeError(f"compressor must be a kvcore.Compressor, got {type(compressor).__name__}")
     _check_needs(compressor, options, "compressor", providers.provided())
-    if options.recompressor is not None or options.recompress_every:
+    if options.recompressor is not None or options.recompress_every or (options.replan and compressor.replan_every):
         re = options.recompressor or compressor
         if re.budget.granularity == "global":
             raise ValueError(

@@ -289,7 +289,12 @@ def _run(args, argv, registry, grid, tasks, protocols) -> int:
     pairs = (
         list(
             continuation_split(
-                lee_background(), tok, args.kl_context, args.kl_continuation, args.kl_samples, seed=args.seed
+                lee_background(part="evaluation"),
+                tok,
+                args.kl_context,
+                args.kl_continuation,
+                args.kl_samples,
+                seed=args.seed,
             )
         )
         if args.kl_samples

@@ -1,10 +1,11 @@
 """``kv-hqekv``: the HqeKV command line (the ratio search of Alg. 1).
 
 ``kv-hqekv search --bits 2.0 --model smollm2 --trials 200 --seed 0 --out shares.json`` searches the tier shares on
-a calibration window of ``lee_background.cor`` (the corpus kvbench evaluates on; the window is the end of the
-token stream) and writes a shares file with its settings; ``kv_hqekv.hqekv(bits, shares=load_shares(path))`` uses
-it. The model loader and the corpus come from ``kvbench`` and the adapter from ``kv-hf`` (install them next to
-kv-hqekv; this package does not depend on them).
+a calibration window of ``lee_background.cor`` (the corpus kvbench evaluates on) taken from its held-out
+calibration stories (``kvbench.tasks.CALIBRATION_STORIES``, never in kvbench's evaluation windows) and writes a
+shares file with its settings; ``kv_hqekv.hqekv(bits, shares=load_shares(path))`` uses it. The model loader and
+the corpus come from ``kvbench`` and the adapter from ``kv-hf`` (install them next to kv-hqekv; this package does
+not depend on them).
 """
 
 from __future__ import annotations
@@ -56,10 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         print("kv-hqekv search needs kvbench and kv-hf installed (the model loader and corpus)", file=sys.stderr)
         return 2
     model, tok = load_smollm2(dtype=getattr(torch, args.dtype))
-    ids = lee_background(tok)
+    ids = lee_background(tok, part="calibration")
     n = args.context + args.continuation
     if len(ids) < n:
-        print(f"the corpus has {len(ids)} tokens, fewer than context + continuation = {n}", file=sys.stderr)
+        print(
+            f"the calibration stories hold {len(ids)} tokens, fewer than context + continuation = {n}", file=sys.stderr
+        )
         return 2
     window = torch.tensor(ids[-n:])[None]
     ctx, cont = window[:, : args.context], window[:, args.context :]
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             "context": args.context,
             "continuation": args.continuation,
             "code_compat": args.code_compat,
-            "calibration": "lee_background.cor, last context+continuation tokens",
+            "calibration": "lee_background.cor calibration stories (kvbench CALIBRATION_STORIES), last "
+            "context+continuation tokens",
         }
     )
     Path(args.out).write_text(json.dumps(out, indent=2))

@@ -7,6 +7,7 @@ from kv_hqekv.scorer import HqeKVScorer
 from kv_hqekv.selector import HqeKVSelector
 from kv_hqekv.shares import PRESETS, Shares, preset
 from kv_hqekv.store import HqeKVStore
+from kv_hqekv.window import window_replan
 from kvcore import Budget, Compressor, Protection
 from kvcore.checks import check_number
 
@@ -39,7 +40,9 @@ def hqekv(
     -------
     kvcore.Compressor
         ``HqeKVScorer`` → ``HqeKVSelector`` → ``HqeKVStore``, budget ``Budget(avg_bits=bits)``, no protection (the
-        fp16 residual is the unplanned tail).
+        fp16 residual is the unplanned tail). It declares its decode-time re-tiering (§3.5): ``replan_every = T``
+        and ``replanner =`` :func:`kv_hqekv.window.window_replan`, so an adapter (``kv_hf``) re-tiers every ``T``
+        decoded tokens with the decode-time shares, scoring from the store's window state.
     """
     bits = check_number("bits", bits, low=0.0, high=4.0)
     cfg = HqeKVConfig() if config is None else config
@@ -66,4 +69,6 @@ def hqekv(
         budget=Budget(avg_bits=bits),
         protect=Protection(),
         name=name or f"hqekv-{bits:g}",
+        replan_every=cfg.period,
+        replanner=window_replan,
     )

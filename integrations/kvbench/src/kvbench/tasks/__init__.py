@@ -20,11 +20,12 @@ from kvbench.tasks.passkey import FILLER, passkey
 from kvbench.tasks.registry import TASKS, make_tasks, sample_seed
 from kvbench.tasks.sample import TaskSample
 from kvbench.tasks.scoring import contains_answer, score
-from kvbench.tasks.text import continuation_split, lee_background, lee_sentences
+from kvbench.tasks.text import CALIBRATION_STORIES, continuation_split, lee_background, lee_sentences
 from kvbench.tasks.tokens import TokenizerLike, count_tokens
 from kvbench.tasks.variable_tracking import variable_tracking
 
 __all__ = [
+    "CALIBRATION_STORIES",
     "FILLER",
     "TASKS",
     "BuiltContext",

@@ -18,6 +18,14 @@ from kvbench.tasks.tokens import check_count, check_tokenizer, encode
 
 LEE_FILENAME = "lee_background.cor"
 
+CALIBRATION_STORIES = range(270, 300)
+"""The stories (lines) of ``lee_background.cor`` held out for calibration: the last 30 of 300, ~32k characters,
+~7.5k SmolLM2 tokens. Methods that tune on text (HqeKV's ratio search, ``kv-hqekv search``) calibrate on
+``lee_background(part="calibration")``; kvbench's teacher-forced windows are cut from ``part="evaluation"``,
+the other 270 stories, so calibration text is never evaluated on."""
+
+PARTS = ("all", "evaluation", "calibration")
+
 
 @functools.lru_cache(maxsize=1)
 def _lee_path() -> Path:
@@ -42,20 +50,28 @@ def _lee_text() -> str:
     return _lee_path().read_text(encoding="utf-8")
 
 
-def lee_background(tokenizer: Any = None) -> str | list[int]:
-    """Return the ``lee_background.cor`` corpus.
+def lee_background(tokenizer: Any = None, part: str = "all") -> str | list[int]:
+    """Return the ``lee_background.cor`` corpus, or one part of it.
 
     Parameters
     ----------
     tokenizer : TokenizerLike, optional
-        When given, return the token ids of the whole text (no special tokens) instead.
+        When given, return the token ids of the text (no special tokens) instead.
+    part : {"all", "evaluation", "calibration"}
+        The whole corpus, the stories kvbench evaluates on, or the held-out :data:`CALIBRATION_STORIES`.
 
     Returns
     -------
     str or list of int
         The text (stories separated by newlines), or its token ids.
     """
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     text = _lee_text()
+    if part != "all":
+        lines = text.splitlines(keepends=True)
+        held_out = set(CALIBRATION_STORIES)
+        text = "".join(line for i, line in enumerate(lines) if (i in held_out) == (part == "calibration"))
     if tokenizer is None:
         return text
     return encode(check_tokenizer(tokenizer), text)

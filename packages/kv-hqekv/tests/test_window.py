@@ -1,0 +1,77 @@
+"""The decode-time re-plan from the window state (§3.5, Alg. 3): same plan as re-scoring the ``read()`` view, without
+reading the store back."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kv_hqekv import HqeKVConfig, hqekv, requantize
+from kv_hqekv.window import held_value_ranges, window_replan
+from kvcore import ScoringContext, replan_view
+
+B, H, HQ, D, N, G = 2, 2, 4, 64, 200, 8
+
+
+def decoded_store(seed=0, bits=2.0):
+    """An HqeKV store after a prefill of ``N`` tokens and one period of decode appends, with its compressor."""
+    g = torch.Generator().manual_seed(seed)
+    c = hqekv(bits, config=HqeKVConfig(block=G, period=G, fp16_blocks=2))
+    k, v = torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g)
+    store = c.compress(ScoringContext(keys=k, values=v, queries=torch.randn(B, HQ, 20, D, generator=g)))
+    for i in range(G):
+        new = torch.randn(2, B, H, 1, D, generator=g)
+        store.append(new[0], new[1], torch.full((B, 1), N + i))
+    return store, c, torch.randn(B, HQ, 20, D, generator=g)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_window_replan_equals_the_read_view_replan(seed):
+    """Scores from the held keys and the held value statistics give the plan kvcore's read()-based re-plan gives
+    (the range of a uniform group is [zero, zero + (2^b-1)·scale] exactly as the dequantized view spans it)."""
+    store, c, q = decoded_store(seed)
+    decode = dataclasses.replace(c, selector=c.selector.for_decoding())
+    old = replan_view(store, decode, queries=q)
+    new = window_replan(store, c, queries=q)
+    assert torch.equal(old.key_bits, new.key_bits)
+    assert torch.equal(old.bits_for_values, new.bits_for_values)
+
+
+def test_window_replan_never_reads_the_store_back(monkeypatch):
+    """requantize scores, selects and re-tiers without calling read() (no dequantized values, no view)."""
+    store, c, q = decoded_store()
+    before = store.tiers()
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("read() called by the decode re-plan")
+
+    monkeypatch.setattr(store, "read", forbidden)
+    plan = requantize(store, c, q)
+    after = store.tiers()
+    monkeypatch.undo()
+    assert torch.equal(plan.key_bits, after.key_bits)
+    rank = torch.tensor([0, 1, 2, 0, 3] + [0] * 11 + [4])
+    assert bool((rank[after.key_bits.long()] <= rank[before.key_bits.long()]).all())  # bits never increase
+
+
+def test_held_value_ranges_match_the_dequantized_view():
+    """The range read from the group statistics equals the range of the dequantized values (0 where evicted)."""
+    store, _, _ = decoded_store(3)
+    view = store.read()
+    expect = (view.values.float().amax(-1) - view.values.float().amin(-1)).masked_fill(view.positions < 0, 0)
+    torch.testing.assert_close(held_value_ranges(store), expect, rtol=1e-5, atol=1e-5)
+
+
+def test_falls_back_to_the_view_replan_where_the_state_does_not_apply():
+    """protect_before (not HqeKV state) goes through replan_view: the same plan either way."""
+    store, c, q = decoded_store(4)
+    decode = dataclasses.replace(c, selector=c.selector.for_decoding())
+    old = replan_view(store, decode, queries=q, protect_before=0)
+    new = window_replan(store, c, queries=q, protect_before=0)
+    assert torch.equal(old.key_bits, new.key_bits)
+
+
+def test_compressor_declares_its_decode_retiering():
+    """hqekv() compressors re-plan every T decoded tokens with the window re-planner (kvcore.replan runs it)."""
+    c = hqekv(2.0)
+    assert c.replan_every == HqeKVConfig().period == 32 and c.replanner is window_replan
