@@ -19,12 +19,8 @@ import time
 import torch
 
 from kv_hqekv import HqeKVConfig, hqekv, requantize
-<<<<<<< HEAD
 from kv_hqekv.attention import tier_pair_attention
-from kvcore import ScoringContext, reference_attention
-=======
 from kvcore import ScoringContext, reference_attention, replan_view
->>>>>>> hqs
 
 
 def timeit(fn, repeat: int) -> float:
@@ -80,13 +76,8 @@ def main() -> None:
         "held / packed",
         "held / fp16",
     )
-<<<<<<< HEAD
-    print("| " + " | ".join((*cols, "retier s")) + " |")
-    print("|" + "---|" * (len(cols) + 1))
-=======
     print("| " + " | ".join((*cols, "retier s (read view)", "retier s (window state)")) + " |")
-    print("|---|---|---|---|---|---|---|---|---|")
->>>>>>> hqs
+    print("|" + "---|" * (len(cols) + 2))
     g = torch.Generator(device="cpu").manual_seed(0)
     for N in (int(x) for x in args.lengths.split(",")):
         k = torch.randn(B, H, N, D, generator=g).to(dev, dtype)
@@ -123,14 +114,9 @@ def main() -> None:
             plan.bits_for_values, old_plan.bits_for_values
         )
         print(
-<<<<<<< HEAD
             f"| {N} | {fused * 1e3:.1f} | {pair * 1e3:.1f} | {pair / fused:.1f}x | "
             f"{deq * 1e3:.1f} | {sdpa * 1e3:.2f} | {fused / sdpa:.1f}x | "
-            f"{held / packed:.3f} | {held / fp:.3f} | {retier:.2f} |"
-=======
-            f"| {N} | {fused * 1e3:.1f} | {deq * 1e3:.1f} | {sdpa * 1e3:.2f} | {fused / sdpa:.1f}x | "
             f"{held / packed:.3f} | {held / fp:.3f} | {retier_old:.2f} | {retier:.2f}{'' if same else ' (differ)'} |"
->>>>>>> hqs
         )
 
 
