@@ -21,7 +21,8 @@ import torch
 from ..router import SEKVRouter
 from ..segmentation import fit_segmentation
 from ..surprisal import surprisal_from_logits
-from .forward import SEKVTraining, sekv_training
+from .forward import prepare_training, sekv_training
+from .teacher import TeacherRecord, teacher_recording
 
 __all__ = ["TrainConfig", "evaluate", "train_router"]
 
@@ -102,20 +103,27 @@ def losses(
     tc: TrainConfig,
     lambda_budget: float,
     zoom_rate: dict[int, list[torch.Tensor]] | None = None,
-    svd_cache: dict | None = None,
 ) -> dict[str, torch.Tensor]:
     """The loss terms of Eq. 10 for a batch ``ids`` ``[B, T]`` (``"total"`` included); the per-layer zoom rates are
-    added to ``zoom_rate`` when given; ``svd_cache`` keeps the span SVDs of each sequence across calls."""
+    added to ``zoom_rate`` when given.
+
+    One teacher pass over the whole sequence without grad (full KV: the teacher logits, the prefix surprisal, the
+    prefix keys and values, the zoom targets), then one student pass over the continuation ``[c, T)`` only, with the
+    router in the graph (:mod:`kv_sekv.train.forward`).
+    """
     T = ids.shape[1]
     c = max(1, math.floor(tc.split * T))
-    with torch.no_grad():
-        teacher = model(ids).logits.float()
+    if c >= T:
+        raise ValueError(f"the split leaves no continuation: T={T}, c={c}")
+    record = TeacherRecord(c)
+    with torch.no_grad(), teacher_recording(model, record):
+        teacher = model(ids, use_cache=False).logits.float()
     h = surprisal_from_logits(teacher, ids)
-    state = SEKVTraining(router, router.config, c, _segment(router, model, h, c), h[:, :c], tc.local_window)
-    if svd_cache is not None:
-        state.svd_cache, state.keys = svd_cache, [row.cpu().numpy().tobytes() for row in ids]
+    state = prepare_training(router, record, _segment(router, model, h, c), h[:, :c], tc.local_window)
+    del record
+    pos = torch.arange(c, T, device=ids.device).expand(ids.shape[0], -1)
     with sekv_training(model, state):
-        student = model(ids).logits[:, c:].float()
+        student = model(ids[:, c:], position_ids=pos, use_cache=False).logits.float()
     logp_t = torch.log_softmax(teacher[:, c:], -1)
     kl = (logp_t.exp() * (logp_t - torch.log_softmax(student, -1))).sum(-1).mean()
     rec = state.records
@@ -242,7 +250,6 @@ def train_router(
             ckpt,
         )
 
-    svd_cache: dict = {}  # span SVDs per training sequence (they do not depend on the router)
     bar = _bar(tc.steps, state["step"], progress)
     done_here = 0
     while state["step"] < tc.steps and not state["stopped_early"]:
@@ -250,7 +257,7 @@ def train_router(
         g = torch.Generator().manual_seed(tc.seed * 1_000_003 + step)
         rows = torch.randint(0, train.shape[0], (tc.batch_size,), generator=g)
         lam3 = router.config.lambda_budget * min(1.0, step / max(1.0, 0.5 * tc.steps))  # annealed from 0
-        terms = losses(model, router, train[rows], tc, lam3, svd_cache=svd_cache)
+        terms = losses(model, router, train[rows], tc, lam3)
         opt.zero_grad(set_to_none=True)
         terms["total"].backward()
         opt.step()
