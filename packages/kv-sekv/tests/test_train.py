@@ -144,3 +144,19 @@ def test_peaked_attention_keeps_the_loss_finite():
     terms["total"].backward()
     assert all(bool(torch.isfinite(v)) for v in terms.values())
     assert bool(torch.isfinite(router.W.grad).all()) and bool(torch.isfinite(router.tau.grad).all())
+
+
+@pytest.mark.parametrize("monitor", ["total", "distill"])
+def test_early_stopping_keeps_the_best_monitored_step(monitor):
+    """The router ends with the parameters of the evaluation with the lowest held-out ``monitor`` term."""
+    from kv_sekv.train import evaluate
+
+    model, seqs = _model(), _seqs(T=32)
+    tc = TrainConfig(steps=5, lr=5e-2, eval_every=1, patience=10, local_window=4, monitor=monitor, warmup=0.0)
+    router = SEKVRouter.untrained(2, 4, 2, 8, CONFIG, gate_bias=0.0)
+    out = train_router(model, router, seqs[:3], seqs[3:], tc, None, progress=False)
+    values = [e[monitor] for e in out["evals"]]
+    assert out["best_step"] == out["evals"][values.index(min(values))]["step"]
+    assert evaluate(model, router, seqs[3:], tc)[monitor] == pytest.approx(min(values), rel=1e-5)
+    with pytest.raises(ValueError, match="monitor"):
+        TrainConfig(monitor="zoom")

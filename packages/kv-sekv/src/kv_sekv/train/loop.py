@@ -6,7 +6,7 @@ with SEKV attention over the compressed prefix (student) at every continuation p
 of the gates against the ρ-coverage targets at mined positions (Eqs. 12–13); the gated tail energy over the total
 energy (Eq. 14); the zoom rate plus β times the mean gate (Eq. 15, value gates included), with λ3 annealed linearly
 from 0 over the first half. AdamW (lr 1e-3, weight decay 0.01) with 10 % linear warm-up then cosine decay, early
-stopping on the held-out KL, resumable checkpoints, tqdm progress and a loss-curve PNG.
+stopping on the held-out loss (``TrainConfig.monitor``), resumable checkpoints, tqdm progress and a loss-curve PNG.
 """
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ class TrainConfig:
         Mining window of the zoom loss (the paper: 512; ≈128 for short sequences).
     eval_every, patience : int
         Held-out evaluation period (steps) and the number of evaluations without improvement before stopping.
+    monitor : {"total", "distill"}
+        The held-out term early stopping and the kept parameters follow (our choice, the paper does not say):
+        ``"total"``, Eq. 10 with the full λ3, by default; ``"distill"``, the KL alone, rewards zooming into every span,
+        which the budget term exists to counter, so it stops as soon as λ3's annealing starts to bite.
     seed : int
         Batch order (a function of the seed and the step, so a resumed run sees the same batches).
     """
@@ -58,6 +62,7 @@ class TrainConfig:
     local_window: int = 128
     eval_every: int = 25
     patience: int = 4
+    monitor: str = "total"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -65,6 +70,8 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.monitor not in ("total", "distill"):
+            raise ValueError(f"monitor must be 'total' or 'distill', got {self.monitor!r}")
         if not 0.0 < self.split < 1.0:
             raise ValueError(f"split must lie in (0, 1), got {self.split}")
         if not (self.lr > 0 and self.weight_decay >= 0 and 0 <= self.warmup < 1 and self.local_window >= 0):
@@ -191,7 +198,7 @@ def train_router(
     model : transformers causal LM
         The frozen backbone (Llama-style attention modules with ``layer_idx``).
     router : SEKVRouter
-        Trained in place; at the end it holds the parameters of the best held-out KL.
+        Trained in place; at the end it holds the parameters of the best held-out ``tc.monitor`` term.
     train, held_out : Tensor
         Token sequences.
     tc : TrainConfig
@@ -271,8 +278,8 @@ def train_router(
         if state["step"] % tc.eval_every == 0 or state["step"] == tc.steps:
             ev = evaluate(model, router, held_out, tc)
             state["evals"].append({"step": state["step"], **ev})
-            if ev["distill"] < state["best"]:
-                state["best"], state["best_step"], state["bad"] = ev["distill"], state["step"], 0
+            if ev[tc.monitor] < state["best"]:
+                state["best"], state["best_step"], state["bad"] = ev[tc.monitor], state["step"], 0
                 state["best_state"] = {k: v.detach().clone() for k, v in router.state_dict().items()}
             else:
                 state["bad"] += 1
@@ -303,7 +310,7 @@ def _bar(total: int, initial: int, progress: bool):
 
 
 def plot_losses(state: dict[str, Any], path: Path) -> Path | None:
-    """Training terms per step and held-out KL per evaluation, as a PNG (``None`` without matplotlib)."""
+    """Training terms per step and the held-out KL and total per evaluation, as a PNG (``None`` without matplotlib)."""
     try:
         import matplotlib
 
@@ -316,7 +323,9 @@ def plot_losses(state: dict[str, Any], path: Path) -> Path | None:
     for key in ("total", "distill", "zoom", "recon", "budget"):
         ax.plot(steps, [h[key] for h in state["history"]], label=f"train {key}", lw=1)
     if state["evals"]:
-        ax.plot([e["step"] for e in state["evals"]], [e["distill"] for e in state["evals"]], "ko-", label="held-out KL")
+        steps_ev = [e["step"] for e in state["evals"]]
+        ax.plot(steps_ev, [e["distill"] for e in state["evals"]], "ko-", ms=3, label="held-out KL")
+        ax.plot(steps_ev, [e["total"] for e in state["evals"]], "ks--", ms=3, label="held-out total")
     ax.set_xlabel("step")
     ax.set_yscale("log")
     ax.legend(fontsize=7)
