@@ -13,9 +13,10 @@ from kv_sekv.train.loop import losses
 CONFIG = SEKVConfig(window=4, min_span=4, max_rank=4, proj_dim=8, budget=0.4, lambda_budget=0.0)
 
 
-def _model():
+def _model(init=0.02):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
+        initializer_range=init,
         vocab_size=128,
         hidden_size=32,
         intermediate_size=64,
@@ -75,3 +76,87 @@ def test_bad_train_config():
         TrainConfig(steps=0)
     with pytest.raises(ValueError, match="split"):
         TrainConfig(split=1.0)
+
+
+def test_teacher_recording_keeps_the_model_output():
+    """The recording attention of the teacher pass is the model's own causal attention: same logits."""
+    from kv_sekv.train import TeacherRecord, teacher_recording
+
+    model, ids = _model(), _seqs(n=2, T=24)
+    with torch.no_grad():
+        plain = model(ids).logits
+        rec = TeacherRecord(10)
+        with teacher_recording(model, rec):
+            recorded = model(ids, use_cache=False).logits
+    torch.testing.assert_close(recorded, plain, rtol=1e-5, atol=1e-5)
+    keys, values, queries = rec.stacked()
+    assert keys.shape == (2, 2, 2, 24, 8) and values.shape == (2, 2, 2, 10, 8) and queries.shape == (2, 2, 4, 14, 8)
+    assert model.config._attn_implementation == "sdpa"  # restored
+
+
+@pytest.mark.parametrize("tau", [0.0, 0.999])
+def test_student_at_full_resolution_is_the_teacher(tau):
+    """With every span zoomed (τ = 0), unit gates and R_max = d_h, the continuation-only student pass over the
+    teacher's prefix keys and values reproduces the teacher (KL ≈ 0); with no span zoomed (τ ≈ 1) the coarse entries
+    replace the spans and the KL is positive."""
+    cfg = SEKVConfig(window=4, min_span=4, max_rank=8, proj_dim=8, budget=0.4, tau_init=tau)
+    model, router = _model(init=0.2), SEKVRouter.untrained(2, 4, 2, 8, cfg, gate_bias=30.0)  # peaked outputs
+    rates: dict = {}
+    with torch.no_grad():
+        terms = losses(model, router, _seqs(n=2, T=48)[:2], TrainConfig(local_window=4), 0.0, rates)
+    assert sorted(rates) == [0, 1] and len(rates[0]) == 2  # spans exist in both rows, in both layers
+    zoomed = torch.stack([r for v in rates.values() for r in v])
+    if tau == 0.0:
+        assert bool((zoomed == 1).all())
+        assert float(terms["distill"]) < 1e-5
+        assert float(terms["recon"]) < 1e-6
+    else:
+        assert bool((zoomed == 0).all())
+        assert float(terms["distill"]) > 1e-3
+
+
+def test_zoom_targets_follow_the_teacher_attention():
+    """Eq. 12 on a teacher that attends only to span 1: y marks span 1 alone, and the query is mined only when that
+    span lies beyond the local window."""
+    from kv_sekv.train import zoom_targets
+
+    c, Qc, D = 40, 3, 4
+    sid = torch.full((c,), -1, dtype=torch.long)
+    sid[10:20], sid[20:30] = 0, 1
+    keys = torch.zeros(1, 1, c + Qc, D)
+    keys[0, 0, 20:30, 0] = 10.0
+    queries = torch.zeros(1, 2, Qc, D)
+    queries[..., 0] = 10.0
+    y, mined = zoom_targets(queries, keys, sid, 2, 1.0, local_window=4, rho=0.9)
+    assert y.shape == (1, 2, Qc, 2) and mined.shape == (1, Qc)
+    assert bool((y[..., 1] == 1).all()) and bool((y[..., 0] == 0).all())
+    assert bool(mined.all())
+    _, near = zoom_targets(queries, keys, sid, 2, 1.0, local_window=20, rho=0.9)
+    assert not bool(near.any())
+
+
+def test_peaked_attention_keeps_the_loss_finite():
+    """Regression: with logits of hundreds (a sharp random model), the softmax shift must be the max over the terms
+    that count (z is 0 or 1 in the forward pass) and the others must not overflow, else 0/0 or 0·inf gives NaN."""
+    cfg = SEKVConfig(window=4, min_span=4, max_rank=4, proj_dim=8, budget=0.4, tau_init=0.999)
+    model, router = _model(init=1.0), SEKVRouter.untrained(2, 4, 2, 8, cfg, gate_bias=30.0)
+    terms = losses(model, router, _seqs(n=2, T=48), TrainConfig(local_window=4), 0.1)
+    terms["total"].backward()
+    assert all(bool(torch.isfinite(v)) for v in terms.values())
+    assert bool(torch.isfinite(router.W.grad).all()) and bool(torch.isfinite(router.tau.grad).all())
+
+
+@pytest.mark.parametrize("monitor", ["total", "distill"])
+def test_early_stopping_keeps_the_best_monitored_step(monitor):
+    """The router ends with the parameters of the evaluation with the lowest held-out ``monitor`` term."""
+    from kv_sekv.train import evaluate
+
+    model, seqs = _model(), _seqs(T=32)
+    tc = TrainConfig(steps=5, lr=5e-2, eval_every=1, patience=10, local_window=4, monitor=monitor, warmup=0.0)
+    router = SEKVRouter.untrained(2, 4, 2, 8, CONFIG, gate_bias=0.0)
+    out = train_router(model, router, seqs[:3], seqs[3:], tc, None, progress=False)
+    values = [e[monitor] for e in out["evals"]]
+    assert out["best_step"] == out["evals"][values.index(min(values))]["step"]
+    assert evaluate(model, router, seqs[3:], tc)[monitor] == pytest.approx(min(values), rel=1e-5)
+    with pytest.raises(ValueError, match="monitor"):
+        TrainConfig(monitor="zoom")

@@ -104,6 +104,7 @@ def _train_config(args: argparse.Namespace):
         lr=args.lr,
         eval_every=args.eval_every,
         patience=args.patience,
+        monitor=args.monitor,
         split=args.split,
         local_window=args.local_window,
         seed=args.seed,
@@ -158,12 +159,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
 
     model, tok, model_id = load_model(args.model)
     router = SEKVRouter.load(args.router)
-    c = model.config
-    router.check(
-        c.num_hidden_layers - 1,
-        getattr(c, "num_key_value_heads", c.num_attention_heads),
-        getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-    )
+    router.check_config(model.config)
     _, held = _data(args, tok)
     rates: dict[int, torch.Tensor] = {}
     terms = evaluate(model, router, held[: args.eval_sequences, : args.seq_len], _train_config(args), rates)
@@ -187,6 +183,12 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--corpus", default=None, help="plain-text corpus (default: gensim's lee_background.cor)")
         s.add_argument("--seq-len", type=int, default=512)
         s.add_argument("--seed", type=int, default=0)
+        s.add_argument(
+            "--threads",
+            type=int,
+            default=0,
+            help="torch CPU threads (0: torch's default); 1 is the most CPU-efficient on a small shared machine",
+        )
         if name == "mine":
             s.add_argument("--out", required=True, help="output folder (data.pt)")
             s.add_argument("--stats-sequences", type=int, default=4)
@@ -198,6 +200,7 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--eval-every", type=int, default=25)
         s.add_argument("--eval-sequences", type=int, default=4)
         s.add_argument("--patience", type=int, default=4)
+        s.add_argument("--monitor", choices=("total", "distill"), default="total", help="held-out early-stopping term")
         s.add_argument("--split", type=float, default=0.5)
         s.add_argument("--local-window", type=int, default=128)
         if name == "train":
@@ -216,6 +219,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.threads < 0:
+        raise SystemExit(f"--threads must be >= 0, got {args.threads}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     result = {"mine": cmd_mine, "train": cmd_train, "eval": cmd_eval}[args.command](args)
     json.dump(result, sys.stdout, indent=1, default=str)
     sys.stdout.write("\n")

@@ -175,6 +175,38 @@ class SEKVRouter(nn.Module):
                 "(kv-sekv train)"
             )
 
+    def check_config(self, config: Any) -> None:
+        """``ValueError`` unless a backbone's config has this router's shapes (no weights are needed).
+
+        Parameters
+        ----------
+        config : transformers config
+            Any object with ``num_hidden_layers``, ``num_attention_heads``, ``hidden_size`` and, when they differ
+            from the defaults, ``num_key_value_heads`` and ``head_dim`` (a ``transformers.PretrainedConfig``).
+
+        Raises
+        ------
+        TypeError
+            ``config`` lacks those fields.
+        ValueError
+            Another number of layers, query heads, KV heads or head dim; the message names both shapes.
+        """
+        try:
+            layers, heads, hidden = config.num_hidden_layers, config.num_attention_heads, config.hidden_size
+        except AttributeError as err:
+            raise TypeError(
+                "config must be a transformers model config (num_hidden_layers, num_attention_heads, hidden_size), "
+                f"got {type(config).__name__}"
+            ) from err
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        got = (layers, heads, kv, head_dim)
+        if got != (self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim):
+            raise ValueError(
+                f"the router does not fit this model: it was trained for {self.describe()}; the model has "
+                f"L={layers}, H={heads}, Hkv={kv}, d_h={head_dim}: train a router for this model (kv-sekv train)"
+            )
+
     def describe(self) -> str:
         return (
             f"model {self.model_id!r}: L={self.num_layers}, H={self.num_heads}, Hkv={self.num_kv_heads}, "

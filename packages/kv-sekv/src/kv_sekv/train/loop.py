@@ -6,7 +6,7 @@ with SEKV attention over the compressed prefix (student) at every continuation p
 of the gates against the ρ-coverage targets at mined positions (Eqs. 12–13); the gated tail energy over the total
 energy (Eq. 14); the zoom rate plus β times the mean gate (Eq. 15, value gates included), with λ3 annealed linearly
 from 0 over the first half. AdamW (lr 1e-3, weight decay 0.01) with 10 % linear warm-up then cosine decay, early
-stopping on the held-out KL, resumable checkpoints, tqdm progress and a loss-curve PNG.
+stopping on the held-out loss (``TrainConfig.monitor``), resumable checkpoints, tqdm progress and a loss-curve PNG.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch
 from ..router import SEKVRouter
 from ..segmentation import fit_segmentation
 from ..surprisal import surprisal_from_logits
-from .forward import SEKVTraining, sekv_training
+from .forward import prepare_training, sekv_training
+from .teacher import TeacherRecord, teacher_recording
 
 __all__ = ["TrainConfig", "evaluate", "train_router"]
 
@@ -44,6 +45,10 @@ class TrainConfig:
         Mining window of the zoom loss (the paper: 512; ≈128 for short sequences).
     eval_every, patience : int
         Held-out evaluation period (steps) and the number of evaluations without improvement before stopping.
+    monitor : {"total", "distill"}
+        The held-out term early stopping and the kept parameters follow (our choice, the paper does not say):
+        ``"total"``, Eq. 10 with the full λ3, by default; ``"distill"``, the KL alone, rewards zooming into every span,
+        which the budget term exists to counter, so it stops as soon as λ3's annealing starts to bite.
     seed : int
         Batch order (a function of the seed and the step, so a resumed run sees the same batches).
     """
@@ -57,6 +62,7 @@ class TrainConfig:
     local_window: int = 128
     eval_every: int = 25
     patience: int = 4
+    monitor: str = "total"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -64,6 +70,8 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.monitor not in ("total", "distill"):
+            raise ValueError(f"monitor must be 'total' or 'distill', got {self.monitor!r}")
         if not 0.0 < self.split < 1.0:
             raise ValueError(f"split must lie in (0, 1), got {self.split}")
         if not (self.lr > 0 and self.weight_decay >= 0 and 0 <= self.warmup < 1 and self.local_window >= 0):
@@ -102,20 +110,27 @@ def losses(
     tc: TrainConfig,
     lambda_budget: float,
     zoom_rate: dict[int, list[torch.Tensor]] | None = None,
-    svd_cache: dict | None = None,
 ) -> dict[str, torch.Tensor]:
     """The loss terms of Eq. 10 for a batch ``ids`` ``[B, T]`` (``"total"`` included); the per-layer zoom rates are
-    added to ``zoom_rate`` when given; ``svd_cache`` keeps the span SVDs of each sequence across calls."""
+    added to ``zoom_rate`` when given.
+
+    One teacher pass over the whole sequence without grad (full KV: the teacher logits, the prefix surprisal, the
+    prefix keys and values, the zoom targets), then one student pass over the continuation ``[c, T)`` only, with the
+    router in the graph (:mod:`kv_sekv.train.forward`).
+    """
     T = ids.shape[1]
     c = max(1, math.floor(tc.split * T))
-    with torch.no_grad():
-        teacher = model(ids).logits.float()
+    if c >= T:
+        raise ValueError(f"the split leaves no continuation: T={T}, c={c}")
+    record = TeacherRecord(c)
+    with torch.no_grad(), teacher_recording(model, record):
+        teacher = model(ids, use_cache=False).logits.float()
     h = surprisal_from_logits(teacher, ids)
-    state = SEKVTraining(router, router.config, c, _segment(router, model, h, c), h[:, :c], tc.local_window)
-    if svd_cache is not None:
-        state.svd_cache, state.keys = svd_cache, [row.cpu().numpy().tobytes() for row in ids]
+    state = prepare_training(router, record, _segment(router, model, h, c), h[:, :c], tc.local_window)
+    del record
+    pos = torch.arange(c, T, device=ids.device).expand(ids.shape[0], -1)
     with sekv_training(model, state):
-        student = model(ids).logits[:, c:].float()
+        student = model(ids[:, c:], position_ids=pos, use_cache=False).logits.float()
     logp_t = torch.log_softmax(teacher[:, c:], -1)
     kl = (logp_t.exp() * (logp_t - torch.log_softmax(student, -1))).sum(-1).mean()
     rec = state.records
@@ -183,7 +198,7 @@ def train_router(
     model : transformers causal LM
         The frozen backbone (Llama-style attention modules with ``layer_idx``).
     router : SEKVRouter
-        Trained in place; at the end it holds the parameters of the best held-out KL.
+        Trained in place; at the end it holds the parameters of the best held-out ``tc.monitor`` term.
     train, held_out : Tensor
         Token sequences.
     tc : TrainConfig
@@ -242,7 +257,6 @@ def train_router(
             ckpt,
         )
 
-    svd_cache: dict = {}  # span SVDs per training sequence (they do not depend on the router)
     bar = _bar(tc.steps, state["step"], progress)
     done_here = 0
     while state["step"] < tc.steps and not state["stopped_early"]:
@@ -250,7 +264,7 @@ def train_router(
         g = torch.Generator().manual_seed(tc.seed * 1_000_003 + step)
         rows = torch.randint(0, train.shape[0], (tc.batch_size,), generator=g)
         lam3 = router.config.lambda_budget * min(1.0, step / max(1.0, 0.5 * tc.steps))  # annealed from 0
-        terms = losses(model, router, train[rows], tc, lam3, svd_cache=svd_cache)
+        terms = losses(model, router, train[rows], tc, lam3)
         opt.zero_grad(set_to_none=True)
         terms["total"].backward()
         opt.step()
@@ -264,8 +278,8 @@ def train_router(
         if state["step"] % tc.eval_every == 0 or state["step"] == tc.steps:
             ev = evaluate(model, router, held_out, tc)
             state["evals"].append({"step": state["step"], **ev})
-            if ev["distill"] < state["best"]:
-                state["best"], state["best_step"], state["bad"] = ev["distill"], state["step"], 0
+            if ev[tc.monitor] < state["best"]:
+                state["best"], state["best_step"], state["bad"] = ev[tc.monitor], state["step"], 0
                 state["best_state"] = {k: v.detach().clone() for k, v in router.state_dict().items()}
             else:
                 state["bad"] += 1
@@ -296,7 +310,7 @@ def _bar(total: int, initial: int, progress: bool):
 
 
 def plot_losses(state: dict[str, Any], path: Path) -> Path | None:
-    """Training terms per step and held-out KL per evaluation, as a PNG (``None`` without matplotlib)."""
+    """Training terms per step and the held-out KL and total per evaluation, as a PNG (``None`` without matplotlib)."""
     try:
         import matplotlib
 
@@ -309,7 +323,9 @@ def plot_losses(state: dict[str, Any], path: Path) -> Path | None:
     for key in ("total", "distill", "zoom", "recon", "budget"):
         ax.plot(steps, [h[key] for h in state["history"]], label=f"train {key}", lw=1)
     if state["evals"]:
-        ax.plot([e["step"] for e in state["evals"]], [e["distill"] for e in state["evals"]], "ko-", label="held-out KL")
+        steps_ev = [e["step"] for e in state["evals"]]
+        ax.plot(steps_ev, [e["distill"] for e in state["evals"]], "ko-", ms=3, label="held-out KL")
+        ax.plot(steps_ev, [e["total"] for e in state["evals"]], "ks--", ms=3, label="held-out total")
     ax.set_xlabel("step")
     ax.set_yscale("log")
     ax.legend(fontsize=7)
