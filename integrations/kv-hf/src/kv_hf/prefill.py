@@ -32,6 +32,17 @@ def _check_ids(input_ids: object, attention_mask: object) -> None:
         raise ValueError(f"attention_mask must be a tensor of shape {tuple(input_ids.shape)} (the new tokens only)")
 
 
+def _check_chunking(input_ids: torch.Tensor, chunk_size: object, context_start: object) -> None:
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    if (
+        isinstance(context_start, bool)
+        or not isinstance(context_start, int)
+        or not 0 <= context_start < input_ids.shape[1]
+    ):
+        raise ValueError(f"context_start must be an int in [0, {input_ids.shape[1]}), got {context_start!r}")
+
+
 @torch.no_grad()
 def prefill(
     model: PreTrainedModel,
@@ -91,14 +102,7 @@ def prefill(
     if not isinstance(cache, CompressedCache):
         raise TypeError(f"cache must be a kv_hf.CompressedCache, got {type(cache).__name__}")
     _check_ids(input_ids, attention_mask)
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
-    if (
-        isinstance(context_start, bool)
-        or not isinstance(context_start, int)
-        or not 0 <= context_start < input_ids.shape[1]
-    ):
-        raise ValueError(f"context_start must be an int in [0, {input_ids.shape[1]}), got {context_start!r}")
+    _check_chunking(input_ids, chunk_size, context_start)
     if not isinstance(compress_chunks, bool):
         raise TypeError(f"compress_chunks must be a bool, got {type(compress_chunks).__name__}")
     unknown = sorted(set(provider_options) - providers.options())

@@ -27,7 +27,7 @@ from kv_hf import providers
 from kv_hf.cache import CompressedCache
 from kv_hf.entries import Pending
 from kv_hf.options import CacheOptions
-from kv_hf.prefill import _check_ids
+from kv_hf.prefill import _check_chunking, _check_ids
 from kvcore import Budget, Compressor, DenseStore, Scorer, TopKSelector
 
 if TYPE_CHECKING:
@@ -194,14 +194,7 @@ def collect_prefill(
     CollectedPrefill
     """
     _check_ids(input_ids, attention_mask)
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
-    if (
-        isinstance(context_start, bool)
-        or not isinstance(context_start, int)
-        or not 0 <= context_start < input_ids.shape[1]
-    ):
-        raise ValueError(f"context_start must be an int in [0, {input_ids.shape[1]}), got {context_start!r}")
+    _check_chunking(input_ids, chunk_size, context_start)
     carrier = Compressor(scorer=_EveryQuery(), selector=TopKSelector(), store=DenseStore, budget=Budget(ratio=0.0))
     cache = CompressedCache(model, carrier)
     B, T = input_ids.shape

@@ -427,18 +427,10 @@ def _samples_shared(model, tokenizer, members: list[_Member], samples, protocol:
         for m in active:
             bar.set_postfix_str(f"{m.item.name} {m.item.label} {protocol}", refresh=False)
             t0 = time.perf_counter()
-            try:
-                with peak_memory(device) as peak:
-                    cache_ = collected.compress(m.compressor)
-            except (ValueError, LookupError) as exc:
-                _refuse(m, exc, cache)
+            cache_ = _compress(m, collected, fwd_peak.bytes, cache)
+            if cache_ is None:
                 continue
             r = m.result
-            r["kv_bytes"].append(cache_.nbytes())  # before any decode step (appends reserve growth slack)
-            r["tokens"].append(len(prompt))
-            r["prefill_s"].append(collected.forward_seconds)
-            r["compress_s"].append(cache_.compress_seconds)
-            r["peak"].append(_max_peak(fwd_peak.bytes, peak.bytes))
             if r["decode_tok_s"] is None:  # one measurement per cell: 16 steps over the first compressed context
                 r["decode_tok_s"] = decode_rate(model, cache_, collected.logits.argmax(-1))
             answer = generate_answer(
@@ -477,18 +469,10 @@ def _windows_shared(model, tokenizer, members: list[_Member], pairs, cache, bar,
         for m in active:
             bar.set_postfix_str(f"{m.item.name} {m.item.label} KL", refresh=False)
             t0 = time.perf_counter()
-            try:
-                with peak_memory(device) as peak:
-                    cache_ = collected.compress(m.compressor)
-            except (ValueError, LookupError) as exc:
-                _refuse(m, exc, cache)
+            cache_ = _compress(m, collected, fwd_peak.bytes, cache)
+            if cache_ is None:
                 continue
             r = m.result
-            r["kv_bytes"].append(cache_.nbytes())
-            r["tokens"].append(len(ctx_ids))
-            r["prefill_s"].append(collected.forward_seconds)
-            r["compress_s"].append(cache_.compress_seconds)
-            r["peak"].append(_max_peak(fwd_peak.bytes, peak.bytes))
             lp = ref if m.item.name == "full" else _continuation(model, cache_, collected.logits, cont)
             r["nll"].append(float(-lp.gather(-1, cont[0, :, None]).mean()))
             r["kl"].append(0.0 if m.item.name == "full" else float((ref.exp() * (ref - lp)).sum(-1).mean()))
@@ -496,6 +480,26 @@ def _windows_shared(model, tokenizer, members: list[_Member], pairs, cache, bar,
             bar.update()
         del collected
         _checkpoint(members, len(pairs), cache)
+
+
+def _compress(m: _Member, collected, forward_peak: int | None, cache):
+    """Compress the shared prefill for ``m`` and record held bytes (before any decode step: appends reserve growth
+    slack), tokens, the shared forward time, its own compression time and peak memory; ``None`` (and the cell
+    refused) when the method refuses this input."""
+    device = collected.input_ids.device
+    try:
+        with peak_memory(device) as peak:
+            cache_ = collected.compress(m.compressor)
+    except (ValueError, LookupError) as exc:
+        _refuse(m, exc, cache)
+        return None
+    r = m.result
+    r["kv_bytes"].append(cache_.nbytes())
+    r["tokens"].append(collected.input_ids.shape[1])
+    r["prefill_s"].append(collected.forward_seconds)
+    r["compress_s"].append(cache_.compress_seconds)
+    r["peak"].append(_max_peak(forward_peak, peak.bytes))
+    return cache_
 
 
 def _continuation(model, cache, last: torch.Tensor, cont: torch.Tensor) -> torch.Tensor:
