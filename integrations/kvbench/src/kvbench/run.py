@@ -196,9 +196,7 @@ def evaluate_windows(
         out["prefill_s"].append(t)
         out["compress_s"].append(tc)
         out["peak"].append(peak)
-        pos = cache.next_positions().to(device)[:, None] + torch.arange(cont.shape[1] - 1, device=device)
-        rest = model(input_ids=cont[:, :-1], past_key_values=cache, position_ids=pos, use_cache=True).logits
-        lp = torch.cat([last.reshape(1, 1, -1), rest], 1).float().log_softmax(-1)[0]  # [k, V]
+        lp = _continuation(model, cache, last, cont)  # [k, V]
         logprobs.append(lp)
         out["nll"].append(float(-lp.gather(-1, cont[0, :, None]).mean()))
         if reference is not None:
