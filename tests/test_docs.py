@@ -2,7 +2,8 @@
 
 The blocks of one Markdown file run in order in one fresh interpreter (a later block may use what an earlier one
 defined), from a temporary directory. Shell blocks are checked where they name our own CLI: every ``kvbench``
-command line must parse with kvbench's own argument parser (running the benchmark itself takes minutes).
+command line must parse with kvbench's own argument parser and pass the checks it runs before loading the model
+(running the benchmark itself takes minutes).
 """
 
 from __future__ import annotations
@@ -66,13 +67,20 @@ def test_the_docs_show_kvbench_commands() -> None:
 
 @pytest.mark.parametrize("where, line", kvbench_lines())
 def test_kvbench_command_lines_parse(where: str, line: str) -> None:
-    from kvbench.cli import parse_args
+    from kvbench.cli import UsageError, parse_args, validate
+    from kvcore.registry import discover
 
     words = shlex.split(line)
     args = words[words.index("kvbench") + 1 :]
     if "--help" in args or "-h" in args:
         return
     try:
-        parse_args(args)
+        parsed = parse_args(args)
     except SystemExit as e:  # argparse exits on a bad option
         pytest.fail(f"{where}: `{line}` does not parse with kvbench's options (exit {e.code})")
+    if parsed.list or parsed.list_tasks:
+        return
+    try:  # the checks kvbench runs before loading the model: methods, budgets, tasks, --compare sides ...
+        validate(parsed, discover())
+    except UsageError as e:
+        pytest.fail(f"{where}: `{line}` is refused by kvbench: {e}")

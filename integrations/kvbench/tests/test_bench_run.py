@@ -1,6 +1,10 @@
-"""kvbench's evaluation loop on a tiny random model: cells, protocols, resume, pairing, equal-bytes matching."""
+"""kvbench's evaluation loop on a tiny random model: cells, protocols, resume, pairing, head-to-head comparisons,
+equal-bytes matching, fast-tier bytes."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,10 +13,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from kvbench import cli
 from kvbench.budgets import parse_budgets
 from kvbench.cells import CellCache
+from kvbench.compare import Side, compare_rows, format_comparisons, parse_comparisons, validate_comparisons
 from kvbench.match import match_budget
 from kvbench.methods import GridItem
 from kvbench.paired import pair_rows
-from kvbench.report import Row
+from kvbench.report import Row, format_table, markdown_report, write_json
 from kvbench.run import Workload, evaluate_samples, fp16_bytes_per_token, run_grid
 from kvbench.tasks import TaskSample
 from kvcore import Budget
@@ -269,3 +274,102 @@ def test_an_interrupted_run_resumes_mid_cell_without_repeating_units(tmp_path, m
     assert len(counted) == 3  # only sample 2, once per method
     assert len(list((tmp_path).glob("*.json"))) == 3  # finished cells only: their progress files are gone
     assert [(r.scores, r.kv_bytes) for r in rows] == [(r.scores, r.kv_bytes) for r in clean]
+
+
+def test_a_comparison_is_the_paired_difference_of_the_two_rows_on_the_same_units():
+    """A − B per sample and per window, whatever the budgets, per protocol; the full cache (one protocol-free task
+    cell) stands on either side under every protocol."""
+    model, tok, registry, work = tiny_model(), CharTokenizer(), discover(), workload()
+    grid = [*GRID, GridItem("knorm", Budget(ratio=0.25))]
+    rows = run_grid(model, tok, registry, grid, work, protocols=["agnostic", "aware"], progress=False)
+    pairs = parse_comparisons("knorm@0.25:streaming_llm,full:knorm@0.5")
+    validate_comparisons(pairs, grid)
+    got = compare_rows(rows, pairs, seed=3)
+    assert [(c.a, c.b, c.protocol) for c in got] == [
+        ("knorm r0.25", "streaming_llm r0.5", "agnostic"),
+        ("knorm r0.25", "streaming_llm r0.5", "aware"),
+        ("full r0", "knorm r0.5", "agnostic"),
+        ("full r0", "knorm r0.5", "aware"),
+    ]
+    by = {(r.method, r.budget, r.protocol): r for r in rows}
+    for c in got:
+        a = by[(*c.a.split(), "agnostic" if c.a.startswith("full") else c.protocol)]
+        b = by[(*c.b.split(), c.protocol)]
+        want_kl = sum(x - y for x, y in zip(a.window_kl, b.window_kl)) / len(a.window_kl)
+        want_acc = sum(x - y for x, y in zip(a.scores, b.scores)) / len(a.scores)
+        assert c.d_kl.mean == pytest.approx(want_kl) and c.d_acc.mean == pytest.approx(want_acc)
+        assert c.d_kl.n == len(a.window_kl) and c.d_acc.n == len(a.scores)
+        assert c.bytes_ratio == pytest.approx(a.bytes_per_token / b.bytes_per_token)
+    assert got[2].d_kl.mean < 0  # the full cache's KL (0) minus an eviction's
+    table = format_comparisons(got)
+    assert table.count("\n") == 1 + len(got) and "| full r0 | knorm r0.5 | agnostic |" in table
+
+
+def test_comparison_sides_are_checked_against_the_run_before_anything_loads(monkeypatch, capsys):
+    grid = [GridItem("snapkv", Budget(ratio=0.5)), GridItem("snapkv", Budget(ratio=0.9)), *GRID]
+    assert parse_comparisons(None) == [] and parse_comparisons(" ") == []
+    assert parse_comparisons("hqekv-2@2bits:kivi-2@0") == [(Side("hqekv-2", "2bits"), Side("kivi-2", "r0"))]
+    for text, needle in [
+        ("snapkv", "write A:B"),
+        ("a:b:c", "write A:B"),
+        (":full", "names no method"),
+        ("knorm@:full", "empty budget"),
+        ("knorm@2:full", "ratio"),
+        ("full:full", "both sides"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            parse_comparisons(text)
+    for text, needle in [
+        ("nope:full", "'nope' is not among the run's methods"),
+        ("snapkv:full", "runs at \\['r0.5', 'r0.9'\\]; name one"),
+        ("snapkv@0.75:full", "snapkv@r0.75 is not run"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            validate_comparisons(parse_comparisons(text), grid)
+    validate_comparisons(parse_comparisons("snapkv@0.9:knorm,full:snapkv@0.5"), grid)
+
+    import kvbench.models
+
+    monkeypatch.setattr(kvbench.models, "load_smollm2", lambda *a, **k: pytest.fail("loaded the model"))
+    for argv in (["--compare", "knorm:nope"], ["--compare", "snapkv:full", "--methods", "snapkv"]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvbench: error: --compare") and err.count("\n") == 1
+
+
+def test_reports_carry_the_comparisons_and_fast_tier_bytes(tmp_path):
+    rows = [
+        Row("full", "r0", scores=[1.0] * 12, window_kl=[0.0] * 12, bytes_per_token=2000.0),
+        Row("x", "r0.9", scores=[0.0] * 12, window_kl=[0.1] * 12, bytes_per_token=1500.0),
+        Row("y", "r0.9", scores=[1.0] * 12, window_kl=[0.2] * 12, bytes_per_token=200.0),
+    ]
+    assert "resident B/token" not in format_table(rows)  # nothing offloads: no extra column
+    rows[1].resident_bytes_per_token = 200.0  # x offloads 1300 of its 1500 bytes per token
+    table = format_table(rows)
+    assert "resident B/token" in table and "| x | r0.9 | 1500 | 200 |" in table and "| y | r0.9 | 200 | 200 |" in table
+    got = compare_rows(rows, parse_comparisons("x:y"))
+    assert got[0].bytes_ratio == 1.0  # equal in the fast tier, which is what a budget is charged for
+    assert got[0].d_acc.mean == -1.0 and got[0].d_acc.significant and got[0].d_kl.mean == pytest.approx(-0.1)
+    write_json(rows, tmp_path / "r.json", {"command": "kvbench"}, got)
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["comparisons"][0]["a"] == "x r0.9" and data["comparisons"][0]["bytes_ratio"] == 1.0
+    assert data["results"][1]["resident_bytes_per_token"] == 200.0
+    md = markdown_report(rows, {"command": "kvbench"}, [], got)
+    assert "Head-to-head" in md and format_comparisons(got) in md
+    assert "Head-to-head" not in markdown_report(rows, {"command": "kvbench"}, [])
+
+
+def test_rows_record_the_fast_tier_bytes_of_every_cache():
+    """Stores that offload nothing hold everything in the fast tier: resident bytes equal bytes."""
+    model, tok, registry, work = tiny_model(), CharTokenizer(), discover(), workload()
+    rows = run_grid(model, tok, registry, GRID, work, progress=False)
+    assert all(r.resident_bytes_per_token == pytest.approx(r.bytes_per_token, rel=0, abs=0) for r in rows)
+    assert all(r.resident_bytes_per_token > 0 for r in rows)
+
+
+def test_recorded_commands_name_no_local_folder(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    inside, outside = str(tmp_path / "results" / "run1"), str(Path("/", "elsewhere", "runs", "run2"))
+    assert cli.portable_argv(["--out", inside, "--profile", "paper"]) == ["--out", "results/run1", "--profile", "paper"]
+    assert cli.portable_argv([f"--out={outside}"]) == ["--out=run2"]
+    assert cli.portable_argv(["--out", "rel/x", "--methods", "a"]) == ["--out", "rel/x", "--methods", "a"]

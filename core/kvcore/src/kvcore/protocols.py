@@ -141,6 +141,15 @@ class Store(Protocol):
         """Bytes held (on ``device``, or on all devices)."""
         ...
 
+    def resident_nbytes(self) -> int:
+        """Bytes held in the fast tier: what a compression budget is charged for.
+
+        A store that offloads part of what it holds to slower memory on purpose (SEKV's span bases in host memory,
+        fetched on demand) leaves that part out; every other store holds everything in the fast tier, which is
+        this default. Always ``0 <= resident_nbytes() <= nbytes()``, whatever device the store runs on (on a
+        CPU-only run the "fast tier" is the memory the model computes from)."""
+        return self.nbytes()
+
     def seq_lengths(self) -> torch.Tensor:
         """``[B, Hkv]`` number of entries held per head."""
         ...

@@ -127,6 +127,11 @@ class CompressedCache(Cache):
         """Bytes actually held: the sum of the layer Stores' ``nbytes`` (plus any not-yet-compressed prefill)."""
         return sum(layer.nbytes(device) for layer in self.layers)
 
+    def resident_nbytes(self) -> int:
+        """Bytes in the fast tier (``Store.resident_nbytes``): ``nbytes()`` less what a store offloads on purpose
+        (SEKV's span bases in host memory)."""
+        return sum(layer.resident_nbytes() for layer in self.layers)
+
     def seq_lengths(self) -> list[torch.Tensor]:
         """Per layer, the ``[B, Hkv]`` number of entries held by the Store."""
         return [layer.store.seq_lengths() for layer in self.layers]

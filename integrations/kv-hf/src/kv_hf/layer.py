@@ -494,3 +494,10 @@ class CompressedLayer(CacheLayerMixin):
         if self.pending is not None:
             n += storage_bytes(self.pending.tensors(), device)
         return n
+
+    def resident_nbytes(self) -> int:
+        """Bytes of this layer in the fast tier: the Store's ``resident_nbytes`` plus any pending raw prefill."""
+        n = self.store.resident_nbytes()
+        if self.pending is not None:
+            n += storage_bytes(self.pending.tensors())
+        return n

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.budgets import SYNTAX, parse_budgets
+from kvbench.compare import parse_comparisons, validate_comparisons
 from kvbench.methods import describe, parse_methods, plan_grid
 from kvbench.profiles import PROFILES
 
@@ -134,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="full",
         help="method each row is paired with, at the same budget and protocol (default: %(default)s)",
     )
+    ap.add_argument(
+        "--compare",
+        default=None,
+        metavar="A:B,...",
+        help="head-to-head pairs reported as A − B on the same samples and windows, whatever their budgets; a side "
+        "is a method or method@budget (needed when it runs at several), e.g. hqekv-2:kivi-2@0,hex-3:kcvt-3 "
+        "(default: none)",
+    )
     ap.add_argument("--tasks", default=None, help=f"comma-separated task names {prof('tasks')}")
     ap.add_argument("--lengths", type=_int_list, default=None, help=f"context lengths in tokens {prof('lengths', seq)}")
     ap.add_argument("--depths", type=_float_list, default=None, help=f"needle depths in [0, 1] {prof('depths', seq)}")
@@ -209,6 +218,11 @@ def validate(args: argparse.Namespace, registry: dict) -> tuple[list, list[str],
         raise UsageError(f"--reference: unknown method {args.reference!r}; registered: {', '.join(sorted(registry))}")
     if args.reference != "full" and args.reference not in {g.name for g in grid}:
         raise UsageError(f"--reference {args.reference!r} must also be among --methods")
+    try:
+        args.comparisons = parse_comparisons(args.compare)
+        validate_comparisons(args.comparisons, grid)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if args.device is not None:
         import torch
 
@@ -268,6 +282,7 @@ def _run(args, argv, registry, grid, tasks, protocols) -> int:
     import torch
 
     from kvbench.cells import CellCache
+    from kvbench.compare import compare_rows
     from kvbench.methods import GridItem
     from kvbench.models import load_smollm2
     from kvbench.paired import pair_rows
@@ -309,7 +324,8 @@ def _run(args, argv, registry, grid, tasks, protocols) -> int:
     counter = _Counting(cells)
     rows = run_grid(model, tok, registry, grid, work, protocols=protocols, cache=counter, progress=not args.no_progress)
     pair_rows(rows, args.reference, seed=args.seed)
-    command = "kvbench " + " ".join(sys.argv[1:] if argv is None else argv)
+    comparisons = compare_rows(rows, args.comparisons, seed=args.seed)
+    command = "kvbench " + " ".join(portable_argv(sys.argv[1:] if argv is None else argv))
     meta: dict[str, Any] = {
         "command": command.strip(),
         "profile": args.profile,
@@ -335,18 +351,41 @@ def _run(args, argv, registry, grid, tasks, protocols) -> int:
         "wall_s": time.perf_counter() - t0,
     }
     out = args.out
-    write_json(rows, out / "kvbench.json", meta)
+    write_json(rows, out / "kvbench.json", meta, comparisons)
     title = f"SmolLM2-135M, {','.join(tasks)} @ {','.join(map(str, args.lengths))} tokens, ref {args.reference}"
     plots = []
     for metric in ("accuracy", "kl"):
         name = f"kvbench_{metric}.png"
         plot(rows, out / name, metric=metric, title=title)
         plots.append(name)
-    (out / "report.md").write_text(markdown_report(rows, meta, plots))
+    (out / "report.md").write_text(markdown_report(rows, meta, plots, comparisons))
     print(format_table(rows))
+    if comparisons:
+        from kvbench.compare import format_comparisons
+
+        print("\n" + format_comparisons(comparisons))
     print(f"\nwrote {out}/kvbench.json, report.md, {', '.join(plots)}; wall {meta['wall_s']:.0f} s")
     print(json.dumps(machine))
     return 0
+
+
+def portable_argv(argv: list[str]) -> list[str]:
+    """The command line as recorded in results: an absolute ``--out`` folder under the working directory is
+    written relative to it, and one elsewhere by its name alone, so committed results name no local path."""
+    out, nxt = [], False
+    for a in argv:
+        if nxt or a.startswith("--out="):
+            prefix, path = ("", a) if nxt else ("--out=", a.removeprefix("--out="))
+            p = Path(path)
+            if p.is_absolute():
+                try:
+                    p = p.relative_to(Path.cwd())
+                except ValueError:
+                    p = Path(p.name)
+            a = prefix + str(p)
+        nxt = a == "--out"
+        out.append(a)
+    return out
 
 
 class _Counting:

@@ -1,10 +1,11 @@
 """Equal-bytes comparisons: pick, for one method, the budget whose held KV bytes come closest to a target.
 
 Methods that evict and methods that quantize mean different bytes by "ratio"; comparing them at equal *bytes
-actually held* (``CompressedCache.nbytes()``) is the fair axis. The search runs over the budget kinds the method's
-registry entry takes (average bits first, then ratio, then tokens): a coarse grid of candidates, then a bisection
-between the two candidates that bracket the target. Every candidate is measured, never predicted, so scales, zero
-points, positions and container overheads are counted.
+actually held* in the fast tier (``CompressedCache.resident_nbytes()``: ``nbytes()`` for every store except one that
+offloads on purpose, such as SEKV's span bases in host memory) is the fair axis. The search runs over the budget
+kinds the method's registry entry takes (average bits first, then ratio, then tokens): a coarse grid of candidates,
+then a bisection between the two candidates that bracket the target. Every candidate is measured, never predicted,
+so scales, zero points, positions and container overheads are counted.
 """
 
 from __future__ import annotations

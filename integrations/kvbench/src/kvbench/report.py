@@ -24,6 +24,9 @@ class Row:
     ppl: float | None = None  # perplexity of the continuations given the compressed context
     kv_bytes: float = 0.0  # mean KV bytes held after compression (all layers), CompressedCache.nbytes()
     bytes_per_token: float = 0.0  # mean held bytes per compressed context token
+    # mean bytes per context token in the fast tier (Store.resident_nbytes: less what a store offloads on purpose,
+    # such as SEKV's span bases in host memory); the x-axis of the plots and what --match-bytes matches
+    resident_bytes_per_token: float | None = None
     fp16_fraction: float = 0.0  # held bytes / bytes of the same tokens in an uncompressed fp16 cache
     prefill_s: float = 0.0  # mean prefill time including compression
     compress_s: float = 0.0  # mean time of the compression itself within prefill (CompressedCache.compress_seconds)
@@ -48,10 +51,11 @@ class Row:
         return f"{self.method} {self.budget}"
 
 
-def write_json(rows: list[Row], path: Path, meta: dict[str, Any]) -> None:
-    """Every row (per-sample scores and per-window KL included) and the run's metadata."""
+def write_json(rows: list[Row], path: Path, meta: dict[str, Any], comparisons: list | None = None) -> None:
+    """Every row (per-sample scores and per-window KL included), the ``--compare`` results and the metadata."""
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"meta": meta, "results": [asdict(r) | {"mean_accuracy": r.mean_accuracy} for r in rows]}
+    payload["comparisons"] = [asdict(c) | {"bytes_ratio": c.bytes_ratio} for c in comparisons or []]
     path.write_text(json.dumps(payload, indent=2))
 
 
@@ -63,6 +67,11 @@ def _ci(d: PairedDiff | None, spec: str) -> str:
     return "–" if d is None else d.format(spec)
 
 
+def resident_bytes_per_token(row: Row) -> float:
+    """Fast-tier bytes per token (rows from results written before they were recorded: all bytes)."""
+    return row.bytes_per_token if row.resident_bytes_per_token is None else row.resident_bytes_per_token
+
+
 def format_table(rows: list[Row]) -> str:
     """A Markdown table (also readable on a terminal).
 
@@ -70,11 +79,13 @@ def format_table(rows: list[Row]) -> str:
     """
     tasks = sorted({t for r in rows for t in r.accuracy})
     protocols = {r.protocol for r in rows}
+    offloads = any(resident_bytes_per_token(r) != r.bytes_per_token for r in rows if not r.error)
     head = [
         "method",
         "budget",
         *(["protocol"] if len(protocols) > 1 else []),
         "B/token",
+        *(["resident B/token"] if offloads else []),
         "% fp16",
         *tasks,
         "mean acc",
@@ -97,6 +108,7 @@ def format_table(rows: list[Row]) -> str:
         cells = [
             *lead,
             f"{r.bytes_per_token:.0f}",
+            *([f"{resident_bytes_per_token(r):.0f}"] if offloads else []),
             f"{100 * r.fp16_fraction:.1f}",
             *(_f(r.accuracy.get(t), ".2f") for t in tasks),
             _f(r.mean_accuracy, ".2f"),
@@ -120,7 +132,8 @@ METRICS = {
 
 
 def plot(rows: list[Row], path: Path, metric: str = "accuracy", title: str = "") -> None:
-    """One metric against KV bytes held per token, with 95% CI bars; one line per (method, protocol).
+    """One metric against KV bytes held per token in the fast tier (``resident_bytes_per_token``), with 95% CI
+    bars; one line per (method, protocol).
 
     A filled marker is a row whose paired difference from its reference excludes zero; a hollow one does not
     (or has no reference).
@@ -138,10 +151,10 @@ def plot(rows: list[Row], path: Path, metric: str = "accuracy", title: str = "")
     multi = len({p for _, p in series}) > 1
     for i, (method, protocol) in enumerate(series):
         pts = [r for r in rows if (r.method, r.protocol) == (method, protocol) and not r.error]
-        pts = sorted((r for r in pts if getattr(r, ci_attr) is not None), key=lambda r: r.bytes_per_token)
+        pts = sorted((r for r in pts if getattr(r, ci_attr) is not None), key=resident_bytes_per_token)
         if not pts:
             continue
-        x = [r.bytes_per_token for r in pts]
+        x = [resident_bytes_per_token(r) for r in pts]
         ci = [getattr(r, ci_attr) for r in pts]
         y = [c.mean for c in ci]
         err = [[c.mean - c.low for c in ci], [c.high - c.mean for c in ci]]
@@ -153,7 +166,7 @@ def plot(rows: list[Row], path: Path, metric: str = "accuracy", title: str = "")
             d = getattr(r, diff_attr)
             filled = d is not None and d.significant
             ax.plot(xi, yi, "o", color=color, markerfacecolor=color if filled else "white")
-    ax.set(xlabel="KV bytes held per context token", ylabel=label)
+    ax.set(xlabel="KV bytes held per context token (fast tier)", ylabel=label)
     if metric == "accuracy":
         ax.set_ylim(-0.05, 1.05)
     else:
@@ -170,8 +183,9 @@ def plot(rows: list[Row], path: Path, metric: str = "accuracy", title: str = "")
     plt.close(fig)
 
 
-def markdown_report(rows: list[Row], meta: dict[str, Any], plots: list[str]) -> str:
-    """A Markdown section ready to paste into the docs: command, machine, wall time, the table, the plots."""
+def markdown_report(rows: list[Row], meta: dict[str, Any], plots: list[str], comparisons: list | None = None) -> str:
+    """A Markdown section ready to paste into the docs: command, machine, wall time, the table, the ``--compare``
+    table, the plots."""
     m = meta.get("machine", {})
     device = m.get("device_name", meta.get("device", "?"))
     lines = [
@@ -192,6 +206,20 @@ def markdown_report(rows: list[Row], meta: dict[str, Any], plots: list[str]) -> 
         "",
         format_table(rows),
         "",
+        *(_comparison_section(comparisons) if comparisons else []),
         *(f"![{p}]({p})" for p in plots),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _comparison_section(comparisons: list) -> list[str]:
+    from kvbench.compare import format_comparisons
+
+    return [
+        "Head-to-head (`--compare A:B`): mean paired difference A − B over the same samples (accuracy) and windows "
+        "(KL; lower is better), seeded bootstrap 95% CI, `*` when it excludes 0; bytes are per context token in the "
+        "fast tier, and `bytes A/B` says whether the two held the same memory.",
+        "",
+        format_comparisons(comparisons),
+        "",
+    ]

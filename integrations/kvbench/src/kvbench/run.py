@@ -144,7 +144,9 @@ def evaluate_samples(
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     device = next(model.parameters()).device
     eos = getattr(tokenizer, "eos_token_id", None)
-    out: dict[str, Any] = {k: [] for k in ("scores", "tasks", "kv_bytes", "tokens", "prefill_s", "compress_s", "peak")}
+    out: dict[str, Any] = {
+        k: [] for k in ("scores", "tasks", "kv_bytes", "resident_bytes", "tokens", "prefill_s", "compress_s", "peak")
+    }
     out["decode_tok_s"] = None
     for s in samples:
         ctx = tokenizer.encode(s.context, add_special_tokens=True)
@@ -155,6 +157,7 @@ def evaluate_samples(
         ids = torch.tensor([prompt], device=device)
         cache, last, t, tc, peak = _prefill(model, tokenizer, compressor, ids)
         out["kv_bytes"].append(cache.nbytes())  # before any decode step (appends reserve growth slack)
+        out["resident_bytes"].append(cache.resident_nbytes())
         out["tokens"].append(len(prompt))
         if out["decode_tok_s"] is None:  # one measurement per cell: 16 steps over the first compressed context
             out["decode_tok_s"] = decode_rate(model, cache, last.argmax(-1))
@@ -185,13 +188,16 @@ def evaluate_windows(
     when ``compressor`` is the full cache).
     """
     device = next(model.parameters()).device
-    out: dict[str, Any] = {k: [] for k in ("kl", "nll", "kv_bytes", "tokens", "prefill_s", "compress_s", "peak")}
+    out: dict[str, Any] = {
+        k: [] for k in ("kl", "nll", "kv_bytes", "resident_bytes", "tokens", "prefill_s", "compress_s", "peak")
+    }
     logprobs = []
     for i, (ctx_ids, cont_ids) in enumerate(pairs):
         ids = torch.tensor([ctx_ids], device=device)
         cont = torch.tensor([cont_ids], device=device)
         cache, last, t, tc, peak = _prefill(model, tokenizer, compressor, ids)
         out["kv_bytes"].append(cache.nbytes())
+        out["resident_bytes"].append(cache.resident_nbytes())
         out["tokens"].append(len(ctx_ids))
         out["prefill_s"].append(t)
         out["compress_s"].append(tc)
@@ -211,10 +217,14 @@ def evaluate_windows(
 
 def _row(item: GridItem, protocol: str, tasks: dict | None, windows: dict | None, fp16_bpt: int) -> Row:
     row = Row(method=item.name, budget=item.label, protocol=protocol)
-    kv, toks, pre, comp, peaks = [], [], [], [], []
+    kv, resident, toks, pre, comp, peaks = [], [], [], [], [], []
     for part in (tasks, windows):
         if part:
             kv += part["kv_bytes"]
+            # a cell computed by a kvbench that did not record resident bytes (or resumed from such progress) lacks
+            # the first ones: they are counted as all resident (true of every store that offloads nothing)
+            res = part.get("resident_bytes", [])
+            resident += part["kv_bytes"][: len(part["kv_bytes"]) - len(res)] + list(res)
             toks += part["tokens"]
             pre += part["prefill_s"]
             comp += part["compress_s"]
@@ -233,6 +243,7 @@ def _row(item: GridItem, protocol: str, tasks: dict | None, windows: dict | None
     row.samples = len(row.scores) + (len(windows["nll"]) if windows else 0)
     row.kv_bytes = _mean(kv)
     row.bytes_per_token = _mean([b / t for b, t in zip(kv, toks)])
+    row.resident_bytes_per_token = _mean([b / t for b, t in zip(resident, toks)])
     row.fp16_fraction = row.bytes_per_token / fp16_bpt
     row.prefill_s, row.compress_s = _mean(pre), _mean(comp)
     row.peak_bytes = max(peaks) if peaks else None
@@ -373,6 +384,8 @@ def _open(members: list[_Member], cache, fresh: Callable[[], dict]) -> list[_Mem
         if found is not None:
             continue
         m.result = cache.get(_partial(m.cell)) or fresh()
+        for key, empty in fresh().items():  # progress saved by an older kvbench may lack a newer key
+            m.result.setdefault(key, empty)
         m.result.setdefault("elapsed_s", 0.0)
         try:
             m.compressor = m.method.build(m.item.budget)
@@ -405,7 +418,7 @@ def _checkpoint(members: list[_Member], total: int, cache) -> None:
 def _samples_shared(model, tokenizer, members: list[_Member], samples, protocol: str, cache, bar) -> None:
     """Task cells of one protocol: each sample's prompt is prefilled once (:func:`kv_hf.shared.collect_prefill`)
     and compressed by every method, which is exactly what a prefill per method gives (tested in kv-hf)."""
-    keys = ("scores", "tasks", "kv_bytes", "tokens", "prefill_s", "compress_s", "peak")
+    keys = ("scores", "tasks", "kv_bytes", "resident_bytes", "tokens", "prefill_s", "compress_s", "peak")
     members = _open(members, cache, lambda: {**{k: [] for k in keys}, "decode_tok_s": None})
     device = next(model.parameters()).device
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -447,7 +460,7 @@ def _samples_shared(model, tokenizer, members: list[_Member], samples, protocol:
 def _windows_shared(model, tokenizer, members: list[_Member], pairs, cache, bar, reference: Method) -> None:
     """KL cells: each window's context is prefilled once and compressed by the full cache (the reference
     continuation) and by every method; per-window KL(full || method) and NLL."""
-    keys = ("kl", "nll", "kv_bytes", "tokens", "prefill_s", "compress_s", "peak")
+    keys = ("kl", "nll", "kv_bytes", "resident_bytes", "tokens", "prefill_s", "compress_s", "peak")
     members = _open(members, cache, lambda: {k: [] for k in keys})
     if not members:
         return
@@ -493,6 +506,7 @@ def _compress(m: _Member, collected, forward_peak: int | None, cache):
         return None
     r = m.result
     r["kv_bytes"].append(cache_.nbytes())
+    r["resident_bytes"].append(cache_.resident_nbytes())
     r["tokens"].append(collected.input_ids.shape[1])
     r["prefill_s"].append(collected.forward_seconds)
     r["compress_s"].append(cache_.compress_seconds)
@@ -554,7 +568,7 @@ def _resolve(model, tokenizer, methods: dict[str, Method], item: GridItem, work:
 
         def measure(budget: Budget) -> float:
             cache_ = _prefill(model, tokenizer, method.build(budget), ids)[0]
-            return cache_.nbytes() / ids.shape[1]
+            return cache_.resident_nbytes() / ids.shape[1]
 
         try:
             m = match_budget(method, target, measure, context_tokens=ids.shape[1])

@@ -131,6 +131,11 @@ class SEKVStore(Store):
         spans = [] if self._spans is None else self._spans.tensors()
         return self._dense.nbytes(device) + storage_bytes(spans, device)
 
+    def resident_nbytes(self) -> int:
+        """Bytes on the accelerator tier (resident tokens, coarse entries, summaries, span metadata): what the
+        SEKV budget (§3.2) is charged for; the span bases kept in host memory are left out."""
+        return self.bytes_by_tier()["resident"]
+
     def bytes_by_tier(self) -> dict[str, int]:
         """``{"resident": ..., "bases": ...}``: bytes of what lives on the accelerator (resident tokens, coarse entries,
         summaries, span metadata) and of the span bases kept in CPU memory, whatever device this runs on."""

@@ -153,6 +153,10 @@ class StoreTests(StandardTests):
         assert torch.equal(store.seq_lengths().cpu(), (v.positions >= 0).sum(-1).cpu()), "seq_lengths != entries read"
         assert store.nbytes() == reachable_bytes(store), "nbytes() != bytes of the tensors the store holds"
         assert store.nbytes(device="cpu") == reachable_bytes(store, "cpu")
+        resident = store.resident_nbytes()
+        assert isinstance(resident, int) and 0 <= resident <= store.nbytes(), (
+            f"resident_nbytes() {resident!r} must be an int in [0, nbytes() = {store.nbytes()}]"
+        )
         if want is not None:
             self.assert_entries(entries(v.positions, v.keys, v.values), want, exact)
         return v
