@@ -327,6 +327,10 @@ def test_comparison_sides_are_checked_against_the_run_before_anything_loads(monk
         with pytest.raises(ValueError, match=needle):
             validate_comparisons(parse_comparisons(text), grid)
     validate_comparisons(parse_comparisons("snapkv@0.9:knorm,full:snapkv@0.5"), grid)
+    matched = [GridItem("knorm", None, parse_budgets("4096bpt")[0]), GridItem("knorm", Budget(ratio=0.5))]
+    validate_comparisons(parse_comparisons("knorm@4096bpt:knorm@0.5"), matched)
+    with pytest.raises(ValueError, match="knorm@2048bpt is not run"):
+        validate_comparisons(parse_comparisons("knorm@2048bpt:full"), matched)
 
     import kvbench.models
 
@@ -349,6 +353,9 @@ def test_reports_carry_the_comparisons_and_fast_tier_bytes(tmp_path):
     assert "resident B/token" in table and "| x | r0.9 | 1500 | 200 |" in table and "| y | r0.9 | 200 | 200 |" in table
     got = compare_rows(rows, parse_comparisons("x:y"))
     assert got[0].bytes_ratio == 1.0  # equal in the fast tier, which is what a budget is charged for
+    rows[2].matched = {"target_bytes_per_token": 200.0, "calibration": 201.0}  # y ran at a bytes target
+    assert compare_rows(rows, parse_comparisons("x:y@200bpt"))[0].b == "y r0.9"
+    assert compare_rows(rows, parse_comparisons("x:y@300bpt")) == []
     assert got[0].d_acc.mean == -1.0 and got[0].d_acc.significant and got[0].d_kl.mean == pytest.approx(-0.1)
     write_json(rows, tmp_path / "r.json", {"command": "kvbench"}, got)
     data = json.loads((tmp_path / "r.json").read_text())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbench.budgets import budget_label, parse_budget
+from kvbench.budgets import parse_budget
 from kvbench.methods import GridItem
 from kvbench.report import Row, resident_bytes_per_token
 from kvbench.stats import PairedDiff, paired_difference
@@ -58,7 +58,7 @@ def _side(text: str, where: str) -> Side:
         return Side(name)
     if not budget:
         raise ValueError(f"{where}: {text!r} has an empty budget after '@'")
-    return Side(name, budget_label(parse_budget(budget, f"{where}: budget").budget()))
+    return Side(name, str(parse_budget(budget, f"{where}: budget")))
 
 
 def parse_comparisons(text: str | None) -> list[tuple[Side, Side]]:
@@ -89,8 +89,8 @@ def validate_comparisons(pairs: list[tuple[Side, Side]], grid: list[GridItem]) -
     """Check every side against the run's grid before anything is loaded.
 
     A side's method must run (``full`` always does); a side without a budget needs a method that runs at one
-    budget; a side with a budget needs that budget among the method's (bytes targets of ``--match-bytes`` are
-    resolved after loading, so a side of a matched method takes no budget).
+    budget; a side with a budget needs that budget among the method's. A bytes-per-token target (``snapkv@9923bpt``)
+    names the budget it resolves to after loading (``--match-bytes X`` is a target of every method).
 
     Raises
     ------
@@ -113,8 +113,15 @@ def validate_comparisons(pairs: list[tuple[Side, Side]], grid: list[GridItem]) -
                 raise ValueError(f"--compare: {side} is not run; {side.method!r} runs at {have}")
 
 
+def _names(row: Row, budget: str | None) -> bool:
+    if budget is None or row.budget == budget:
+        return True
+    target = (row.matched or {}).get("target_bytes_per_token")
+    return target is not None and f"{target:g}bpt" == budget
+
+
 def _pick(rows: list[Row], side: Side, protocol: str) -> Row | None:
-    found = [r for r in rows if r.method == side.method and (side.budget is None or r.budget == side.budget)]
+    found = [r for r in rows if r.method == side.method and _names(r, side.budget)]
     found = [r for r in found if not r.error]
     same = [r for r in found if r.protocol == protocol]
     if same:
