@@ -5,6 +5,7 @@ evict — by the rank of a joint key/value importance, with tier shares solved f
 and searched with TPE (Alg. 1).
 """
 
+from kv_hqekv.ablations import ABLATIONS, ablation
 from kv_hqekv.cli import load_shares
 from kv_hqekv.compressor import hqekv
 from kv_hqekv.config import BIT_WIDTHS, HqeKVConfig
@@ -18,6 +19,7 @@ from kv_hqekv.shares import PRESETS, Shares, TierCounts, feasible, preset, solve
 from kv_hqekv.store import HqeKVStore
 
 __all__ = [
+    "ABLATIONS",
     "BIT_WIDTHS",
     "PRESETS",
     "HqeKVConfig",
@@ -27,6 +29,7 @@ __all__ = [
     "NormalizedQuantizer",
     "Shares",
     "TierCounts",
+    "ablation",
     "feasible",
     "hqekv",
     "load_shares",

@@ -1,14 +1,17 @@
 """The methods kv-hqekv registers (entry-point group ``kvcompress.methods``, see :mod:`kvcore.registry`).
 
 ``hqekv-2``, ``hqekv-2.8``, ``hqekv-3.2`` and ``hqekv-3.25`` use the paper's Table 9 shares (Llama-3.1-8B-Instruct);
-``hqekv-qwen3-2`` ... the Qwen3-8B ones. The shares fix the average bits, so each entry takes only its default
-budget (``Budget(avg_bits=bits)``); other budgets need shares of their own: ``kv_hqekv.hqekv(bits, shares=...)``.
+``hqekv-qwen3-2`` ... the Qwen3-8B ones; ``hqekv-3.2-no-range``, ``hqekv-3.2-random-ratio`` and
+``hqekv-3.2-no-evict`` are the Table 6 ablations (:mod:`kv_hqekv.ablations`). The shares fix the average bits, so
+each entry takes only its default budget (``Budget(avg_bits=bits)``); other budgets need shares of their own:
+``kv_hqekv.hqekv(bits, shares=...)``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from kv_hqekv.ablations import ABLATIONS, ablation
 from kv_hqekv.compressor import hqekv
 from kv_hqekv.shares import PRESETS
 from kvcore import Budget, Compressor
@@ -39,3 +42,25 @@ def _entry(name: str, preset_name: str) -> Method:
 METHODS: tuple[Method, ...] = tuple(
     _entry(f"hqekv-{p.split('-', 1)[1]}" if p.startswith("llama-") else f"hqekv-{p}", p) for p in PRESETS
 )
+
+
+def _ablation_entry(kind: str, bits: float = 3.2) -> Method:
+    def make(budget: Budget) -> Compressor:
+        return ablation(kind, bits)
+
+    make.__name__ = f"hqekv_ablation_{kind.replace('-', '_')}"
+    what = {
+        "no-range": "value metric without the token range (w/o I)",
+        "random-ratio": "seeded random feasible shares instead of the searched ones (w/o III)",
+        "no-evict": "evict share 0, Eq. 3 re-solved (w/o eviction)",
+    }[kind]
+    return Method(
+        f"hqekv-{bits:g}-{kind}",
+        make,
+        f"HqeKV {bits:g} bits ablation (Table 6): {what}",
+        budgets=frozenset(),
+        default=Budget(avg_bits=bits),
+    )
+
+
+METHODS += tuple(_ablation_entry(k) for k in ABLATIONS)
