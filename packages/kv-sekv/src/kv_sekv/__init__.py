@@ -12,6 +12,7 @@ surprisal_from_hidden       chunked-vocabulary surprisal (Eq. 1)
 fit_segmentation, segment   the segmentation and its budget rule
 """
 
+from .ablations import UntrainedRouter, sekv_untrained
 from .bases import SpanBasis, reconstruction_error, truncated_svd
 from .compressor import sekv
 from .config import SEKVConfig
@@ -38,12 +39,14 @@ __all__ = [
     "StepStats",
     "SurprisalScorer",
     "SurprisalScores",
+    "UntrainedRouter",
     "coarse_entries",
     "fit_segmentation",
     "reconstruction_error",
     "routing_summaries",
     "segment",
     "sekv",
+    "sekv_untrained",
     "span_weights",
     "surprisal_from_hidden",
     "surprisal_from_logits",
