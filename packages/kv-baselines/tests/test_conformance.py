@@ -72,3 +72,15 @@ class TestFullCompressor(CompressorTests):
     @pytest.fixture
     def compressor(self):
         return kb.full()
+
+
+class TestChunkKVScorer(ScorerTests):
+    @pytest.fixture
+    def scorer(self):
+        return kb.ChunkKVScorer(kb.SnapKVScorer(window=4), chunk=3)
+
+
+class TestChunkKVCompressor(CompressorTests):
+    @pytest.fixture
+    def compressor(self):
+        return kb.chunkkv(0.5, chunk=3, window=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kv_baselines.scorers import (
+    ChunkKVScorer,
     ConstantScorer,
     H2OScorer,
     KnormScorer,
@@ -55,6 +56,13 @@ def snapkv(
     return _evicting(
         "snapkv", SnapKVScorer(window, kernel_size, pooling), ratio, Protection(recent=window), granularity=granularity
     )
+
+
+def chunkkv(ratio: float, chunk: int = 10, window: int = 64, kernel_size: int = 5) -> Compressor:
+    """ChunkKV: whole chunks of ``chunk`` tokens ranked by SnapKV's window attention summed over heads and averaged
+    over the chunk, the same chunks in every head; the observation window is always kept (Liu et al. 2025, §3)."""
+    scorer = ChunkKVScorer(SnapKVScorer(window, kernel_size), chunk)
+    return _evicting("chunkkv", scorer, ratio, Protection(recent=window))
 
 
 def h2o(ratio: float, recent: int = 0) -> Compressor:

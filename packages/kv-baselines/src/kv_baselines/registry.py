@@ -47,6 +47,11 @@ METHODS: tuple[Method, ...] = (
         "observation-window attention, 64 queries, avg-pool 5 (SnapKV, Li et al. 2024)",
     ),
     Method(
+        "chunkkv",
+        lambda budget: _at(c.chunkkv(0.0), budget),
+        "whole 10-token chunks by SnapKV window attention, the same in every head (ChunkKV, Liu et al. 2025)",
+    ),
+    Method(
         "h2o", lambda budget: _at(c.h2o(0.0), budget), "heavy hitters by cumulative attention (H2O, Zhang et al. 2023)"
     ),
     Method("kivi-4", _kivi(4), "KIVI 4-bit keys per channel / values per token; ratio > 0 adds SnapKV eviction"),

@@ -1,5 +1,6 @@
 """Baseline scorers."""
 
+from kv_baselines.scorers.chunkkv import ChunkKVScorer
 from kv_baselines.scorers.h2o import H2OScorer
 from kv_baselines.scorers.kvzip import KVZIP_EXTRA, KVzipScorer
 from kv_baselines.scorers.simple import ConstantScorer, KnormScorer, RandomScorer, StreamingLLMScorer
@@ -7,6 +8,7 @@ from kv_baselines.scorers.snapkv import SnapKVScorer
 
 __all__ = [
     "KVZIP_EXTRA",
+    "ChunkKVScorer",
     "ConstantScorer",
     "H2OScorer",
     "KVzipScorer",
