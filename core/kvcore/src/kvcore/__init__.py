@@ -22,6 +22,7 @@ from kvcore.scores import Scores
 from kvcore.selectors import TieredSelector, TopKSelector, solve_shares, tier_counts
 from kvcore.stores import DenseStore
 from kvcore.view import KVView
+from kvcore.wrapping import WrappingScorer
 
 __version__ = "0.2.0"
 
@@ -45,6 +46,7 @@ __all__ = [
     "Store",
     "TieredSelector",
     "TopKSelector",
+    "WrappingScorer",
     "cap_plan",
     "checks",
     "merge_attention",

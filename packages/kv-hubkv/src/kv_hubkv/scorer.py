@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from kvcore import Scorer, Scores, ScoringContext
+from kvcore import Scorer, Scores, ScoringContext, WrappingScorer
 
 from .checks import check_ratio
 from .config import HubKVConfig
@@ -24,7 +24,7 @@ __all__ = ["HubKV"]
 
 
 @dataclass(frozen=True)
-class HubKV:
+class HubKV(WrappingScorer):
     """HubKV score refinement on top of ``base`` (a kvcore ``Scorer``).
 
     Parameters
@@ -60,31 +60,13 @@ class HubKV:
     nonnegative: Literal["error", "shift"] = "error"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.base, Scorer):
-            raise TypeError(f"base must implement kvcore.Scorer, got {type(self.base).__name__}")
+        self.check_base()
         if not isinstance(self.config, HubKVConfig):
             raise TypeError(f"config must be a HubKVConfig, got {type(self.config).__name__}")
         if self.default_ratio is not None:
             object.__setattr__(self, "default_ratio", check_ratio(self.default_ratio))
         if self.nonnegative not in ("error", "shift"):
             raise ValueError(f"nonnegative must be 'error' or 'shift', got {self.nonnegative!r}")
-
-    # -- Scorer protocol: forward what the base needs ------------------------------------------
-    @property
-    def needs_queries(self) -> bool:
-        return bool(self.base.needs_queries)
-
-    @property
-    def needs_values(self) -> bool:
-        return bool(self.base.needs_values)
-
-    @property
-    def needs_extras(self) -> frozenset[str]:
-        return frozenset(self.base.needs_extras)
-
-    @property
-    def query_window(self) -> int | None:
-        return self.base.query_window
 
     @property
     def chunkable(self) -> bool:

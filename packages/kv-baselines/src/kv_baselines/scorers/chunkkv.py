@@ -10,12 +10,12 @@ from typing import ClassVar
 import torch
 
 from kv_baselines.scorers.snapkv import SnapKVScorer
-from kvcore import Scorer, Scores, ScoringContext
+from kvcore import Scorer, Scores, ScoringContext, WrappingScorer
 from kvcore.checks import check_int
 
 
 @dataclass(frozen=True)
-class ChunkKVScorer(Scorer):
+class ChunkKVScorer(WrappingScorer):
     """Chunk importance from a base scorer: every token scores its chunk's importance, for every KV head.
 
     The sequence is cut into chunks of ``chunk`` consecutive tokens from its first index (the last one may be
@@ -30,8 +30,8 @@ class ChunkKVScorer(Scorer):
     Parameters
     ----------
     base : kvcore.Scorer
-        Token importance (the paper uses SnapKV's observation-window attention). Its ``needs_*`` and
-        ``query_window`` are forwarded.
+        Token importance (the paper uses SnapKV's observation-window attention). What it reads is what this
+        scorer reads (:class:`kvcore.WrappingScorer`).
     chunk : int
         Chunk length in tokens: 10, the paper's default (kvpress defaults to 20).
     """
@@ -41,25 +41,8 @@ class ChunkKVScorer(Scorer):
     chunkable: ClassVar[bool] = False  # chunk boundaries and the head sum span the whole prompt
 
     def __post_init__(self) -> None:
-        if not isinstance(self.base, Scorer):
-            raise TypeError(f"base must implement kvcore.Scorer, got {type(self.base).__name__}")
+        self.check_base()
         check_int("chunk", self.chunk, low=1)
-
-    @property
-    def needs_queries(self) -> bool:
-        return bool(self.base.needs_queries)
-
-    @property
-    def needs_values(self) -> bool:
-        return bool(self.base.needs_values)
-
-    @property
-    def needs_extras(self) -> frozenset[str]:
-        return frozenset(self.base.needs_extras)
-
-    @property
-    def query_window(self) -> int | None:
-        return self.base.query_window
 
     def score(self, ctx: ScoringContext) -> Scores:
         """Chunk importance per token, float32 ``[B, Hkv, T]`` (the same in every head)."""
