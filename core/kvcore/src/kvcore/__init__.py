@@ -18,6 +18,7 @@ from kvcore.protocols import Quantizer, Scorer, Selector, Store
 from kvcore.quantized import QuantizedTensor, packed_width
 from kvcore.registry import Method
 from kvcore.replan import cap_plan, replan, replan_view, retier_store
+from kvcore.retier_checks import check_retier_plan
 from kvcore.scores import Scores
 from kvcore.selectors import TieredSelector, TopKSelector, solve_shares, tier_counts
 from kvcore.stores import DenseStore
@@ -48,6 +49,7 @@ __all__ = [
     "TopKSelector",
     "WrappingScorer",
     "cap_plan",
+    "check_retier_plan",
     "checks",
     "merge_attention",
     "packed_width",

@@ -11,7 +11,7 @@ from kv_hex.kernels import dispatch
 from kv_hex.layout import PartLayout, residual_layout, segment_layout
 from kv_hex.segment import Segment, compress_segment
 from kv_hex.selector import hex_tiers
-from kvcore import EVICT, FULL, KVView, Plan, Store, merge_attention, reachable_bytes
+from kvcore import EVICT, FULL, KVView, Plan, Store, check_retier_plan, merge_attention, reachable_bytes
 from kvcore.attention import check_query, check_scale
 from kvcore.checks import (
     check_finite,
@@ -400,25 +400,9 @@ class HEXStore(Store):
         and change nothing."""
         if self._shape is None:
             raise ValueError("retier() on an empty store: write() or append() first")
-        held = self.tiers()
-        if not isinstance(plan, Plan) or tuple(plan.key_bits.shape) != tuple(held.key_bits.shape):
-            raise ValueError(f"plan must be a kvcore.Plan laid out like read(): shape {tuple(held.key_bits.shape)}")
-        if plan.full_precision is not None:
+        if isinstance(plan, Plan) and plan.full_precision is not None:
             raise ValueError("HEXStore.retier takes no plan.full_precision (the overlay is the static mask)")
-        device = held.key_bits.device
-        kb, vb = plan.key_bits.to(device), plan.bits_for_values.to(device)
-        for name, new, old in (("key_bits", kb, held.key_bits), ("value_bits", vb, held.bits_for_values)):
-            padding = old == EVICT
-            if bool((padding & (new != EVICT)).any()):
-                raise ValueError(f"plan.{name} keeps padding entries (positions -1 in read()); padding must be EVICT")
-            changed = ~padding & (new != EVICT) & (new != old)
-            if bool(changed.any()):
-                raise ValueError(
-                    f"plan.{name} moves held entries to another tier ({sorted(set(new[changed].tolist()))}); "
-                    "HEXStore re-tiers by eviction only (each entry EVICT or its held tier, see tiers())"
-                )
-        if not torch.equal(kb != EVICT, vb != EVICT):
-            raise ValueError("plan must keep the same entries for keys and values in a HEXStore")
+        kb, _ = check_retier_plan(plan, self.tiers(), "HEXStore", eviction_only=True, same_kept=True)
         perm, seg, slot, _ = self._order()
         keep_sorted = (kb != EVICT).flatten(0, 1)[seg, slot]
         keep = torch.empty_like(keep_sorted)

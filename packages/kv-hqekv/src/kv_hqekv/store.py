@@ -7,7 +7,7 @@ import torch
 from kv_hqekv.quantizers import tier_quantizer
 from kvcodec.ragged import Entries, QuantUnits, Residual, compact_entries
 from kvcodec.segments import rank_in_segment
-from kvcore import EVICT, FULL, KVView, Plan, Store, reachable_bytes
+from kvcore import EVICT, FULL, KVView, Plan, Store, check_retier_plan, reachable_bytes
 from kvcore.checks import (
     check_finite,
     check_int,
@@ -234,23 +234,14 @@ class HqeKVStore(Store):
         if self._shape is None:
             raise ValueError("retier() on an empty store: write() or append() first")
         held = self.tiers()
-        if not isinstance(plan, Plan) or tuple(plan.key_bits.shape) != tuple(held.key_bits.shape):
-            raise ValueError(f"plan must be a kvcore.Plan laid out like read(): shape {tuple(held.key_bits.shape)}")
-        if plan.full_precision is not None:
-            raise ValueError("HqeKVStore does not hold element-level full-precision masks (plan.full_precision)")
+        kb, vb = check_retier_plan(plan, held, "HqeKVStore", eviction_only=False)
         device = held.key_bits.device
-        kb, vb = plan.key_bits.to(device), plan.bits_for_values.to(device)
         rank = torch.tensor([0, 1, 2, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4], device=device)  # 0<1<2<4<16
         for name, new, old in (("key_bits", kb, held.key_bits), ("value_bits", vb, held.bits_for_values)):
             bad = set(torch.unique(new).tolist()) - self.supported_bits
             if bad:
                 raise ValueError(
                     f"plan.{name} uses tiers {sorted(bad)}; HqeKVStore holds {sorted(self.supported_bits)}"
-                )
-            if bool(((old == EVICT) & (new != EVICT)).any()):
-                raise ValueError(
-                    f"plan.{name} keeps entries the store does not hold (padding, or a value already evicted); "
-                    "they must be EVICT"
                 )
             up = (new != EVICT) & (rank[new.long()] > rank[old.long()])
             if bool(up.any()):

@@ -13,7 +13,7 @@ from kv_baselines.quant.kivi_layout import Positions, Side, uniform
 from kvcodec import CodeRows, QuantizedSegment, UniformQuantizer, quantized_attention
 from kvcodec.kernels.dispatch import use_triton
 from kvcodec.segments import offsets_in_segment, segment_ids
-from kvcore import EVICT, FULL, KVView, Plan, Quantizer, Store, reachable_bytes, reference_attention
+from kvcore import EVICT, FULL, KVView, Plan, Quantizer, Store, check_retier_plan, reachable_bytes, reference_attention
 from kvcore.attention import check_query, check_scale
 from kvcore.checks import (
     MAX_POSITION,
@@ -199,25 +199,7 @@ class KIVIStore(Store):
         sets for keys and values."""
         if self._shape is None:
             raise ValueError("retier() on an empty store: write() or append() first")
-        held = self.tiers()
-        if not isinstance(plan, Plan) or tuple(plan.key_bits.shape) != tuple(held.key_bits.shape):
-            raise ValueError(f"plan must be a kvcore.Plan laid out like read(): shape {tuple(held.key_bits.shape)}")
-        if plan.full_precision is not None:
-            raise ValueError("KIVIStore does not hold element-level full-precision masks (plan.full_precision)")
-        device = held.key_bits.device
-        kb, vb = plan.key_bits.to(device), plan.bits_for_values.to(device)
-        for name, new, old in (("key_bits", kb, held.key_bits), ("value_bits", vb, held.bits_for_values)):
-            padding = old == EVICT
-            if bool((padding & (new != EVICT)).any()):
-                raise ValueError(f"plan.{name} keeps padding entries (positions -1 in read()); padding must be EVICT")
-            changed = ~padding & (new != EVICT) & (new != old)
-            if bool(changed.any()):
-                raise ValueError(
-                    f"plan.{name} moves held entries to another tier ({sorted(set(new[changed].tolist()))}); "
-                    "KIVIStore re-tiers by eviction only (each entry EVICT or its held tier, see tiers())"
-                )
-        if not torch.equal(kb != EVICT, vb != EVICT):
-            raise ValueError("plan must keep the same entries for keys and values in a KIVIStore (tiers may differ)")
+        kb, _ = check_retier_plan(plan, self.tiers(), "KIVIStore", eviction_only=True, same_kept=True)
         _, idx, _ = self._layout()
         self._keep((kb != EVICT).flatten()[idx])
 
