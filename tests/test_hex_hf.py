@@ -5,30 +5,14 @@ import torch
 
 kv_hf = pytest.importorskip("kv_hf")
 kv_hex = pytest.importorskip("kv_hex")
-from transformers import LlamaConfig, LlamaForCausalLM
-
-
-def tiny_llama():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-    )
-    config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config).eval()
+from kv_hf.testing import tiny_model
 
 
 @torch.no_grad()
 def test_hex_prefill_and_decode_through_kv_hf():
     """Blocks of 8 so decoding crosses block ends: every token is held (HEX evicts nothing), the residual stays
     below the block, bytes fall below the fp16 cache's, and logits stay close to the full cache's."""
-    model = tiny_llama()
+    model = tiny_model()
     comp = kv_hex.hex(3, block_size=8, rho=0.125)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 256, (1, 30), generator=g)

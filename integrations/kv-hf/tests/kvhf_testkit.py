@@ -7,47 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from kv_hf.testing import FAMILIES, TINY, tiny_model  # noqa: F401 (re-exported for the tests)
 from kvcore import Budget, Compressor, DenseStore, Protection, Scorer, Scores, ScoringContext, TopKSelector
-
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-)
-FAMILIES = {
-    "llama": (LlamaConfig, LlamaForCausalLM, {}),
-    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),
-}
-
-
-def tiny_model(family: str = "llama", attn: str = "sdpa", seed: int = 0, **overrides: Any):
-    """A 2-layer, hidden-64, 4 q / 2 kv heads, head_dim-16 random causal LM in float32 (eval mode)."""
-    config_cls, model_cls, extra = FAMILIES[family]
-    torch.manual_seed(seed)
-    config = config_cls(**{**TINY, **extra, **overrides})
-    config._attn_implementation = attn
-    model = model_cls(config).eval()
-    model.set_attn_implementation(attn)
-    return model
 
 
 def prompt(T: int, B: int = 1, seed: int = 1) -> torch.Tensor:

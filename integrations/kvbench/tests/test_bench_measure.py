@@ -7,29 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import kv_hf
+from kv_hf.testing import tiny_model
 from kvbench.memory import peak_memory, release_free_memory
 from kvbench.run import decode_rate
 from kvcore import Budget, Compressor, DenseStore, Scorer, Scores, ScoringContext, TopKSelector
-
-
-def tiny_model() -> LlamaForCausalLM:
-    """A 2-layer, hidden-64, 4 q / 2 kv heads random Llama in float32 (SDPA, eval mode)."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-    )
-    config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config).eval()
 
 
 def prompt(T: int, seed: int = 1) -> torch.Tensor:

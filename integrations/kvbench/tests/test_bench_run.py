@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from kv_hf.testing import tiny_model
 from kvbench import cli
 from kvbench.budgets import parse_budgets
 from kvbench.cells import CellCache
@@ -22,23 +22,6 @@ from kvbench.run import Workload, evaluate_samples, fp16_bytes_per_token, run_gr
 from kvbench.tasks import TaskSample
 from kvcore import Budget
 from kvcore.registry import Method, discover
-
-
-def tiny_model() -> LlamaForCausalLM:
-    """A 2-layer, hidden-64, 4 q / 2 kv heads random Llama in float32 (SDPA, eval mode)."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-    )
-    config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config).eval()
 
 
 class CharTokenizer:

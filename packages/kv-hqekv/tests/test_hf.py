@@ -10,23 +10,12 @@ import torch
 kv_hf = pytest.importorskip("kv_hf")
 transformers = pytest.importorskip("transformers")
 
+from kv_hf.testing import tiny_model
 from kv_hqekv import HqeKVConfig, HqeKVStore, hqekv
 
 
 def tiny_llama():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
-    )
-    config._attn_implementation = "sdpa"
-    return transformers.LlamaForCausalLM(config).eval()
+    return tiny_model(head_dim=32, max_position_embeddings=1024)
 
 
 def ids(T, seed=1):
