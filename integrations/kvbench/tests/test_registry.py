@@ -35,6 +35,11 @@ def test_the_workspace_registers_the_known_methods():
         "hubkv-h2o",
         "hubkv-kvzip",
         "sekv",
+        "sekv-untrained",
+        "chunkkv",
+        "hqekv-3.2-no-range",
+        "hqekv-3.2-random-ratio",
+        "hqekv-3.2-no-evict",
         "hqekv-2",
         "hqekv-2.8",
         "hqekv-3.2",
@@ -88,7 +93,7 @@ def _context(comp: Compressor) -> ScoringContext:
 
 # SEKV keeps a segmentation-dependent count (resident tokens + one coarse entry per span) and needs a router trained
 # for the model; kv-sekv's own tests check its budget rule
-SEGMENTED = {"sekv"}
+SEGMENTED = {"sekv", "sekv-untrained"}
 # a method whose budget is an average bit width keeps a count set by its tier shares (HqeKV: blocks evicted by
 # share, fp16 top blocks on top); kv-hqekv's tests check the achieved bits against the shares' rounding bound
 TIERED = {name for name, method in REGISTRY.items() if method.default.avg_bits is not None}
