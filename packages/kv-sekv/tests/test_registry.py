@@ -9,8 +9,9 @@ from kvcore import registry as kvregistry
 
 
 def test_sekv_is_registered_and_builds_by_ratio():
-    (method,) = METHODS
+    method, ablation = METHODS
     assert method.name == "sekv" and method.budgets == {"ratio"}
+    assert ablation.name == "sekv-untrained" and ablation.budgets == {"ratio"}
     assert "sekv" in kvregistry.discover()
     c = method.build()
     assert c.budget.ratio == pytest.approx(0.9)  # the paper's 10 % accelerator budget
