@@ -9,23 +9,12 @@ kv_hf = pytest.importorskip("kv_hf")
 
 from sekv_testkit import router
 
+from kv_hf.testing import tiny_model
 from kv_sekv import SEKVConfig, SEKVStore, sekv, surprisal_from_logits
 
 
 def _model():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-    )
-    cfg._attn_implementation = "sdpa"
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return tiny_model()
 
 
 def test_prefill_provides_surprisal_and_decodes():
