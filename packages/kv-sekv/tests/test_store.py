@@ -109,8 +109,9 @@ def test_each_span_appears_once_per_head(args):
 @settings(max_examples=12, deadline=None)
 @given(st.sampled_from((0.35, 0.5, 0.7)), st.integers(1, 2), st.sampled_from((1, 2)), st.integers(0, 999))
 def test_cap_keeps_the_highest_gates_within_the_budget(budget, B, group, seed):
-    """Spans to expand are {α̃ > τ} (Eq. 9, GQA union), cut to the longest prefix of descending gate whose tokens fit
-    what the budget leaves after the persistent part; recomputed here from W, τ and the coarse keys."""
+    """Spans to expand are {α̃ > τ} (Eq. 9, GQA union), taken in descending gate order while they fit what the budget
+    leaves after the persistent part (one that does not fit is skipped); recomputed here from W, τ and the coarse
+    keys."""
     store, _x, q, r = _store(budget, B, group, 0.05, seed, T=96, config=ZOOM)
     store.read(q)
     sp = store._spans
@@ -146,12 +147,31 @@ def test_cap_keeps_the_highest_gates_within_the_budget(budget, B, group, seed):
         want, total = set(), 0
         for _, key in cand:
             h, s = divmod(key, 100)
+            if total + len(sp.token_pos[b][s]) > room:
+                continue
             total += len(sp.token_pos[b][s])
-            if total > room:
-                break
             want.add((h, s))
         assert expanded == want
         assert sum(len(sp.token_pos[b][s]) for _, s in expanded) <= max(room, 0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_cap_leaves_out_only_spans_that_no_longer_fit(seed):
+    """The cap fills the budget: every selected (KV head, span) pair it leaves out is longer than the room the
+    expanded ones left — one long top-gate span never blocks shorter ones (a strict prefix would)."""
+    store, _, q, r = _store(0.35, 1, 2, 0.05, seed, T=96, config=ZOOM)
+    sp = store._spans
+    capped, stats = store._zoom(q)
+    sp.budget = 1.0
+    selected, _ = store._zoom(q)
+    sp.budget = 0.35
+    cost = r.summary_cost(2, 16)
+    room = 2 * sp.capacity[0] - float(store._dense.seq_lengths()[0].sum()) - float(sp.alive[0].sum()) * (1 + cost)
+    left = room - stats.tokens
+    assert left >= 0 and bool((capped <= selected).all())
+    out = (selected & ~capped)[0].nonzero().tolist()
+    assert out, "the cap must bind in this case"
+    assert all(int(sp.length[0, s]) > left for _h, s in out)
 
 
 def test_the_cap_binds_and_expands_in_a_known_case():

@@ -13,8 +13,9 @@ Written from a :class:`~kv_sekv.SpanPlan`, one layer holds
 Decode (``read(query)`` / ``attend(query, scale)``): the gate ``α̃_S = sigmoid(q′·K̄_S/√d′ + log|S|)`` with
 ``q′ = W q`` (Eqs. 4–5) selects spans with ``α̃_S > τ`` (Eq. 9); a KV-head span is reconstructed when any query head
 of its group (and any query of the step) selects it, with priority the largest such gate (GQA choice); when the
-selections exceed the budget, the (KV head, span) pairs are kept in decreasing gate order until it is filled (a
-prefix). Expanded spans are attended as their reconstructed tokens (bias 0) in place of their coarse entry; every
+selections exceed the budget, the (KV head, span) pairs are taken in decreasing gate order until it is filled —
+a pair that no longer fits is skipped and the next, smaller one is tried (with a strict prefix, one long top-gate
+span that does not fit would block every expansion: on SmolLM2 that left zero spans expanded). Expanded spans are attended as their reconstructed tokens (bias 0) in place of their coarse entry; every
 other span is one coarse entry with logit bias ``+log|S|``; one softmax covers all of it (Stage 1 over the
 accelerator-resident entries and Stage 2 over the fetched spans, merged by log-sum-exp). Every query head of a group
 sees the group's reconstructed spans (they are on the accelerator anyway), so the view stays at KV-head granularity.
@@ -323,10 +324,14 @@ class SEKVStore(Store):
                 cand = flat.nonzero()[:, 0]
                 order = torch.sort(-prio[b].flatten()[cand], stable=True).indices  # descending gate, lower index first
                 cand = cand[order]
-                size = sp.length[b].repeat(H)[cand].float()
-                keep = torch.cumsum(size, 0) <= room
+                sizes = sp.length[b].repeat(H)[cand].tolist()
+                chosen = []
+                for idx, size in zip(cand.tolist(), sizes, strict=True):  # fill: skip what does not fit, go on
+                    if size <= room:
+                        chosen.append(idx)
+                        room -= size
                 row = torch.zeros_like(flat)
-                row[cand[keep]] = True
+                row[chosen] = True
                 zk[b] = row.view(H, M)
         stats.expanded = int(zk.sum())
         stats.tokens = int((zk * sp.length[:, None, :]).sum())
