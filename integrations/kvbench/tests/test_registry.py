@@ -36,6 +36,10 @@ def test_the_workspace_registers_the_known_methods():
         "hubkv-kvzip",
         "sekv",
         "sekv-untrained",
+        "sekv-no-svd",
+        "sekv-fixed-spans",
+        "sekv-global-tau",
+        "sekv-mean-pool",
         "chunkkv",
         "hqekv-3.2-no-range",
         "hqekv-3.2-random-ratio",
@@ -93,7 +97,7 @@ def _context(comp: Compressor) -> ScoringContext:
 
 # SEKV keeps a segmentation-dependent count (resident tokens + one coarse entry per span) and needs a router trained
 # for the model; kv-sekv's own tests check its budget rule
-SEGMENTED = {"sekv", "sekv-untrained"}
+SEGMENTED = {name for name in REGISTRY if name.startswith("sekv")}
 # a method whose budget is an average bit width keeps a count set by its tier shares (HqeKV: blocks evicted by
 # share, fp16 top blocks on top); kv-hqekv's tests check the achieved bits against the shares' rounding bound
 TIERED = {name for name, method in REGISTRY.items() if method.default.avg_bits is not None}

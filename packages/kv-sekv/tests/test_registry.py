@@ -9,9 +9,16 @@ from kvcore import registry as kvregistry
 
 
 def test_sekv_is_registered_and_builds_by_ratio():
-    method, ablation = METHODS
+    method, *ablations = METHODS
     assert method.name == "sekv" and method.budgets == {"ratio"}
-    assert ablation.name == "sekv-untrained" and ablation.budgets == {"ratio"}
+    assert [a.name for a in ablations] == [
+        "sekv-untrained",
+        "sekv-no-svd",
+        "sekv-fixed-spans",
+        "sekv-global-tau",
+        "sekv-mean-pool",
+    ]
+    assert all(a.budgets == {"ratio"} for a in ablations)
     assert "sekv" in kvregistry.discover()
     c = method.build()
     assert c.budget.ratio == pytest.approx(0.9)  # the paper's 10 % accelerator budget

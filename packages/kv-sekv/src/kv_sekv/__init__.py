@@ -12,7 +12,17 @@ surprisal_from_hidden       chunked-vocabulary surprisal (Eq. 1)
 fit_segmentation, segment   the segmentation and its budget rule
 """
 
-from .ablations import UntrainedRouter, sekv_untrained
+from .ablations import (
+    FixedSpanSelector,
+    GlobalThresholdRouter,
+    MeanPoolingSelector,
+    UntrainedRouter,
+    sekv_fixed_spans,
+    sekv_global_threshold,
+    sekv_mean_pooling,
+    sekv_no_svd,
+    sekv_untrained,
+)
 from .bases import SpanBasis, reconstruction_error, truncated_svd
 from .compressor import sekv
 from .config import SEKVConfig
@@ -26,7 +36,10 @@ from .summaries import coarse_entries, routing_summaries, span_weights
 from .surprisal import surprisal_from_hidden, surprisal_from_logits
 
 __all__ = [
+    "FixedSpanSelector",
     "GateNet",
+    "GlobalThresholdRouter",
+    "MeanPoolingSelector",
     "RouterSource",
     "SEKVConfig",
     "SEKVRouter",
@@ -46,6 +59,10 @@ __all__ = [
     "routing_summaries",
     "segment",
     "sekv",
+    "sekv_fixed_spans",
+    "sekv_global_threshold",
+    "sekv_mean_pooling",
+    "sekv_no_svd",
     "sekv_untrained",
     "span_weights",
     "surprisal_from_hidden",

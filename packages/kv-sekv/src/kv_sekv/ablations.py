@@ -1,19 +1,53 @@
-"""SEKV's Table 5 ablation "w/o trained zoom-in" (SEKV App. C) as a router source and a compressor.
+"""SEKV's Table 5 component ablations (SEKV App. C), each :func:`kv_sekv.sekv` with one part replaced.
 
-``sekv_untrained()`` is :func:`kv_sekv.sekv` with the trained router replaced by
-:meth:`~kv_sekv.SEKVRouter.untrained` of the same shapes as the shipped one: routing projections ``W`` are a fixed
-semi-orthogonal draw, ``τ = τ_init`` everywhere (one threshold for every head) and the gate network keeps every
-basis component. Everything else — segmentation, summaries, bases, the budget cap — is SEKV's. The other Table 5
-ablations (no SVD reconstruction, fixed-length instead of entropy-guided segmentation) are not offered yet.
+==========================  ============================  ==============================================================
+Table 5 row                 here                          what changes
+==========================  ============================  ==============================================================
+w/o trained zoom-in         :func:`sekv_untrained`        :meth:`~kv_sekv.SEKVRouter.untrained` router of the shipped
+                                                          shapes: fixed semi-orthogonal ``W``, ``τ = τ_init`` for
+                                                          every head, every basis component kept
+w/o SVD reconstruction      :func:`sekv_no_svd`           no CPU span bases, no span is ever expanded: spans are their
+                                                          coarse entries only
+w/o entropy segmentation    :func:`sekv_fixed_spans`      span boundaries evenly spaced instead of at surprisal peaks,
+                                                          with as many boundary tokens and the same window as SEKV's
+                                                          segmentation of the row (the same accelerator bytes)
+fixed global threshold      :func:`sekv_global_threshold` the trained router with every head's ``τ`` replaced by their
+                                                          mean over all layers and heads
+mean pooling summary        :func:`sekv_mean_pooling`     uniform weights ``1/|S|`` in Eq. 2 instead of surprisal
+                                                          weights (coarse entries and routing summaries)
+==========================  ============================  ==============================================================
+
+The paper retrains the router for each variant; these reuse the router trained for full SEKV (no retraining), so
+they measure what each component contributes to that trained system. Everything not named (budget rule, cap,
+two-stage decode) is SEKV's.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
+import torch
+
 from kv_sekv.compressor import sekv
-from kv_sekv.router import SEKVRouter, ShippedRouter
+from kv_sekv.router import RouterSource, SEKVRouter, ShippedRouter
+from kv_sekv.segmentation import Segmentation, fit_segmentation
+from kv_sekv.selector import SpanSelector
+from kv_sekv.summaries import span_weights
 from kvcore import Compressor
 
-__all__ = ["UntrainedRouter", "sekv_untrained"]
+__all__ = [
+    "FixedSpanSelector",
+    "GlobalThresholdRouter",
+    "MeanPoolingSelector",
+    "UntrainedRouter",
+    "evenly_spaced_segmentation",
+    "sekv_fixed_spans",
+    "sekv_global_threshold",
+    "sekv_mean_pooling",
+    "sekv_no_svd",
+    "sekv_untrained",
+]
 
 
 class UntrainedRouter:
@@ -37,6 +71,113 @@ class UntrainedRouter:
         return f"UntrainedRouter(like={self.like!r}, seed={self.seed})"
 
 
+class GlobalThresholdRouter:
+    """A :class:`~kv_sekv.router.RouterSource`: ``base`` (the shipped router by default) with every ``τ`` set to the
+    mean of its per-layer, per-head thresholds (Table 5 "fixed global threshold"); ``W`` and ``g_φ`` unchanged."""
+
+    def __init__(self, base: RouterSource | None = None) -> None:
+        self.base = ShippedRouter() if base is None else base
+        if not isinstance(self.base, RouterSource):
+            raise TypeError(f"base must be a kv_sekv.RouterSource, got {type(self.base).__name__}")
+        self._router: SEKVRouter | None = None
+
+    def resolve(self) -> SEKVRouter:
+        if self._router is None:
+            router = copy.deepcopy(self.base.resolve())
+            with torch.no_grad():
+                router.tau.fill_(float(router.tau.mean()))
+            self._router = router
+        return self._router
+
+    def __repr__(self) -> str:
+        return f"GlobalThresholdRouter(base={self.base!r})"
+
+
+def evenly_spaced_segmentation(seg: Segmentation, min_span: int) -> Segmentation:
+    """``seg`` with its boundaries moved to even spacing: as many resident tokens before the window as ``seg`` has
+    (anchors and short spans), placed at evenly spaced positions starting at the first token, the same window; the
+    runs between them become spans (shorter than ``min_span``: resident).
+
+    Parameters
+    ----------
+    seg : Segmentation
+        SEKV's segmentation of the row (:func:`~kv_sekv.segmentation.fit_segmentation`).
+    min_span : int
+        ``L_min``.
+
+    Returns
+    -------
+    Segmentation
+        Same ``window``, ``alpha`` and ``capacity``; ``cost`` recomputed (spans at the same ``summary_cost`` as
+        ``seg``'s: the difference in span count is charged).
+    """
+    n = seg.span_id.numel()
+    body = n - seg.window
+    device = seg.span_id.device
+    resident = int((seg.span_id[:body] < 0).sum()) if body > 0 else 0
+    anchors = torch.zeros(n, dtype=torch.bool, device=device)
+    if resident:
+        where = torch.linspace(0, body, resident + 1, device=device)[:-1].floor().long()
+        anchors[where] = True
+    eligible = torch.zeros(n, dtype=torch.bool, device=device)
+    eligible[:body] = ~anchors[:body]
+    start = eligible & ~torch.cat([eligible.new_zeros(1), eligible[:-1]])
+    run = torch.where(eligible, torch.cumsum(start.long(), 0) - 1, -1)
+    span_id = torch.full((n,), -1, dtype=torch.long, device=device)
+    n_runs = int(start.sum())
+    if n_runs:
+        lengths = torch.bincount(run[eligible], minlength=n_runs)
+        long_run = lengths >= min_span
+        new_id = torch.cumsum(long_run.long(), 0) - 1
+        keep = eligible & long_run[run.clamp_min(0)]
+        span_id = torch.where(keep, new_id[run.clamp_min(0)], -1)
+    n_spans = int(span_id.max()) + 1 if bool((span_id >= 0).any()) else 0
+    per_span = (seg.cost - int((seg.span_id < 0).sum())) / seg.n_spans if seg.n_spans else 1.0
+    cost = int((span_id < 0).sum()) + n_spans * per_span
+    return Segmentation(span_id, anchors, n_spans, seg.alpha, seg.window, cost, seg.capacity)
+
+
+@dataclasses.dataclass
+class FixedSpanSelector(SpanSelector):
+    """:class:`~kv_sekv.SpanSelector` with evenly spaced span boundaries (:func:`evenly_spaced_segmentation`)."""
+
+    def segment(self, h: torch.Tensor, **options) -> Segmentation:
+        return evenly_spaced_segmentation(fit_segmentation(h, **options), options["min_span"])
+
+
+@dataclasses.dataclass
+class MeanPoolingSelector(SpanSelector):
+    """:class:`~kv_sekv.SpanSelector` whose coarse entries and summaries average a span's tokens uniformly."""
+
+    def weights(self, h: torch.Tensor, span_id: torch.Tensor) -> torch.Tensor:
+        return span_weights(torch.ones_like(h), span_id)
+
+
+def _with_selector(compressor: Compressor, cls: type[SpanSelector]) -> Compressor:
+    s = compressor.selector
+    return dataclasses.replace(compressor, selector=cls(s.config, s.strict, s.router))
+
+
 def sekv_untrained(budget: float | None = None, name: str = "sekv-untrained") -> Compressor:
     """SEKV without its trained zoom-in (Table 5): :func:`kv_sekv.sekv` with an :class:`UntrainedRouter`."""
     return sekv(budget=budget, router=UntrainedRouter(), name=name)
+
+
+def sekv_no_svd(budget: float | None = None, name: str = "sekv-no-svd") -> Compressor:
+    """SEKV without SVD reconstruction (Table 5): spans are only their coarse entries (``reconstruct=False``)."""
+    return sekv(budget=budget, reconstruct=False, name=name)
+
+
+def sekv_fixed_spans(budget: float | None = None, name: str = "sekv-fixed-spans") -> Compressor:
+    """SEKV without entropy-guided segmentation (Table 5): evenly spaced boundaries (:class:`FixedSpanSelector`)."""
+    return _with_selector(sekv(budget=budget, name=name), FixedSpanSelector)
+
+
+def sekv_global_threshold(budget: float | None = None, name: str = "sekv-global-tau") -> Compressor:
+    """SEKV with one global zoom threshold (Table 5): the trained router under :class:`GlobalThresholdRouter`."""
+    return sekv(budget=budget, router=GlobalThresholdRouter(), name=name)
+
+
+def sekv_mean_pooling(budget: float | None = None, name: str = "sekv-mean-pool") -> Compressor:
+    """SEKV with mean-pooled span summaries (Table 5): uniform Eq. 2 weights (:class:`MeanPoolingSelector`)."""
+    return _with_selector(sekv(budget=budget, name=name), MeanPoolingSelector)

@@ -24,6 +24,7 @@ def sekv(
     *,
     strict: bool = False,
     fetch: str = "sync",
+    reconstruct: bool = True,
     name: str = "sekv",
 ) -> Compressor:
     """SEKV: surprisal segmentation, accelerator-resident summaries, CPU low-rank bases, trained zoom-in.
@@ -43,6 +44,9 @@ def sekv(
         the always-resident part fits (see :mod:`kv_sekv.segmentation`).
     fetch : {"sync", "thread"}
         How the store fetches the selected spans' CPU factors during ``attend`` (see :class:`~kv_sekv.SEKVStore`).
+    reconstruct : bool
+        ``False``: Table 5's "w/o SVD reconstruction" (no CPU span bases, spans never expanded; see
+        :class:`~kv_sekv.SEKVStore`).
     name : str
         Display name.
 
@@ -66,7 +70,7 @@ def sekv(
     return Compressor(
         scorer=SurprisalScorer(),
         selector=SpanSelector(config, strict, source),
-        store=functools.partial(SEKVStore, source, config, fetch),
+        store=functools.partial(SEKVStore, source, config, fetch, reconstruct),
         budget=Budget(ratio=max(0.0, 1.0 - config.budget)),
         protect=Protection(),
         name=name,

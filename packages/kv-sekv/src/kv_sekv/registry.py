@@ -1,8 +1,10 @@
 """The methods kv-sekv registers (entry-point group ``kvcompress.methods``, see :mod:`kvcore.registry`).
 
 ``sekv`` takes a budget by ratio (the fraction removed from the accelerator: SEKV's 10 % budget is
-``Budget(ratio=0.9)``, the default) and uses the router shipped for SmolLM2-135M; ``sekv-untrained`` is the Table 5
-ablation without the trained zoom-in (:mod:`kv_sekv.ablations`).
+``Budget(ratio=0.9)``, the default) and uses the router shipped for SmolLM2-135M; the Table 5 ablations
+(:mod:`kv_sekv.ablations`) are ``sekv-untrained`` (no trained zoom-in), ``sekv-no-svd`` (no SVD reconstruction),
+``sekv-fixed-spans`` (no entropy-guided segmentation), ``sekv-global-tau`` (one global threshold) and
+``sekv-mean-pool`` (mean-pooling summaries).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from kvcore import Budget, Compressor
 from kvcore.registry import Method
 
-from .ablations import sekv_untrained
+from .ablations import sekv_fixed_spans, sekv_global_threshold, sekv_mean_pooling, sekv_no_svd, sekv_untrained
 from .compressor import sekv
 
 __all__ = ["METHODS"]
@@ -20,8 +22,20 @@ def _sekv(budget: Budget) -> Compressor:
     return sekv(budget=1.0 - budget.ratio)
 
 
-def _sekv_untrained(budget: Budget) -> Compressor:
-    return sekv_untrained(budget=1.0 - budget.ratio)
+def _ablation(build):
+    def factory(budget: Budget) -> Compressor:
+        return build(budget=1.0 - budget.ratio)
+
+    return factory
+
+
+_ABLATIONS = (
+    ("sekv-untrained", sekv_untrained, "the untrained router (fixed W, one tau, every component kept)"),
+    ("sekv-no-svd", sekv_no_svd, "no SVD reconstruction: spans are their coarse entries only"),
+    ("sekv-fixed-spans", sekv_fixed_spans, "evenly spaced span boundaries instead of surprisal peaks"),
+    ("sekv-global-tau", sekv_global_threshold, "one zoom threshold (the mean trained tau) for every head"),
+    ("sekv-mean-pool", sekv_mean_pooling, "mean-pooled span summaries instead of surprisal weights"),
+)
 
 
 METHODS: tuple[Method, ...] = (
@@ -32,11 +46,14 @@ METHODS: tuple[Method, ...] = (
         budgets=frozenset({"ratio"}),
         default=Budget(ratio=0.9),
     ),
-    Method(
-        "sekv-untrained",
-        _sekv_untrained,
-        "SEKV ablation (Table 5): the untrained router (fixed W, one tau, every component kept), not the trained one",
-        budgets=frozenset({"ratio"}),
-        default=Budget(ratio=0.9),
+    *(
+        Method(
+            name,
+            _ablation(build),
+            f"SEKV ablation (Table 5): {what}",
+            budgets=frozenset({"ratio"}),
+            default=Budget(ratio=0.9),
+        )
+        for name, build, what in _ABLATIONS
     ),
 )

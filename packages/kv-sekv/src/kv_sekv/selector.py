@@ -16,7 +16,7 @@ from .config import SEKVConfig
 from .plan import SpanPlan, SpanScoresInfo
 from .router import RouterSource
 from .scorer import SurprisalScores
-from .segmentation import fit_segmentation
+from .segmentation import Segmentation, fit_segmentation
 from .summaries import span_weights
 
 __all__ = ["SpanSelector"]
@@ -46,6 +46,15 @@ class SpanSelector(Selector):
             raise TypeError(f"config must be a kv_sekv.SEKVConfig, got {type(self.config).__name__}")
         if not isinstance(self.strict, bool):
             raise TypeError(f"strict must be a bool, got {type(self.strict).__name__}")
+
+    def segment(self, h: torch.Tensor, **options) -> Segmentation:
+        """Segment one row's real tokens (``options`` of :func:`~kv_sekv.segmentation.fit_segmentation`); the
+        entropy-guided rule of §3.1 here, overridden by the Table 5 ablations (:mod:`kv_sekv.ablations`)."""
+        return fit_segmentation(h, **options)
+
+    def weights(self, h: torch.Tensor, span_id: torch.Tensor) -> torch.Tensor:
+        """Per-token weights of the coarse entries and summaries: Eq. 2's surprisal weights here."""
+        return span_weights(h, span_id)
 
     def select(
         self,
@@ -83,7 +92,7 @@ class SpanSelector(Selector):
                 continue
             cap = budget.kept(n)
             forced = None if protected is None else protected[b, idx].to(device)
-            seg = fit_segmentation(
+            seg = self.segment(
                 h[b, idx],
                 alpha=self.config.alpha,
                 min_span=self.config.min_span,
@@ -96,7 +105,7 @@ class SpanSelector(Selector):
                 forced=forced,
             )
             span_id[b, idx] = seg.span_id
-            weights[b, idx] = span_weights(h[b, idx], seg.span_id)
+            weights[b, idx] = self.weights(h[b, idx], seg.span_id)
             alpha[b], used[b], capacity[b] = seg.alpha, seg.used, cap
         bits = torch.where(valid, FULL, EVICT).to(torch.uint8)[:, None, :].expand(B, H, T).contiguous()
         return SpanPlan(

@@ -15,7 +15,8 @@ Decode (``read(query)`` / ``attend(query, scale)``): the gate ``α̃_S = sigmoid
 of its group (and any query of the step) selects it, with priority the largest such gate (GQA choice); when the
 selections exceed the budget, the (KV head, span) pairs are taken in decreasing gate order until it is filled —
 a pair that no longer fits is skipped and the next, smaller one is tried (with a strict prefix, one long top-gate
-span that does not fit would block every expansion: on SmolLM2 that left zero spans expanded). Expanded spans are attended as their reconstructed tokens (bias 0) in place of their coarse entry; every
+span that does not fit would block every expansion: on SmolLM2 that left zero spans expanded).
+Expanded spans are attended as their reconstructed tokens (bias 0) in place of their coarse entry; every
 other span is one coarse entry with logit bias ``+log|S|``; one softmax covers all of it (Stage 1 over the
 accelerator-resident entries and Stage 2 over the fetched spans, merged by log-sum-exp). Every query head of a group
 sees the group's reconstructed spans (they are on the accelerator anyway), so the view stays at KV-head granularity.
@@ -94,6 +95,9 @@ class SEKVStore(Store):
     fetch : {"sync", "thread"}
         How ``attend`` fetches the selected spans' factors: synchronously after Stage 1, or on a worker thread while
         Stage 1 runs (the overlap of §3.3; CUDA streams are not used yet). Same result either way.
+    reconstruct : bool
+        ``False`` is Table 5's "w/o SVD reconstruction": no span basis is kept (the span tokens are dropped after
+        their coarse entry and summaries are computed) and no span is ever expanded; the accelerator tier is SEKV's.
     """
 
     supported_bits = frozenset({EVICT, FULL})
@@ -103,10 +107,13 @@ class SEKVStore(Store):
     router: RouterSource | None = None
     config: SEKVConfig = field(default_factory=SEKVConfig)
     fetch: str = "sync"
+    reconstruct: bool = True
 
     def __post_init__(self) -> None:
         if self.fetch not in ("sync", "thread"):
             raise ValueError(f"fetch must be 'sync' or 'thread', got {self.fetch!r}")
+        if not isinstance(self.reconstruct, bool):
+            raise TypeError(f"reconstruct must be a bool, got {type(self.reconstruct).__name__}")
         if self.router is not None and not isinstance(self.router, RouterSource):
             raise TypeError(f"router must be a kv_sekv.SEKVRouter or RouterSource, got {type(self.router).__name__}")
         if not isinstance(self.config, SEKVConfig):
@@ -221,6 +228,9 @@ class SEKVStore(Store):
                 idx = order[int(starts[s]) : int(starts[s] + lens[s])]
                 token_pos[b].append(positions[b, idx].clone())
             last_pos[b, :m] = torch.stack([p[-1] for p in token_pos[b]])
+            if not self.reconstruct:  # Table 5 "w/o SVD reconstruction": nothing kept to expand
+                kb[b], vb[b] = [SpanBasis() for _ in range(m)], [SpanBasis() for _ in range(m)]
+                continue
             for L in torch.unique(lens).tolist():
                 group = (lens == L).nonzero()[:, 0]
                 idx = torch.stack([order[int(starts[s]) : int(starts[s]) + L] for s in group.tolist()])  # [n, L]
@@ -305,7 +315,9 @@ class SEKVStore(Store):
         zk = z.reshape(B, H, g * Q, M).any(2)
         prio = torch.where(z, gate, -1.0).reshape(B, H, g * Q, M).amax(2)
         stats = StepStats(selected=int(zk.sum()))
-        if sp.budget < 1.0:
+        if not self.reconstruct:
+            zk = torch.zeros_like(zk)
+        elif sp.budget < 1.0:
             lens = self._dense.seq_lengths().to(query.device)  # resident per head (includes decoded tokens)
             rview = self._dense.read()
             decoded = (
