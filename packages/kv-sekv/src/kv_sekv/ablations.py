@@ -9,8 +9,8 @@ w/o trained zoom-in         :func:`sekv_untrained`        :meth:`~kv_sekv.SEKVRo
 w/o SVD reconstruction      :func:`sekv_no_svd`           no CPU span bases, no span is ever expanded: spans are their
                                                           coarse entries only
 w/o entropy segmentation    :func:`sekv_fixed_spans`      span boundaries evenly spaced instead of at surprisal peaks,
-                                                          with as many boundary tokens and the same window as SEKV's
-                                                          segmentation of the row (the same accelerator bytes)
+                                                          as many as fit the accelerator cost of SEKV's segmentation
+                                                          of the row (same window)
 fixed global threshold      :func:`sekv_global_threshold` the trained router with every head's ``τ`` replaced by their
                                                           mean over all layers and heads
 mean pooling summary        :func:`sekv_mean_pooling`     uniform weights ``1/|S|`` in Eq. 2 instead of surprisal
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import torch
 
@@ -94,31 +95,35 @@ class GlobalThresholdRouter:
 
 
 def evenly_spaced_segmentation(seg: Segmentation, min_span: int) -> Segmentation:
-    """``seg`` with its boundaries moved to even spacing: as many resident tokens before the window as ``seg`` has
-    (anchors and short spans), placed at evenly spaced positions starting at the first token, the same window; the
-    runs between them become spans (shorter than ``min_span``: resident).
+    """``seg`` with content-blind boundaries at the same accelerator cost: ``k`` boundary tokens evenly spaced from
+    the first token over the part before the window, the runs between them spans (shorter than ``min_span``:
+    resident), ``k`` the largest count whose persistent part (``k`` boundary tokens, ``k`` spans at ``seg``'s cost per
+    span, the window) is no larger than ``seg``'s and whose gaps are at least ``min_span`` long (when SEKV keeps many
+    short spans resident, the evenly spaced version holds fewer accelerator bytes: it never holds more).
 
     Parameters
     ----------
     seg : Segmentation
-        SEKV's segmentation of the row (:func:`~kv_sekv.segmentation.fit_segmentation`).
+        SEKV's segmentation of the row (:func:`~kv_sekv.segmentation.fit_segmentation`); returned unchanged when it
+        has no span (there is no per-span cost to match).
     min_span : int
         ``L_min``.
 
     Returns
     -------
     Segmentation
-        Same ``window``, ``alpha`` and ``capacity``; ``cost`` recomputed (spans at the same ``summary_cost`` as
-        ``seg``'s: the difference in span count is charged).
+        Same ``window``, ``alpha`` and ``capacity``; ``cost`` recomputed at ``seg``'s cost per span.
     """
+    if seg.n_spans == 0:
+        return seg
     n = seg.span_id.numel()
     body = n - seg.window
     device = seg.span_id.device
-    resident = int((seg.span_id[:body] < 0).sum()) if body > 0 else 0
+    per_span = (seg.cost - int((seg.span_id < 0).sum())) / seg.n_spans  # coarse entry + summaries
+    # as many boundaries as the cost allows, each gap at least min_span long (else the gaps would be resident)
+    k = max(1, min(math.floor((seg.cost - seg.window) / (1.0 + per_span)), body // (min_span + 1)))
     anchors = torch.zeros(n, dtype=torch.bool, device=device)
-    if resident:
-        where = torch.linspace(0, body, resident + 1, device=device)[:-1].floor().long()
-        anchors[where] = True
+    anchors[torch.linspace(0, body, k + 1, device=device)[:-1].floor().long()] = True
     eligible = torch.zeros(n, dtype=torch.bool, device=device)
     eligible[:body] = ~anchors[:body]
     start = eligible & ~torch.cat([eligible.new_zeros(1), eligible[:-1]])
@@ -132,7 +137,6 @@ def evenly_spaced_segmentation(seg: Segmentation, min_span: int) -> Segmentation
         keep = eligible & long_run[run.clamp_min(0)]
         span_id = torch.where(keep, new_id[run.clamp_min(0)], -1)
     n_spans = int(span_id.max()) + 1 if bool((span_id >= 0).any()) else 0
-    per_span = (seg.cost - int((seg.span_id < 0).sum())) / seg.n_spans if seg.n_spans else 1.0
     cost = int((span_id < 0).sum()) + n_spans * per_span
     return Segmentation(span_id, anchors, n_spans, seg.alpha, seg.window, cost, seg.capacity)
 
