@@ -54,8 +54,8 @@ def test_bytes_are_exactly_the_held_entries():
     x = torch.zeros(1, S, 3, D)
     mask = torch.tensor([[[True] * 3, [False, False, True]]])
     direct = Residual.from_mask(x, mask, torch.arange(3).expand(1, S, 3).int())
-    assert _bytes(r) == _bytes(direct) == 4 * (4 * D + 4) + 8 * S
+    assert _bytes(r) == _bytes(direct) == 4 * (4 * D + 2) + 8 * S  # int16 positions while they fit
     before = _bytes(r)
     r.keep(torch.tensor([True, True, True, False]))  # evict the only entry of segment 1
     assert r.length.tolist() == [3, 0]
-    assert _bytes(r) == before - (4 * D + 4)
+    assert _bytes(r) == before - (4 * D + 2)

@@ -96,7 +96,7 @@ def test_demotion_transcodes_only_demoted_units():
     """A retier that demotes one block leaves every other unit's codes bit-identical and shrinks nbytes."""
     G = 4
     store = HqeKVStore(block=G)
-    k, v = torch.randn(1, 1, 16, 8), torch.randn(1, 1, 16, 8)
+    k, v = torch.randn(1, 1, 16, 64), torch.randn(1, 1, 16, 64)  # a head dim where codes outweigh metadata
     from kvcore import Plan
 
     bits = torch.tensor([[[4] * 8 + [2] * 8]], dtype=torch.uint8)

@@ -16,10 +16,14 @@ fill spare capacity past the rows in use. So :meth:`FullRows.copy` / :meth:`Quan
 sharing the buffers) are transactions: a store edits copies of its parts and keeps them only when every step
 succeeded, and a failing step leaves the originals exactly as they were.
 
-A *segment* is one (batch row, KV head). Every entry keeps its true position (int32); positions are unique
-inside a segment, so ``(segment, position)`` orders keys and values of different tiers identically on read.
-Metadata is kept small because it is memory too: 4 bytes of position per entry, a 4-byte segment id per
-quantization unit, per-segment counts for the full-precision rows.
+A *segment* is one (batch row, KV head). Every entry keeps its true position; positions are unique inside a
+segment, so ``(segment, position)`` orders keys and values of different tiers identically on read. Metadata is
+kept small because it is memory too: positions are stored as int16 while every position is below 32,767 (widened
+to int32 for good the first time a larger one arrives), the segment ids of quantization units run-length encoded
+(one id and one count per run of consecutive units of one segment: a store appends units segment by segment, so
+runs are long), the per-unit row counts in int16, and the full-precision rows carry per-segment counts only. What
+the parts return (:meth:`FullRows.entries`, :meth:`QuantUnits.positions`, ...) is int32 positions and int64
+segment ids whatever is stored.
 """
 
 from __future__ import annotations
@@ -35,6 +39,32 @@ from kvcore import QuantizedTensor, Quantizer
 Entries = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """``(rows [N, D], seg [N] int64, pos [N] int32)``, sorted by segment."""
 
+_INT16_MAX = torch.iinfo(torch.int16).max
+
+
+def _stored_pos(pos: torch.Tensor, *held: torch.Tensor | None) -> torch.Tensor:
+    """``pos`` in the narrowest dtype that holds it and every ``held`` position tensor (int16 or int32)."""
+    wide = any(t is not None and t.dtype == torch.int32 for t in held)
+    if not wide and (pos.numel() == 0 or int(pos.max()) < _INT16_MAX):
+        return pos.to(torch.int16)
+    return pos.to(torch.int32)
+
+
+def _widen(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def _runs(seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run-length encoding ``(ids, lengths)`` of a segment-id vector, each int16 when it fits, else int32."""
+    if seg.numel() == 0:
+        return seg.new_zeros(0, dtype=torch.int16), seg.new_zeros(0, dtype=torch.int16)
+    ids, lengths = torch.unique_consecutive(seg.long(), return_counts=True)
+    return _narrow(ids), _narrow(lengths)
+
+
+def _narrow(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int16 if t.numel() == 0 or int(t.max()) < _INT16_MAX else torch.int32)
+
 
 def compact_entries(x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> tuple[Entries, torch.Tensor]:
     """Entries of ``x [B, H, T, D]`` where ``mask [B, H, T]``, in (segment, T) order, and the counts ``[B*H]``."""
@@ -48,7 +78,7 @@ class FullRows:
     """Flat full-precision entries ``rows [N, D]`` sorted by segment, with ``counts [S]`` and positions."""
 
     def __init__(self, rows: torch.Tensor, pos: torch.Tensor, counts: torch.Tensor) -> None:
-        self.rows, self.pos, self.counts = rows, pos.int(), counts.long()
+        self.rows, self.pos, self.counts = rows, _stored_pos(pos), counts.long()
 
     @classmethod
     def from_mask(cls, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> FullRows:
@@ -64,14 +94,14 @@ class FullRows:
         return segment_ids(self.counts)
 
     def entries(self) -> Entries:
-        return self.rows, self._seg(), self.pos
+        return self.rows, self._seg(), self.pos.int()
 
     def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(seg, pos)`` of the entries, without touching the data."""
-        return self._seg(), self.pos
+        return self._seg(), self.pos.int()
 
     def crop(self, position: int) -> None:
-        keep = self.pos < position
+        keep = self.pos.int() < position  # never compare int16 with a Python int beyond its range
         seg = self._seg()
         self.counts = torch.bincount(seg[keep], minlength=self.counts.numel())
         self.rows, self.pos = self.rows[keep], self.pos[keep]
@@ -118,11 +148,12 @@ class Residual(FullRows):
         seg = self._seg()
         dst_old = torch.arange(seg.numel(), device=device) + seg * n  # every earlier segment grew by n
         dst_new = (start + old)[:, None] + torch.arange(n, device=device)
+        new_pos = _stored_pos(pos.reshape(S * n).to(device), self.pos)
         data = torch.empty(total, D, dtype=self.rows.dtype, device=device)
-        p = torch.empty(total, dtype=torch.int32, device=device)
+        p = torch.empty(total, dtype=new_pos.dtype, device=device)
         data[dst_old], p[dst_old] = self.rows, self.pos
         data[dst_new.flatten()] = rows.reshape(S * n, D).to(self.rows.dtype)
-        p[dst_new.flatten()] = pos.reshape(S * n).int().to(device)
+        p[dst_new.flatten()] = new_pos
         self.rows, self.pos, self.counts = data, p, new
 
     def pop_front(self, k: torch.Tensor) -> Entries:
@@ -130,7 +161,7 @@ class Residual(FullRows):
         k = k.long().to(self.rows.device)
         seg = self._seg()
         taken = offsets_in_segment(self.counts) < k[seg]
-        out = (self.rows[taken], seg[taken], self.pos[taken])
+        out = (self.rows[taken], seg[taken], self.pos[taken].int())
         self.rows, self.pos, self.counts = self.rows[~taken], self.pos[~taken], self.counts - k
         return out
 
@@ -138,11 +169,12 @@ class Residual(FullRows):
 class QuantUnits:
     """Quantized entries in units of ``unit`` consecutive entries of one segment, stored row by row.
 
-    Unit-level buffers hold one quantization group each (``scales``/``zeros [capU, 1, C]``, ``seg [capU]`` and
-    ``rows [capU]``, the number of code rows the unit still holds; the first ``nu`` in use); row-level buffers hold
-    one packed code row per *entry* (``codes [capR, PW]``, ``pos [capR]``, the first ``nr`` in use), sorted by
-    unit. The group membership is explicit (``rows``; for ``U = 1`` rows and units correspond one to one and
-    ``rows`` is not stored): dropping an entry drops its code row and leaves its unit's scale and zero as they
+    Unit-level buffers hold one quantization group each (``scales``/``zeros [capU, 1, C]`` and ``rows [capU]``
+    int16, the number of code rows the unit still holds; the first ``nu`` in use) and the units' segment ids,
+    run-length encoded (:attr:`seg` expands them); row-level buffers hold one packed code row per *entry*
+    (``codes [capR, PW]``, ``pos [capR]`` int16 or int32, the first ``nr`` in use), sorted by unit. The group
+    membership is explicit (``rows``; for ``U = 1`` rows and units correspond one to one and ``rows`` is not
+    stored): dropping an entry drops its code row and leaves its unit's scale and zero as they
     were (never re-quantized; every row of a group shares them, so a row's slot is immaterial); a unit left
     without rows is freed. A unit's partial last group is quantized with its last real row repeated (the min/max
     are unchanged) and those padding rows are not stored.
@@ -155,7 +187,7 @@ class QuantUnits:
         Entries per unit ``U``.
     """
 
-    _UNIT = ("scales", "zeros", "seg", "rows")
+    _UNIT = ("scales", "zeros", "rows")
     _ROW = ("codes", "pos")
 
     def __init__(self, quantizer: Quantizer, unit: int) -> None:
@@ -167,7 +199,8 @@ class QuantUnits:
         self.scales: torch.Tensor | None = None
         self.zeros: torch.Tensor | None = None
         self.codebook: torch.Tensor | None = None
-        self.seg: torch.Tensor | None = None
+        self._seg_ids: torch.Tensor | None = None  # run-length encoded segment id of every unit in use
+        self._seg_lens: torch.Tensor | None = None
         self.pos: torch.Tensor | None = None
         self.rows: torch.Tensor | None = None
         self._meta: tuple | None = None  # (bits, axis, group_size, D, dtype) of the stored QuantizedTensor
@@ -175,6 +208,28 @@ class QuantUnits:
     def copy(self) -> QuantUnits:
         """A shallow copy sharing the buffers; editing it leaves this part unchanged (module doc)."""
         return copy.copy(self)
+
+    @property
+    def seg(self) -> torch.Tensor | None:
+        """``[nu]`` int64 segment id of every unit in use (expanded from the run-length encoding)."""
+        if self._seg_ids is None:
+            return None
+        return self._seg_ids.long()[segment_ids(self._seg_lens)]
+
+    def _set_seg(self, seg: torch.Tensor) -> None:
+        self._seg_ids, self._seg_lens = _runs(seg)
+
+    def _extend_seg(self, seg: torch.Tensor) -> None:
+        ids, lens = _runs(seg)
+        if self._seg_ids is None or self._seg_ids.numel() == 0:
+            self._seg_ids, self._seg_lens = ids, lens
+            return
+        lens = lens.long()
+        if ids.numel() and int(ids[0]) == int(self._seg_ids[-1]):  # the first new run continues the last one
+            lens[0] += self._seg_lens[-1]
+            self._seg_ids, self._seg_lens = self._seg_ids[:-1], self._seg_lens[:-1]
+        self._seg_ids = _narrow(torch.cat([self._seg_ids.long(), ids.long()]))
+        self._seg_lens = _narrow(torch.cat([self._seg_lens.long(), lens]))
 
     # -- building ---------------------------------------------------------------------------------------
     @staticmethod
@@ -206,11 +261,13 @@ class QuantUnits:
             raise ValueError(f"a unit must be one quantization group, got scales {tuple(q.scales.shape)}")
         U = self.unit
         real = pos >= 0
-        units = {"scales": q.scales, "zeros": q.zeros, "seg": seg.int(), "rows": real.sum(1).int() if U > 1 else None}
-        rows = {"codes": q.codes[real], "pos": pos[real].int()}
+        count_dtype = torch.int16 if U < _INT16_MAX else torch.int32
+        units = {"scales": q.scales, "zeros": q.zeros, "rows": real.sum(1).to(count_dtype) if U > 1 else None}
+        rows = {"codes": q.codes[real], "pos": _stored_pos(pos[real], self.pos)}
         self._meta, self.codebook = meta, q.codebook
         self.nu = self._append(self._UNIT, units, self.nu)
         self.nr = self._append(self._ROW, rows, self.nr)
+        self._extend_seg(seg)
 
     def _append(self, names: tuple[str, ...], new: dict[str, torch.Tensor | None], n: int) -> int:
         m = next(t for t in new.values() if t is not None).shape[0]
@@ -221,6 +278,9 @@ class QuantUnits:
             if old is None:
                 setattr(self, name, t.clone())
                 continue
+            if old.dtype != t.dtype:  # positions widened from int16 to int32: for good
+                old = old.to(torch.promote_types(old.dtype, t.dtype))
+                setattr(self, name, old)
             if n + m > old.shape[0]:
                 grown = torch.zeros(
                     (max(n + m, old.shape[0] + old.shape[0] // 2), *old.shape[1:]), dtype=old.dtype, device=old.device
@@ -265,18 +325,18 @@ class QuantUnits:
     def entries(self) -> Entries | None:
         if self.empty:
             return None
-        return self.dequantized(), self.seg[self.row_unit()].long(), self.pos[: self.nr]
+        return self.dequantized(), self.seg[self.row_unit()], self.pos[: self.nr].int()
 
     def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.empty:
             empty = torch.zeros(0, dtype=torch.long, device=self.codes.device if self.codes is not None else None)
             return empty, empty.int()
-        return self.seg[self.row_unit()].long(), self.pos[: self.nr]
+        return self.seg[self.row_unit()], self.pos[: self.nr].int()
 
     def counts(self, num_segments: int, device: torch.device) -> torch.Tensor:
         if self.empty:
             return torch.zeros(num_segments, dtype=torch.long, device=device)
-        return torch.bincount(self.seg[self.row_unit()].long(), minlength=num_segments)
+        return torch.bincount(self.seg[self.row_unit()], minlength=num_segments)
 
     # -- editing ----------------------------------------------------------------------------------------
     def keep(self, mask: torch.Tensor) -> None:
@@ -293,22 +353,24 @@ class QuantUnits:
 
     def _select(self, row_idx: torch.Tensor, unit_idx: torch.Tensor, rows_per_unit: torch.Tensor | None) -> None:
         """Rows ``row_idx`` and units ``unit_idx`` (old indices, rows grouped by unit in the new unit order)."""
+        seg = self.seg[unit_idx]
         units = {n: None if getattr(self, n) is None else getattr(self, n)[unit_idx] for n in self._UNIT}
-        units["rows"] = None if self.unit == 1 else rows_per_unit.int()
+        units["rows"] = None if self.unit == 1 else rows_per_unit.to(self.rows.dtype)
         for name, t in {**units, "codes": self.codes[row_idx], "pos": self.pos[row_idx]}.items():
             setattr(self, name, t)
         self.nu, self.nr = unit_idx.numel(), row_idx.numel()
+        self._set_seg(seg)
 
     def crop(self, position: int) -> None:
         """Drop entries at ``position`` or later; units left without entries are freed."""
         if self.codes is None:
             return
-        self.keep(self.pos[: self.nr] < position)
+        self.keep(self.pos[: self.nr].int() < position)
 
     def take_segments(self, take: torch.Tensor, num_segments: int) -> None:
         if self.codes is None:
             return
-        unit_idx, new_seg = segment_take(self.seg[: self.nu], take, num_segments)
+        unit_idx, new_seg = segment_take(self.seg, take, num_segments)
         row_idx, _ = segment_take(self.row_unit(), unit_idx, self.nu)
         self._select(row_idx, unit_idx, None if self.unit == 1 else self.rows[unit_idx])
-        self.seg[: self.nu] = new_seg.int()
+        self._set_seg(new_seg)
