@@ -151,7 +151,7 @@ class Residual(FullRows):
         new_pos = _stored_pos(pos.reshape(S * n).to(device), self.pos)
         data = torch.empty(total, D, dtype=self.rows.dtype, device=device)
         p = torch.empty(total, dtype=new_pos.dtype, device=device)
-        data[dst_old], p[dst_old] = self.rows, self.pos
+        data[dst_old], p[dst_old] = self.rows, self.pos.to(p.dtype)
         data[dst_new.flatten()] = rows.reshape(S * n, D).to(self.rows.dtype)
         p[dst_new.flatten()] = new_pos
         self.rows, self.pos, self.counts = data, p, new
