@@ -21,6 +21,7 @@ from kvbench.tasks import passkey
 
 VARIANTS = {
     "sekv": kv_sekv.sekv,
+    "sekv-short-spans": lambda budget: kv_sekv.sekv(budget, config=kv_sekv.SEKVConfig(max_span="auto")),
     "sekv-untrained": kv_sekv.sekv_untrained,
     "sekv-global-tau": kv_sekv.sekv_global_threshold,
     "sekv-mean-pool": kv_sekv.sekv_mean_pooling,
@@ -34,6 +35,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1000, help="prompt length (default: %(default)s)")
     parser.add_argument("--budget", type=float, default=0.1, help="accelerator share (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=16, help="decode steps (default: %(default)s)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (default: all)")
     args = parser.parse_args()
     torch.manual_seed(0)
     model, tok = load_smollm2()
@@ -41,7 +43,8 @@ def main() -> None:
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {ids.shape[1]} prompt tokens")
     print("| variant | spans (30 layers) | selected / step | expanded / step | tokens rebuilt / step | s / step |")
     print("|---|---|---|---|---|---|")
-    for name, build in VARIANTS.items():
+    for name in args.variants.split(","):
+        build = VARIANTS[name]
         cache = kv_hf.compressed_cache(model, build(budget=args.budget))
         with torch.no_grad():
             logits = kv_hf.prefill(model, cache, ids)

@@ -35,6 +35,7 @@ def test_the_workspace_registers_the_known_methods():
         "hubkv-h2o",
         "hubkv-kvzip",
         "sekv",
+        "sekv-short-spans",
         "sekv-untrained",
         "sekv-no-svd",
         "sekv-fixed-spans",

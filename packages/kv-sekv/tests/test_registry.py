@@ -9,8 +9,9 @@ from kvcore import registry as kvregistry
 
 
 def test_sekv_is_registered_and_builds_by_ratio():
-    method, *ablations = METHODS
+    method, short, *ablations = METHODS
     assert method.name == "sekv" and method.budgets == {"ratio"}
+    assert short.name == "sekv-short-spans" and short.build().selector.config.max_span == "auto"
     assert [a.name for a in ablations] == [
         "sekv-untrained",
         "sekv-no-svd",

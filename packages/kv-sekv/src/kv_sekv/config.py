@@ -70,6 +70,13 @@ class SEKVConfig:
         ``w+`` of the weighted zoom BCE (Eq. 13). > 0.
     rho : float, default 0.9
         Teacher-mass coverage defining the zoom targets ``C_ρ`` (Eq. 12). In (0, 1].
+    max_span : int, "auto" or None, default None
+        Our addition (the paper has no such limit): spans longer than this are cut into near-equal consecutive
+        pieces, so that a span can be reconstructed within the share of the budget kept for zoom-in. ``None``: the
+        paper's maximal runs between anchors. ``"auto"``: the zoom share of the budget (``⌊zoom_share · budget
+        tokens⌋``, at least ``min_span``), doubled until the persistent part fits. An int must be >= ``min_span``.
+        Why: with the budget rule raising α, the runs between anchors get far longer than what the zoom share can
+        hold, and the cap then never lets a span be expanded (measured on SmolLM2-135M, docs/methods/sekv.md).
 
     Raises
     ------
@@ -95,10 +102,15 @@ class SEKVConfig:
     beta: float = 0.1
     pos_weight: float = 10.0
     rho: float = 0.9
+    max_span: int | str | None = None
 
     def __post_init__(self) -> None:
         for name, low in (("min_span", 1), ("max_rank", 1), ("proj_dim", 1), ("window", 0)):
             object.__setattr__(self, name, _int(name, getattr(self, name), low))
+        if self.max_span is not None and self.max_span != "auto":
+            if isinstance(self.max_span, str):
+                raise ValueError(f"max_span must be an int >= min_span, 'auto' or None, got {self.max_span!r}")
+            object.__setattr__(self, "max_span", _int("max_span", self.max_span, self.min_span))
         ranges = {
             "alpha": (0.0, None, False),
             "tau_init": (0.0, 1.0, True),

@@ -1,7 +1,9 @@
 """The methods kv-sekv registers (entry-point group ``kvcompress.methods``, see :mod:`kvcore.registry`).
 
 ``sekv`` takes a budget by ratio (the fraction removed from the accelerator: SEKV's 10 % budget is
-``Budget(ratio=0.9)``, the default) and uses the router shipped for SmolLM2-135M; the Table 5 ablations
+``Budget(ratio=0.9)``, the default) and uses the router shipped for SmolLM2-135M; ``sekv-short-spans`` cuts spans to
+what the zoom share of the budget can reconstruct (``SEKVConfig(max_span="auto")``, our addition); the Table 5
+ablations
 (:mod:`kv_sekv.ablations`) are ``sekv-untrained`` (no trained zoom-in), ``sekv-no-svd`` (no SVD reconstruction),
 ``sekv-fixed-spans`` (no entropy-guided segmentation), ``sekv-global-tau`` (one global threshold) and
 ``sekv-mean-pool`` (mean-pooling summaries).
@@ -14,12 +16,17 @@ from kvcore.registry import Method
 
 from .ablations import sekv_fixed_spans, sekv_global_threshold, sekv_mean_pooling, sekv_no_svd, sekv_untrained
 from .compressor import sekv
+from .config import SEKVConfig
 
 __all__ = ["METHODS"]
 
 
 def _sekv(budget: Budget) -> Compressor:
     return sekv(budget=1.0 - budget.ratio)
+
+
+def _sekv_short_spans(budget: Budget) -> Compressor:
+    return sekv(budget=1.0 - budget.ratio, config=SEKVConfig(max_span="auto"), name="sekv-short-spans")
 
 
 def _ablation(build):
@@ -43,6 +50,13 @@ METHODS: tuple[Method, ...] = (
         "sekv",
         _sekv,
         "SEKV surprisal spans: resident anchors and span summaries, CPU low-rank bases, trained zoom-in (SEKV §3)",
+        budgets=frozenset({"ratio"}),
+        default=Budget(ratio=0.9),
+    ),
+    Method(
+        "sekv-short-spans",
+        _sekv_short_spans,
+        "SEKV with spans cut to what the zoom share of the budget can reconstruct (max_span='auto'; our addition)",
         budgets=frozenset({"ratio"}),
         default=Budget(ratio=0.9),
     ),

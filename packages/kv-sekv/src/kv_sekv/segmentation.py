@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Segmentation", "fit_segmentation", "segment"]
+__all__ = ["Segmentation", "fit_segmentation", "segment", "split_spans"]
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,12 @@ def _stats(h: torch.Tensor) -> tuple[float, float]:
 
 
 def segment(
-    h: torch.Tensor, threshold: float, min_span: int, window: int, forced: torch.Tensor | None = None
+    h: torch.Tensor,
+    threshold: float,
+    min_span: int,
+    window: int,
+    forced: torch.Tensor | None = None,
+    max_span: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Anchors ``h > threshold`` (plus the first token) outside the last ``window`` tokens, and span ids.
 
@@ -87,6 +92,9 @@ def segment(
         Trailing tokens kept resident and not segmented.
     forced : Tensor, optional
         ``[n]`` bool: tokens that must be anchors (protected tokens).
+    max_span : int, optional
+        Spans longer than this are cut into ``⌈|S| / max_span⌉`` near-equal consecutive pieces (our addition; see
+        :class:`~kv_sekv.SEKVConfig`).
 
     Returns
     -------
@@ -112,7 +120,27 @@ def segment(
         new_id = torch.cumsum(long_run.long(), 0) - 1
         keep = eligible & long_run[run.clamp_min(0)]
         span_id = torch.where(keep, new_id[run.clamp_min(0)], -1)
+    if max_span is not None:
+        span_id = split_spans(span_id, max_span)
     return span_id, anchors
+
+
+def split_spans(span_id: torch.Tensor, max_span: int) -> torch.Tensor:
+    """Cut every span longer than ``max_span`` into ``⌈|S| / max_span⌉`` near-equal consecutive pieces (lengths
+    differ by at most one); ids stay in token order, resident tokens (``−1``) unchanged."""
+    inside = span_id >= 0
+    if not bool(inside.any()):
+        return span_id
+    sid = span_id[inside]
+    lengths = torch.bincount(sid)
+    start = torch.cumsum(lengths, 0) - lengths
+    offset = torch.arange(sid.numel(), device=sid.device) - start[sid]  # a span's tokens are consecutive
+    pieces = -(-lengths // max_span)
+    piece = offset * pieces[sid] // lengths[sid]
+    first = torch.cumsum(pieces, 0) - pieces
+    out = span_id.clone()
+    out[inside] = first[sid] + piece
+    return out
 
 
 def _cost(span_id: torch.Tensor, summary_cost: float) -> tuple[float, int]:
@@ -133,6 +161,7 @@ def fit_segmentation(
     window_share: float = 0.25,
     zoom_share: float = 0.0,
     forced: torch.Tensor | None = None,
+    max_span: int | str | None = None,
 ) -> Segmentation:
     """Segment one sequence under the budget rule (module docstring).
 
@@ -156,12 +185,26 @@ def fit_segmentation(
         fit ``(1 − zoom_share) · capacity``).
     forced : Tensor, optional
         ``[n]`` bool tokens that are always anchors (protected tokens).
+    max_span : int, "auto" or None
+        Longest span (:class:`~kv_sekv.SEKVConfig`); ``"auto"``: ``max(min_span, ⌊zoom_share · capacity⌋)``, doubled
+        (with ``strict=False``) until the persistent part fits, unbounded as the last resort.
 
     Raises
     ------
     ValueError
         With ``strict=False``, when no α fits: the message gives the budget and the smallest persistent part.
     """
+    if max_span == "auto":
+        room = max(min_span, math.floor(zoom_share * capacity))
+        tries = [room * 2**k for k in range(32) if room * 2**k < h.numel()] + [None]
+        opts = dict(alpha=alpha, min_span=min_span, window=window, capacity=capacity, summary_cost=summary_cost)
+        opts.update(strict=strict, window_share=window_share, zoom_share=zoom_share, forced=forced)
+        for i, cap_len in enumerate(tries):
+            try:
+                return fit_segmentation(h, **opts, max_span=cap_len)
+            except ValueError:
+                if i == len(tries) - 1:
+                    raise
     h = h.float()
     n = h.numel()
     mu, sigma = _stats(h)
@@ -170,7 +213,7 @@ def fit_segmentation(
         window = min(window, math.floor(window_share * capacity))
 
     def build(thr: float, a: float) -> Segmentation:
-        span_id, anchors = segment(h, thr, min_span, window, forced)
+        span_id, anchors = segment(h, thr, min_span, window, forced, max_span)
         cost, n_spans = _cost(span_id, summary_cost)
         return Segmentation(span_id, anchors, n_spans, a, window, cost, capacity)
 

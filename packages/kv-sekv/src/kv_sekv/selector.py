@@ -103,6 +103,7 @@ class SpanSelector(Selector):
                 window_share=self.config.window_share,
                 zoom_share=self.config.zoom_share,
                 forced=forced,
+                max_span=self.config.max_span,
             )
             span_id[b, idx] = seg.span_id
             weights[b, idx] = self.weights(h[b, idx], seg.span_id)
