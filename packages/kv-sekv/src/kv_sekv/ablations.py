@@ -32,7 +32,7 @@ import torch
 
 from kv_sekv.compressor import sekv
 from kv_sekv.router import RouterSource, SEKVRouter, ShippedRouter
-from kv_sekv.segmentation import Segmentation, fit_segmentation
+from kv_sekv.segmentation import Segmentation, fit_segmentation, runs_to_spans
 from kv_sekv.selector import SpanSelector
 from kv_sekv.summaries import span_weights
 from kvcore import Compressor
@@ -126,16 +126,7 @@ def evenly_spaced_segmentation(seg: Segmentation, min_span: int) -> Segmentation
     anchors[torch.linspace(0, body, k + 1, device=device)[:-1].floor().long()] = True
     eligible = torch.zeros(n, dtype=torch.bool, device=device)
     eligible[:body] = ~anchors[:body]
-    start = eligible & ~torch.cat([eligible.new_zeros(1), eligible[:-1]])
-    run = torch.where(eligible, torch.cumsum(start.long(), 0) - 1, -1)
-    span_id = torch.full((n,), -1, dtype=torch.long, device=device)
-    n_runs = int(start.sum())
-    if n_runs:
-        lengths = torch.bincount(run[eligible], minlength=n_runs)
-        long_run = lengths >= min_span
-        new_id = torch.cumsum(long_run.long(), 0) - 1
-        keep = eligible & long_run[run.clamp_min(0)]
-        span_id = torch.where(keep, new_id[run.clamp_min(0)], -1)
+    span_id = runs_to_spans(eligible, min_span)
     n_spans = int(span_id.max()) + 1 if bool((span_id >= 0).any()) else 0
     cost = int((span_id < 0).sum()) + n_spans * per_span
     return Segmentation(span_id, anchors, n_spans, seg.alpha, seg.window, cost, seg.capacity)

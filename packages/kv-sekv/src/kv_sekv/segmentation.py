@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Segmentation", "fit_segmentation", "segment", "split_spans"]
+__all__ = ["Segmentation", "fit_segmentation", "runs_to_spans", "segment", "split_spans"]
 
 
 @dataclass(frozen=True)
@@ -108,21 +108,26 @@ def segment(
     anchors[:1] = ~in_window[:1]
     if forced is not None:
         anchors |= forced & ~in_window
-    eligible = ~anchors & ~in_window
+    span_id = runs_to_spans(~anchors & ~in_window, min_span)
+    if max_span is not None:
+        span_id = split_spans(span_id, max_span)
+    return span_id, anchors
+
+
+def runs_to_spans(eligible: torch.Tensor, min_span: int) -> torch.Tensor:
+    """Span ids of the maximal runs of ``eligible`` tokens at least ``min_span`` long, numbered in order; ``−1``
+    elsewhere (anchors, window, short runs)."""
     start = eligible & ~torch.cat([eligible.new_zeros(1), eligible[:-1]])
-    run = torch.cumsum(start.long(), 0) - 1
-    run = torch.where(eligible, run, -1)
+    run = torch.where(eligible, torch.cumsum(start.long(), 0) - 1, -1)
     n_runs = int(start.sum())
-    span_id = torch.full((n,), -1, dtype=torch.long, device=h.device)
+    span_id = torch.full(eligible.shape, -1, dtype=torch.long, device=eligible.device)
     if n_runs:
         lengths = torch.bincount(run[eligible], minlength=n_runs)
         long_run = lengths >= min_span
         new_id = torch.cumsum(long_run.long(), 0) - 1
         keep = eligible & long_run[run.clamp_min(0)]
         span_id = torch.where(keep, new_id[run.clamp_min(0)], -1)
-    if max_span is not None:
-        span_id = split_spans(span_id, max_span)
-    return span_id, anchors
+    return span_id
 
 
 def split_spans(span_id: torch.Tensor, max_span: int) -> torch.Tensor:
