@@ -163,6 +163,33 @@ def test_match_bytes_through_run_grid_uses_real_held_bytes():
     assert rows[1].budget.startswith("r")
 
 
+@pytest.mark.filterwarnings("ignore:.*too short for the budget")
+def test_a_bytes_target_that_resolves_to_a_listed_budget_is_one_row():
+    """``knorm@r`` and a bytes target that resolves to the same ``r`` are one row (one set of cells), carrying the
+    match, and a comparison finds it under either name."""
+    model, tok, registry, work = tiny_model(), CharTokenizer(), discover(), workload()
+    probe = run_grid(model, tok, registry, [GridItem("knorm", None, parse_budgets("9000bpt")[0])], work, progress=False)
+    resolved = probe[1].budget  # what the target resolves to, e.g. r0.5...
+    target = parse_budgets("9000bpt")[0]
+    grid = [GridItem("knorm", Budget(ratio=float(resolved[1:]))), GridItem("knorm", None, target)]
+    rows = run_grid(model, tok, registry, grid, work, progress=False)
+    assert [(r.method, r.budget) for r in rows] == [("full", "r0"), ("knorm", resolved)]
+    assert rows[1].matched["target_bytes_per_token"] == 9000
+    for a in (f"knorm@{resolved}", "knorm@9000bpt"):
+        (comparison,) = compare_rows(rows, parse_comparisons(f"{a}:full"))
+        assert comparison.a == f"knorm {resolved}"
+    before = _distinct_off(model, tok, registry, grid, work)
+    assert [(r.method, r.budget) for r in before] == [("full", "r0"), ("knorm", resolved), ("knorm", resolved)]
+
+
+def _distinct_off(model, tok, registry, grid, work):
+    """The rows without the de-duplication (what an earlier kvbench listed): the test's witness that it binds."""
+    from unittest import mock
+
+    with mock.patch("kvbench.run._distinct", lambda items: items):
+        return run_grid(model, tok, registry, grid, work, progress=False)
+
+
 def test_cli_validates_everything_before_loading_the_model(monkeypatch, capsys):
     import kvbench.models
 

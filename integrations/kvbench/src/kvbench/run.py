@@ -295,7 +295,7 @@ def run_grid(
     fp16_bpt = fp16_bytes_per_token(model)
     full = GridItem("full", methods["full"].default)
     items = [full] + [g for g in grid if g.name != "full"]
-    items = [_resolve(model, tokenizer, methods, g, work, cache) for g in items]
+    items = _distinct([_resolve(model, tokenizer, methods, g, work, cache) for g in items])
 
     def task_cell(item: GridItem, protocol: str) -> dict:
         return {"kind": "tasks", "method": item.name, "budget": item.label, "protocol": protocol}
@@ -579,6 +579,22 @@ def _resolve(model, tokenizer, methods: dict[str, Method], item: GridItem, work:
     if "error" in found:
         return _Resolved(item.name, None, item.target, target_error=found["error"])
     return _Resolved(item.name, Budget(**found["budget"]), item.target, calibration=found["bytes_per_token"])
+
+
+def _distinct(items: list[GridItem]) -> list[GridItem]:
+    """One item per (method, budget): a bytes target that resolves to a budget already in the grid is that item
+    (it keeps the target, so ``--compare`` finds it by either name) rather than a second, identical row."""
+    out: list[GridItem] = []
+    where: dict[tuple[str, str], int] = {}
+    for item in items:
+        key = (item.name, item.label) if item.budget is not None else None
+        if key is None or key not in where:
+            if key is not None:
+                where[key] = len(out)
+            out.append(item)
+        elif item.target is not None and out[where[key]].target is None:
+            out[where[key]] = item
+    return out
 
 
 def _budget_dict(b: Budget) -> dict[str, Any]:
