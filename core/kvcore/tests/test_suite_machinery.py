@@ -404,13 +404,14 @@ def test_bad_input_suite_catches_unclear_errors_and_partial_mutations(store, mes
     ],
 )
 def test_suites_catch_broken_implementations(run):
-    settings.register_profile("no-shrink", phases=[Phase.generate])
+    previous = settings.get_current_profile_name()  # e.g. the derandomized "ci" profile of the root conftest
+    settings.register_profile("no-shrink", parent=settings.get_profile(previous), phases=[Phase.generate])
     settings.load_profile("no-shrink")
     try:
         with pytest.raises(AssertionError):
             run()
     finally:
-        settings.load_profile("default")
+        settings.load_profile(previous)
 
 
 class _Zeros(KeyNorm):
