@@ -197,7 +197,7 @@ def test_nbytes_is_the_sum_of_the_parts_for_hex3_on_fp16():
         + coded_tokens * d1 * 2  # overlay values
     )
     want += H * D * 2 * 2 + T * 2 * 2  # key scale/zero per (head, channel); value scale/zero per token (fp16)
-    want += T * H * 4 + T * 4  # int32 positions per entry; slot positions per token
+    want += T * H * 2 + T * 4  # int16 positions per entry (all below 32,767); int32 slot positions per token
     want += 2 * T * H  # key / value FULL flags (bool per entry)
     want += 2 * H * 8 + 8  # per-head counts of the segment and the (empty) residual; last position of the row
     assert store.nbytes() == want
@@ -229,3 +229,32 @@ def test_bad_input_is_refused_and_changes_nothing():
         HEXStore({"bits": 3})
     assert torch.equal(store.read().keys, before) and store.nbytes() == size
     assert EVICT in store.supported_bits and 3 in store.supported_bits and 4 not in store.supported_bits
+
+
+def test_positions_widen_past_int16_and_stay_exact():
+    """Positions are held in int16 while every one is below 32,767 (segments and residual); a write or append at a
+    larger position holds int32, and reads, crops (a Python int beyond int16) and attention see the true ones."""
+    from kvcore import reference_attention
+
+    cfg = HEXConfig(bits=3)
+    k, v, _ = layer(T=192)
+    start = 32_573  # the prefill ends at 32,764; the appends cross the boundary
+    pos = torch.arange(start, start + 192)[None]
+    store = HEXStore(cfg)
+    store.write(k, v, hex_plan(cfg, 192), pos)
+    assert store._segments[0].pos.dtype == torch.int16
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        p = start + 192 + step
+        store.append(torch.randn(1, 3, 1, 64, generator=g), torch.randn(1, 3, 1, 64, generator=g), torch.tensor([[p]]))
+    want = list(range(start, start + 196))
+    assert store._res["pos"].dtype == torch.int32  # widened by the appends at 32,767 and 32,768
+    view = store.read()
+    assert view.positions[0, 0].tolist() == want
+    q = torch.randn(1, 3, 1, 64, generator=g)
+    torch.testing.assert_close(store.attend(q)[0], reference_attention(view, q)[0], rtol=1e-4, atol=1e-4)
+    store.crop(32_768)
+    assert store.read().positions[0, 0].tolist() == [p for p in want if p < 32_768]
+    low = HEXStore(cfg)
+    low.write(k, v, hex_plan(cfg, 192), torch.arange(192)[None])
+    assert low._segments[0].pos.dtype == torch.int16 and low._res["pos"].dtype == torch.int16

@@ -48,6 +48,14 @@ def segment_mask(cfg: HEXConfig, n: int, H: int, D: int, device) -> torch.Tensor
     return m.view(n, H, D) if cfg.mask_scope == "layer" else m[:, None, :].expand(n, H, D)
 
 
+def narrow_positions(pos: torch.Tensor) -> torch.Tensor:
+    """True positions in the narrowest safe dtype: int16 while every one is below 32,767, else int32 (memory: a
+    position per entry and head is a few percent of a 3-bit code row). Compare them with Python ints only after
+    ``.int()``: torch compares an int16 tensor with an out-of-range Python int after wrapping it."""
+    small = pos.numel() == 0 or int(pos.max()) < torch.iinfo(torch.int16).max
+    return pos.to(torch.int16 if small else torch.int32)
+
+
 @dataclass
 class Segment:
     """See the module docstring. Tensors only (``nbytes`` counts them); ``n``/``H``/``D`` are ints."""
@@ -57,7 +65,7 @@ class Segment:
     D: int
     slot_pos: torch.Tensor  # [B, n] int32
     counts: torch.Tensor  # [S] int64
-    pos: torch.Tensor  # [N] int32
+    pos: torch.Tensor  # [N] int16 while every position fits (< 32,767), else int32
     k_full: torch.Tensor  # [N] bool, or [0] when every entry is full precision
     v_full: torch.Tensor  # [N] bool, or [0] when every entry is full precision
     k_rows: torch.Tensor  # [Nkf, D]
@@ -121,7 +129,7 @@ class Segment:
             raise ValueError(f"bits must be the config's code width {cfg.bits}, got {bits}")
         part = segment_layout(cfg, self)
         k, v = dispatch.dequantize_part(part)
-        return k, v, self.seg(), self.pos
+        return k, v, self.seg(), self.pos.int()
 
     def take(
         self, cfg: HEXConfig, idx: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor | None = None
@@ -241,7 +249,7 @@ def compress_segment(
             scale=scale.clone(),
             zero=zero.clone(),
         )
-    pos = slot_pos[:, None, :].expand(B, H, n)[held].int()
+    pos = narrow_positions(slot_pos[:, None, :].expand(B, H, n)[held])
     coded_any = bool((held & ((key_tier != FULL) | (value_tier != FULL))).any())
     return Segment(
         n=n,

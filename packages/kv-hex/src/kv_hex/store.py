@@ -9,7 +9,7 @@ import torch
 from kv_hex.config import HEXConfig
 from kv_hex.kernels import dispatch
 from kv_hex.layout import PartLayout, residual_layout, segment_layout
-from kv_hex.segment import Segment, compress_segment
+from kv_hex.segment import Segment, compress_segment, narrow_positions
 from kv_hex.selector import hex_tiers
 from kvcore import EVICT, FULL, KVView, Plan, Store, check_retier_plan, merge_attention, reachable_bytes
 from kvcore.attention import check_query, check_scale
@@ -76,7 +76,7 @@ class HEXStore(Store):
     def _empty_residual(self, S: int, D: int, dtype, device) -> dict[str, torch.Tensor | None]:
         return {
             "counts": torch.zeros(S, dtype=torch.long, device=device),
-            "pos": torch.zeros(0, dtype=torch.int32, device=device),
+            "pos": torch.zeros(0, dtype=torch.int16, device=device),
             "k": torch.zeros(0, D, dtype=dtype, device=device),
             "v": torch.zeros(0, D, dtype=dtype, device=device),
             "acc": None,
@@ -88,8 +88,8 @@ class HEXStore(Store):
 
     def _parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(seg, pos)`` of each part's entries: the segments in order, then the residual."""
-        out = [(s.seg(), s.pos) for s in self._segments]
-        out.append((self._seg_ids(self._res["counts"]), self._res["pos"]))
+        out = [(s.seg(), s.pos.int()) for s in self._segments]  # int16 or int32 held, int32 here
+        out.append((self._seg_ids(self._res["counts"]), self._res["pos"].int()))
         return out
 
     def _order(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -162,7 +162,7 @@ class HEXStore(Store):
         rk = keep[:, :, end:]
         res = {
             "counts": rk.reshape(B * H, -1).sum(-1),
-            "pos": positions[:, None, end:].expand(B, H, T - end)[rk].int(),
+            "pos": narrow_positions(positions[:, None, end:].expand(B, H, T - end)[rk]),
             "k": keys[:, :, end:][rk].clone(),
             "v": values[:, :, end:][rk].clone(),
             "acc": None,
@@ -184,7 +184,7 @@ class HEXStore(Store):
         else:
             res, segments = dict(self._res), list(self._segments)
         seg = torch.cat([self._seg_ids(res["counts"]), torch.arange(S, device=keys.device).repeat_interleave(n)])
-        pos = torch.cat([res["pos"], positions[:, None, :].expand(B, H, n).reshape(-1).int()])
+        pos = narrow_positions(torch.cat([res["pos"].int(), positions[:, None, :].expand(B, H, n).reshape(-1).int()]))
         order = torch.argsort((seg.long() << 32) | pos.long())
         new_acc = None
         if res["acc"] is not None:
@@ -510,8 +510,10 @@ class HEXStore(Store):
         entries = int(self.seq_lengths().sum())
         fp16 = 2 * entries * D * 2
         total = self.nbytes()
-        meta = sum(s.pos.numel() * 4 + s.counts.numel() * 8 + s.slot_pos.numel() * 4 for s in self._segments)
-        meta += self._res["pos"].numel() * 4 + self._res["counts"].numel() * 8
+        meta = sum(
+            s.pos.numel() * s.pos.element_size() + s.counts.numel() * 8 + s.slot_pos.numel() * 4 for s in self._segments
+        )
+        meta += self._res["pos"].numel() * self._res["pos"].element_size() + self._res["counts"].numel() * 8
         C = self._shape[1] * D if self.config.mask_scope == "layer" else D
         tables = 0
         for s in self._segments:
