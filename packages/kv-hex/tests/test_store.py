@@ -197,7 +197,7 @@ def test_nbytes_is_the_sum_of_the_parts_for_hex3_on_fp16():
         + coded_tokens * d1 * 2  # overlay values
     )
     want += H * D * 2 * 2 + T * 2 * 2  # key scale/zero per (head, channel); value scale/zero per token (fp16)
-    want += T * H * 2 + T * 4  # int16 positions per entry (all below 32,767); int32 slot positions per token
+    want += T * H * 2 + T * 4  # int16 positions per entry (all at most 32,767); int32 slot positions per token
     want += 2 * T * H  # key / value FULL flags (bool per entry)
     want += 2 * H * 8 + 8  # per-head counts of the segment and the (empty) residual; last position of the row
     assert store.nbytes() == want
@@ -232,7 +232,7 @@ def test_bad_input_is_refused_and_changes_nothing():
 
 
 def test_positions_widen_past_int16_and_stay_exact():
-    """Positions are held in int16 while every one is below 32,767 (segments and residual); a write or append at a
+    """Positions are held in int16 while every one is at most 32,767 (segments and residual); a write or append at a
     larger position holds int32, and reads, crops (a Python int beyond int16) and attention see the true ones."""
     from kvcore import reference_attention
 
@@ -248,7 +248,7 @@ def test_positions_widen_past_int16_and_stay_exact():
         p = start + 192 + step
         store.append(torch.randn(1, 3, 1, 64, generator=g), torch.randn(1, 3, 1, 64, generator=g), torch.tensor([[p]]))
     want = list(range(start, start + 196))
-    assert store._res["pos"].dtype == torch.int32  # widened by the appends at 32,767 and 32,768
+    assert store._res["pos"].dtype == torch.int32  # widened by the append at 32,768
     view = store.read()
     assert view.positions[0, 0].tolist() == want
     q = torch.randn(1, 3, 1, 64, generator=g)

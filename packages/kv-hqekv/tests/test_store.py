@@ -65,7 +65,7 @@ def _packed_bytes(store, D: int, G: int) -> int:
 
 def test_held_bytes_within_3_percent_of_the_packed_size():
     """One layer of the paper's Llama-8B shape (8 KV heads, d = 128, float32) at 2-bit shares, 1k tokens, then 24
-    decode appends: positions (int16 while below 32,767), run-length segment ids and counts add under 3% to the
+    decode appends: positions (int16 while at most 32,767), run-length segment ids and counts add under 3% to the
     packed payload; the metadata is still held (the bound is not met by leaving it out)."""
     from kv_hqekv import HqeKVConfig, hqekv
     from kvcore import ScoringContext
@@ -83,7 +83,7 @@ def test_held_bytes_within_3_percent_of_the_packed_size():
 
 
 def test_positions_widen_past_int16_and_stay_exact():
-    """Positions are stored in int16 while they fit; an entry at 32,767 or later widens them for good, and reads,
+    """Positions are stored in int16 while they fit; an entry beyond 32,767 widens them for good, and reads,
     crops and attention see the true positions either side of the boundary."""
     from kvcore import Plan, reference_attention
 

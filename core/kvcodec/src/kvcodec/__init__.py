@@ -11,6 +11,7 @@
 
 from kvcodec.attention import CodeRows, QuantizedSegment, quantized_attention
 from kvcodec.codebook import CodebookQuantizer, normal_codebook
+from kvcodec.narrow import narrow, narrow_int
 from kvcodec.packing import PACK_BITS, pack_codes, unpack_codes
 from kvcodec.serialize import from_bytes, to_bytes
 from kvcodec.stats import QUANT_BITS, MinMaxStats, minmax_stats, scale_dtype_for
@@ -26,6 +27,8 @@ __all__ = [
     "UniformQuantizer",
     "from_bytes",
     "minmax_stats",
+    "narrow",
+    "narrow_int",
     "normal_codebook",
     "pack_codes",
     "quantized_attention",

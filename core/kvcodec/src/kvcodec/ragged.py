@@ -18,12 +18,12 @@ succeeded, and a failing step leaves the originals exactly as they were.
 
 A *segment* is one (batch row, KV head). Every entry keeps its true position; positions are unique inside a
 segment, so ``(segment, position)`` orders keys and values of different tiers identically on read. Metadata is
-kept small because it is memory too: positions are stored as int16 while every position is below 32,767 (widened
-to int32 for good the first time a larger one arrives), the segment ids of quantization units run-length encoded
-(one id and one count per run of consecutive units of one segment: a store appends units segment by segment, so
-runs are long), the per-unit row counts in int16, and the full-precision rows carry per-segment counts only. What
-the parts return (:meth:`FullRows.entries`, :meth:`QuantUnits.positions`, ...) is int32 positions and int64
-segment ids whatever is stored.
+kept small because it is memory too (:mod:`kvcodec.narrow`): positions are stored as int16 while every position
+fits (at most 32,767; widened to int32 for good the first time a larger one arrives), the segment ids of
+quantization units run-length encoded (one id and one count per run of consecutive units of one segment: a store
+appends units segment by segment, so runs are long), the per-unit row counts in int16, and the full-precision rows
+carry per-segment counts only. What the parts return (:meth:`FullRows.entries`, :meth:`QuantUnits.positions`,
+...) is int32 positions and int64 segment ids whatever is stored.
 """
 
 from __future__ import annotations
@@ -33,25 +33,12 @@ import copy
 import torch
 
 import kvcodec.kernels.dispatch as _kernels
+from kvcodec.narrow import narrow, narrow_int
 from kvcodec.segments import exclusive_cumsum, offsets_in_segment, segment_ids, segment_take
 from kvcore import QuantizedTensor, Quantizer
 
 Entries = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """``(rows [N, D], seg [N] int64, pos [N] int32)``, sorted by segment."""
-
-_INT16_MAX = torch.iinfo(torch.int16).max
-
-
-def _stored_pos(pos: torch.Tensor, *held: torch.Tensor | None) -> torch.Tensor:
-    """``pos`` in the narrowest dtype that holds it and every ``held`` position tensor (int16 or int32)."""
-    wide = any(t is not None and t.dtype == torch.int32 for t in held)
-    if not wide and (pos.numel() == 0 or int(pos.max()) < _INT16_MAX):
-        return pos.to(torch.int16)
-    return pos.to(torch.int32)
-
-
-def _widen(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
 def _runs(seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,11 +46,7 @@ def _runs(seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if seg.numel() == 0:
         return seg.new_zeros(0, dtype=torch.int16), seg.new_zeros(0, dtype=torch.int16)
     ids, lengths = torch.unique_consecutive(seg.long(), return_counts=True)
-    return _narrow(ids), _narrow(lengths)
-
-
-def _narrow(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.int16 if t.numel() == 0 or int(t.max()) < _INT16_MAX else torch.int32)
+    return narrow(ids), narrow(lengths)
 
 
 def compact_entries(x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> tuple[Entries, torch.Tensor]:
@@ -78,7 +61,7 @@ class FullRows:
     """Flat full-precision entries ``rows [N, D]`` sorted by segment, with ``counts [S]`` and positions."""
 
     def __init__(self, rows: torch.Tensor, pos: torch.Tensor, counts: torch.Tensor) -> None:
-        self.rows, self.pos, self.counts = rows, _stored_pos(pos), counts.long()
+        self.rows, self.pos, self.counts = rows, narrow(pos), counts.long()
 
     @classmethod
     def from_mask(cls, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> FullRows:
@@ -148,7 +131,7 @@ class Residual(FullRows):
         seg = self._seg()
         dst_old = torch.arange(seg.numel(), device=device) + seg * n  # every earlier segment grew by n
         dst_new = (start + old)[:, None] + torch.arange(n, device=device)
-        new_pos = _stored_pos(pos.reshape(S * n).to(device), self.pos)
+        new_pos = narrow(pos.reshape(S * n).to(device), self.pos)
         data = torch.empty(total, D, dtype=self.rows.dtype, device=device)
         p = torch.empty(total, dtype=new_pos.dtype, device=device)
         data[dst_old], p[dst_old] = self.rows, self.pos.to(p.dtype)
@@ -228,8 +211,8 @@ class QuantUnits:
         if ids.numel() and int(ids[0]) == int(self._seg_ids[-1]):  # the first new run continues the last one
             lens[0] += self._seg_lens[-1]
             self._seg_ids, self._seg_lens = self._seg_ids[:-1], self._seg_lens[:-1]
-        self._seg_ids = _narrow(torch.cat([self._seg_ids.long(), ids.long()]))
-        self._seg_lens = _narrow(torch.cat([self._seg_lens.long(), lens]))
+        self._seg_ids = narrow(torch.cat([self._seg_ids.long(), ids.long()]))
+        self._seg_lens = narrow(torch.cat([self._seg_lens.long(), lens]))
 
     # -- building ---------------------------------------------------------------------------------------
     @staticmethod
@@ -261,9 +244,9 @@ class QuantUnits:
             raise ValueError(f"a unit must be one quantization group, got scales {tuple(q.scales.shape)}")
         U = self.unit
         real = pos >= 0
-        count_dtype = torch.int16 if U < _INT16_MAX else torch.int32
+        count_dtype = narrow_int(U)
         units = {"scales": q.scales, "zeros": q.zeros, "rows": real.sum(1).to(count_dtype) if U > 1 else None}
-        rows = {"codes": q.codes[real], "pos": _stored_pos(pos[real], self.pos)}
+        rows = {"codes": q.codes[real], "pos": narrow(pos[real], self.pos)}
         self._meta, self.codebook = meta, q.codebook
         self.nu = self._append(self._UNIT, units, self.nu)
         self.nr = self._append(self._ROW, rows, self.nr)

@@ -23,6 +23,7 @@ import torch
 from kv_hex.config import HEXConfig
 from kv_hex.expander import dense_mask, mask_table
 from kv_hex.kernels import dispatch
+from kvcodec.narrow import narrow
 from kvcodec.packing import pack_unchecked
 from kvcore import packed_width
 
@@ -48,14 +49,6 @@ def segment_mask(cfg: HEXConfig, n: int, H: int, D: int, device) -> torch.Tensor
     return m.view(n, H, D) if cfg.mask_scope == "layer" else m[:, None, :].expand(n, H, D)
 
 
-def narrow_positions(pos: torch.Tensor) -> torch.Tensor:
-    """True positions in the narrowest safe dtype: int16 while every one is below 32,767, else int32 (memory: a
-    position per entry and head is a few percent of a 3-bit code row). Compare them with Python ints only after
-    ``.int()``: torch compares an int16 tensor with an out-of-range Python int after wrapping it."""
-    small = pos.numel() == 0 or int(pos.max()) < torch.iinfo(torch.int16).max
-    return pos.to(torch.int16 if small else torch.int32)
-
-
 @dataclass
 class Segment:
     """See the module docstring. Tensors only (``nbytes`` counts them); ``n``/``H``/``D`` are ints."""
@@ -65,7 +58,7 @@ class Segment:
     D: int
     slot_pos: torch.Tensor  # [B, n] int32
     counts: torch.Tensor  # [S] int64
-    pos: torch.Tensor  # [N] int16 while every position fits (< 32,767), else int32
+    pos: torch.Tensor  # [N] int16 while every position fits (kvcodec.narrow), else int32
     k_full: torch.Tensor  # [N] bool, or [0] when every entry is full precision
     v_full: torch.Tensor  # [N] bool, or [0] when every entry is full precision
     k_rows: torch.Tensor  # [Nkf, D]
@@ -249,7 +242,7 @@ def compress_segment(
             scale=scale.clone(),
             zero=zero.clone(),
         )
-    pos = narrow_positions(slot_pos[:, None, :].expand(B, H, n)[held])
+    pos = narrow(slot_pos[:, None, :].expand(B, H, n)[held])
     coded_any = bool((held & ((key_tier != FULL) | (value_tier != FULL))).any())
     return Segment(
         n=n,

@@ -9,8 +9,9 @@ import torch
 from kv_hex.config import HEXConfig
 from kv_hex.kernels import dispatch
 from kv_hex.layout import PartLayout, residual_layout, segment_layout
-from kv_hex.segment import Segment, compress_segment, narrow_positions
+from kv_hex.segment import Segment, compress_segment
 from kv_hex.selector import hex_tiers
+from kvcodec.narrow import narrow
 from kvcore import EVICT, FULL, KVView, Plan, Store, check_retier_plan, merge_attention, reachable_bytes
 from kvcore.attention import check_query, check_scale
 from kvcore.checks import (
@@ -162,7 +163,7 @@ class HEXStore(Store):
         rk = keep[:, :, end:]
         res = {
             "counts": rk.reshape(B * H, -1).sum(-1),
-            "pos": narrow_positions(positions[:, None, end:].expand(B, H, T - end)[rk]),
+            "pos": narrow(positions[:, None, end:].expand(B, H, T - end)[rk]),
             "k": keys[:, :, end:][rk].clone(),
             "v": values[:, :, end:][rk].clone(),
             "acc": None,
@@ -184,7 +185,7 @@ class HEXStore(Store):
         else:
             res, segments = dict(self._res), list(self._segments)
         seg = torch.cat([self._seg_ids(res["counts"]), torch.arange(S, device=keys.device).repeat_interleave(n)])
-        pos = narrow_positions(torch.cat([res["pos"].int(), positions[:, None, :].expand(B, H, n).reshape(-1).int()]))
+        pos = narrow(torch.cat([res["pos"].int(), positions[:, None, :].expand(B, H, n).reshape(-1).int()]))
         order = torch.argsort((seg.long() << 32) | pos.long())
         new_acc = None
         if res["acc"] is not None:

@@ -150,7 +150,8 @@ class MeanPoolingSelector(SpanSelector):
 
 def _with_selector(compressor: Compressor, cls: type[SpanSelector]) -> Compressor:
     s = compressor.selector
-    return dataclasses.replace(compressor, selector=cls(s.config, s.strict, s.router))
+    fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
+    return dataclasses.replace(compressor, selector=cls(**fields))
 
 
 def sekv_untrained(budget: float | None = None, name: str = "sekv-untrained") -> Compressor:

@@ -36,9 +36,10 @@ import threading
 
 import torch
 
-from kv_baselines.quant.kivi_layout import Positions, Side, narrow_int, uniform
+from kv_baselines.quant.kivi_layout import Positions, Side, uniform
 from kv_baselines.quant.token_quant import quantize_tokens
 from kvcodec import UniformQuantizer
+from kvcodec.narrow import narrow_int
 
 KEY_RESERVE = 8
 """Key residual rows reserved past the rows held."""

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from kv_baselines.quant.token_quant import quantize_tokens
 from kvcodec import UniformQuantizer
+from kvcodec.narrow import narrow_int
 from kvcodec.packing import unpack_unchecked
 from kvcodec.segments import exclusive_cumsum, offsets_in_segment, segment_ids, segment_take
 from kvcore import QuantizedTensor, Quantizer
@@ -459,14 +460,6 @@ class Side:
                 t = getattr(self, name)
                 out[name] = None if t is None else take_rows(t, self.ucount)
         return dataclasses.replace(self, **out)
-
-
-def narrow_int(max_value: int) -> torch.dtype:
-    """The narrowest signed integer dtype holding ``[-1, max_value]``."""
-    for dtype in (torch.int16, torch.int32):
-        if max_value <= torch.iinfo(dtype).max:
-            return dtype
-    return torch.int64
 
 
 @dataclasses.dataclass(frozen=True)
