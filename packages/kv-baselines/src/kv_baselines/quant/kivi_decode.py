@@ -23,7 +23,8 @@ fp32, 2k tokens, 2-bit) this keeps the held bytes within 3% of the theoretical p
 
 Attention (:meth:`DecodeState.attend`) unpacks each side into one per-thread scratch buffer shared by every store
 (working memory, like a full cache's attention temporaries; not held by a store, so not in ``nbytes()``), dequantizes
-the keys in place and folds the value scales and zeros into the attention weights per group:
+the keys' codes in place by their scales (their zeros enter the logits once per group, ``q·z``) and folds the value
+scales and zeros into the attention weights per group:
 ``p·(s·c + z) = (p·s)·c + p·z`` (per token ``t`` and channel group), so the unpacked value codes are read once, by
 one batched matmul. Mutations are all-or-nothing: everything that can fail runs before the first write that
 :meth:`to_flat` or :meth:`attend` could see.
@@ -360,27 +361,30 @@ class DecodeState:
         qs = qf * scale
         parts = []
         if tk:
-            k = unpack_tokens(self.kc, tk, self.kinfo[0].bits)  # [S, D, tk], lane-shifted codes
+            bits = self.kinfo[0].bits
+            k = unpack_tokens(self.kc, tk, bits)  # [S, D, tk], lane-shifted codes
             nG = tk // G
-            scales = self.ks[:, :, :nG] * lane_scale(self.kinfo[0].bits, D, k.device)[:, None]
-            k.view(S, D, nG, G).mul_(scales[..., None]).add_(self.kz[:, :, :nG, None])
-            parts.append(torch.matmul(qs, k))
+            k.view(S, D, nG, G).mul_((self.ks[:, :, :nG] * lane_scale(bits, D, k.device)[:, None])[..., None])
+            lk = torch.bmm(qs, k)  # q·(s·c), then + q·z once per group (not added to every code)
+            lk.view(S, M, nG, G).add_(torch.bmm(qs, self.kz[:, :, :nG])[..., None])
+            parts.append(lk)
         if nr:
-            parts.append(torch.matmul(qs, self.kr[:, :nr].transpose(1, 2)))
+            parts.append(torch.bmm(qs, self.kr[:, :nr].transpose(1, 2)))
         logits = torch.cat(parts, -1) if len(parts) > 1 else parts[0]
         m = logits.amax(-1, keepdim=True)
         e = logits.sub_(m).exp_()
         total = e.sum(-1, keepdim=True)
         er = e[..., tv:]
-        out = torch.matmul(er.roll(self.head, -1) if self.head else er, self.ring[:, : self.nv])
+        out = torch.bmm(er.roll(self.head, -1) if self.head else er, self.ring[:, : self.nv])
         if tv:
             C = self.vs.shape[1]
             Gv = D // C
             v = unpack_tokens(self.vc, tv, self.vinfo[0].bits)  # [S, D, tv] = [S, C, Gv, tv], lane-shifted
             eq = e[..., :tv]
             ew = eq[:, None] * self.vs[:, :, None, :tv]  # [S, C, M, tv]
-            oc = torch.matmul(ew, v.view(S, C, Gv, tv).transpose(-1, -2))  # [S, C, M, Gv]
+            # one flat batch of S * C matmuls (a 4-D broadcast matmul runs several times slower on CPU)
+            oc = torch.bmm(ew.view(S * C, M, tv), v.view(S * C, Gv, tv).transpose(1, 2)).view(S, C, M, Gv)
             oc.mul_(lane_scale(self.vinfo[0].bits, D, v.device).view(C, 1, Gv))
-            oz = torch.matmul(eq, self.vz[:, :, :tv].transpose(1, 2))  # [S, M, C]
+            oz = torch.bmm(eq, self.vz[:, :, :tv].transpose(1, 2))  # [S, M, C]
             out += (oc.transpose(1, 2) + oz[..., None]).reshape(S, M, D)
         return out.div_(total), total.log_().add_(m)
