@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kv_hqekv import NormalizedQuantizer, normal_bounds, tier_quantizer
+from kv_hqekv import NormalizedQuantizer, UniformOneBitQuantizer, normal_bounds, tier_quantizer
 from kvcodec import UniformQuantizer
 from kvcore.testing import QuantizerTests
 
@@ -28,6 +28,40 @@ class TestNormalizedQuantizer(QuantizerTests):
     )
     def quantizer(self, request):
         return NormalizedQuantizer(*request.param)
+
+
+class TestUniformOneBitQuantizer(QuantizerTests):
+    """Table 6's "w/o II" 1-bit tier: uniform min-max held in the normalized form (codebook ``±c``)."""
+
+    uniform = False
+
+    @pytest.fixture(params=[("channel", 32), ("token", 32), ("token", 4)], ids=lambda p: f"{p[0]}-G{p[1]}")
+    def quantizer(self, request):
+        return UniformOneBitQuantizer(1, *request.param)
+
+
+@pytest.mark.parametrize("axis", ["token", "channel"])
+def test_uniform_one_bit_equals_kvcodec_min_max_at_one_bit(axis):
+    """The ablation's 1-bit tier is min-max at 1 bit: the same codes and (within float rounding) the same
+    reconstruction as :class:`kvcodec.UniformQuantizer` at 1 bit, though held as midrange ± c·scale."""
+    from kvcodec.packing import unpack_unchecked
+
+    x = torch.randn(3, 64, 48, generator=torch.Generator().manual_seed(1)) * 4
+    x[0, :32, :32] = 1.5  # constant groups reconstruct exactly
+    ours, ref = UniformOneBitQuantizer(1, axis, 32), UniformQuantizer(1, axis, 32)
+    qo, qr = ours.quantize(x), ref.quantize(x)
+    assert torch.equal(unpack_unchecked(qo.codes, 1, 48), unpack_unchecked(qr.codes, 1, 48))
+    assert torch.allclose(ours.dequantize(qo), ref.dequantize(qr), atol=1e-5, rtol=1e-5)
+    assert bool((ours.dequantize(qo)[0, :32, :32] == 1.5).all())
+
+
+def test_uniform_one_bit_rejects_other_widths_and_tier_quantizer_picks_it():
+    with pytest.raises(ValueError, match="bits must be 1"):
+        UniformOneBitQuantizer(2)
+    assert type(tier_quantizer(1, "value", 32, one_bit="uniform")) is UniformOneBitQuantizer
+    assert type(tier_quantizer(1, "value", 32)) is NormalizedQuantizer
+    with pytest.raises(ValueError, match="one_bit must be one of"):
+        tier_quantizer(1, "key", 32, one_bit="minmax")
 
 
 PAPER_TABLE3 = {  # mean per-vector L2 conversion loss, 128-dim N(0, 1) vectors, G = 32 (paper Table 3)

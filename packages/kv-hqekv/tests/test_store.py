@@ -23,6 +23,15 @@ class TestHqeKVStore(StoreTests):
         return torch.maximum(ch[None, :], tok[:, None]) * 1.01
 
 
+class TestHqeKVStoreUniformOneBit(TestHqeKVStore):
+    """The Table 6 "w/o II" store (uniform min-max 1-bit tier): the same contract; its 1-bit error is at most the
+    group range, below the bound above."""
+
+    @pytest.fixture
+    def store_factory(self):
+        return lambda: HqeKVStore(block=4, one_bit="uniform")
+
+
 def test_fused_attention_over_every_tier_pair():
     """attend() = softmax(q·K̂ᵀ/√d)·V̂ over the dequantized view, with every (key tier, value tier) pair present,
     values evicted under kept keys (V = 0), GQA and fp16 data."""
@@ -35,8 +44,8 @@ def test_fused_attention_over_every_tier_pair():
     vb = torch.cat([tiers, torch.tensor([EVICT], dtype=torch.uint8)])[torch.randint(5, (B, H, T // G), generator=g)]
     vb = vb.repeat_interleave(G, -1)
     kb[..., :G] = EVICT
-    for dtype in (torch.float32, torch.float16):
-        store = HqeKVStore(block=G)
+    for dtype, one_bit in ((torch.float32, "normalized"), (torch.float16, "normalized"), (torch.float32, "uniform")):
+        store = HqeKVStore(block=G, one_bit=one_bit)
         k, v = torch.randn(B, H, T, D, generator=g).to(dtype), torch.randn(B, H, T, D, generator=g).to(dtype)
         store.write(k, v, Plan(kb, vb), torch.arange(T).expand(B, T))
         q = torch.randn(B, 2 * H, 1, D, generator=g).to(dtype)

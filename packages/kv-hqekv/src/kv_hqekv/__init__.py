@@ -17,6 +17,7 @@ from kv_hqekv.scorer import HqeKVScorer, token_range
 from kv_hqekv.selector import HqeKVSelector
 from kv_hqekv.shares import PRESETS, Shares, TierCounts, feasible, preset, solve_eq3, tier_counts
 from kv_hqekv.store import HqeKVStore
+from kv_hqekv.uniform_one_bit import UniformOneBitQuantizer
 
 __all__ = [
     "ABLATIONS",
@@ -29,6 +30,7 @@ __all__ = [
     "NormalizedQuantizer",
     "Shares",
     "TierCounts",
+    "UniformOneBitQuantizer",
     "ablation",
     "feasible",
     "hqekv",

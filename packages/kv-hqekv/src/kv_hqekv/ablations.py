@@ -8,8 +8,10 @@
 * ``"no-evict"`` (w/o eviction): the evict share set to 0 and Eq. 3 re-solved with the preset's 1-bit share, so
   the average bits are unchanged and every block is held.
 
-The fourth, "w/o II" (every tier uniform: a uniform 1-bit quantizer instead of the normalized one), is not
-offered: the store's 1-bit tier, its transcode and its fused attention are built for the normalized codebook.
+* ``"uniform"`` (w/o II, "uniform quantization to 4, 2 and 1 bit-widths based on the opt-ratio", App. A.9.2):
+  the 1-bit tier quantized uniform min-max (:class:`~kv_hqekv.uniform_one_bit.UniformOneBitQuantizer`,
+  ``HqeKVConfig(one_bit="uniform")``) with HqeKV-3.2's shares; the 4- and 2-bit tiers and the groupings (keys per
+  channel, values per token) are unchanged, since they are uniform already.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from kvcore.checks import check_int, check_number
 
 __all__ = ["ABLATIONS", "ablation", "no_evict_shares", "random_shares"]
 
-ABLATIONS: tuple[str, ...] = ("no-range", "random-ratio", "no-evict")
-"""Table 6 ablations :func:`ablation` builds (``"uniform"`` is not offered; see the module docstring)."""
+ABLATIONS: tuple[str, ...] = ("no-range", "random-ratio", "no-evict", "uniform")
+"""Table 6 ablations :func:`ablation` builds (module docstring)."""
 
 
 def random_shares(avg_bits: float, seed: int = 0, tries: int = 10_000) -> Shares:
@@ -65,7 +67,7 @@ def ablation(kind: str, bits: float = 3.2, seed: int = 0) -> Compressor:
 
     Parameters
     ----------
-    kind : {"no-range", "random-ratio", "no-evict"}
+    kind : {"no-range", "random-ratio", "no-evict", "uniform"}
         Which component to remove (:data:`ABLATIONS`).
     bits : float
         Average bits; the shares start from the paper's Llama preset for it (2, 2.8, 3.2 or 3.25).
@@ -83,4 +85,6 @@ def ablation(kind: str, bits: float = 3.2, seed: int = 0) -> Compressor:
         return hqekv(bits, shares=base, config=dataclasses.replace(HqeKVConfig(), times_range=False), name=name)
     if kind == "random-ratio":
         return hqekv(bits, shares=random_shares(bits, seed), name=name)
+    if kind == "uniform":
+        return hqekv(bits, shares=base, config=dataclasses.replace(HqeKVConfig(), one_bit="uniform"), name=name)
     return hqekv(bits, shares=no_evict_shares(base, bits), name=name)

@@ -61,11 +61,11 @@ def hqekv(
     if not isinstance(shares, Shares):
         raise TypeError(f"shares must be kv_hqekv.Shares, a preset name or None, got {type(shares).__name__}")
     shares.check_bits(bits)
-    block = cfg.block
+    block, one_bit = cfg.block, cfg.one_bit
     return Compressor(
         scorer=HqeKVScorer(cfg.window, cfg.times_range, cfg.normalize_importance),
         selector=HqeKVSelector(shares, block, cfg.fp16_blocks, cfg.joint_evict),
-        store=lambda: HqeKVStore(block),
+        store=lambda: HqeKVStore(block, one_bit),
         budget=Budget(avg_bits=bits),
         protect=Protection(),
         name=name or f"hqekv-{bits:g}",

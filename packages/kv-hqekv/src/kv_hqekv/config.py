@@ -39,6 +39,8 @@ class HqeKVConfig:
     joint_evict : bool
         Evict the same blocks for keys and values (chosen by the key metric). False (default) ranks K and V
         separately, so a block's key may be evicted while its value is kept and vice versa.
+    one_bit : {"normalized", "uniform"}
+        The 1-bit tier's quantizer: normalized (§3.4, the default) or uniform min-max (Table 6 "w/o II").
     """
 
     block: int = 32
@@ -51,6 +53,7 @@ class HqeKVConfig:
     times_range: bool = True
     normalize_importance: bool = True
     joint_evict: bool = False
+    one_bit: str = "normalized"
 
     def __post_init__(self) -> None:
         check_int("block", self.block, low=1)
@@ -67,3 +70,5 @@ class HqeKVConfig:
         for name in ("times_range", "normalize_importance", "joint_evict"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.one_bit not in ("normalized", "uniform"):
+            raise ValueError(f"one_bit must be 'normalized' or 'uniform', got {self.one_bit!r}")

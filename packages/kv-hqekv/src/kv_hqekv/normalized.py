@@ -98,7 +98,7 @@ class NormalizedQuantizer:
             raise ValueError(f"x must have rank >= 2 ([..., T, D]), got shape {tuple(x.shape)}")
         check_finite("x", check_float("x", x))
         G = self.group_size
-        mean, std = group_moments(x, self.axis, G)
+        mean, std = self.statistics(x)
         zeros, scales = mean.to(x.dtype), std.to(x.dtype)
         if not bool(torch.isfinite(scales).all()):
             raise ValueError(f"x has a group spread too large for {x.dtype} statistics; quantize it in float32")
@@ -114,6 +114,11 @@ class NormalizedQuantizer:
             dtype=x.dtype,
             codebook=self.codebook.to(x.device),
         )
+
+    def statistics(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``(zeros, scales)`` per group of ``x``: the mean and the unbiased standard deviation
+        (:func:`group_moments`)."""
+        return group_moments(x, self.axis, self.group_size)
 
     def encode(self, x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
         """Unpacked uint8 codes of ``x`` under given group statistics (``scales`` = std, ``zeros`` = mean)."""

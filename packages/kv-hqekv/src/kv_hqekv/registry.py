@@ -1,10 +1,10 @@
 """The methods kv-hqekv registers (entry-point group ``kvcompress.methods``, see :mod:`kvcore.registry`).
 
 ``hqekv-2``, ``hqekv-2.8``, ``hqekv-3.2`` and ``hqekv-3.25`` use the paper's Table 9 shares (Llama-3.1-8B-Instruct);
-``hqekv-qwen3-2`` ... the Qwen3-8B ones; ``hqekv-3.2-no-range``, ``hqekv-3.2-random-ratio`` and
-``hqekv-3.2-no-evict`` are the Table 6 ablations (:mod:`kv_hqekv.ablations`). The shares fix the average bits, so
-each entry takes only its default budget (``Budget(avg_bits=bits)``); other budgets need shares of their own:
-``kv_hqekv.hqekv(bits, shares=...)``.
+``hqekv-qwen3-2`` ... the Qwen3-8B ones; ``hqekv-3.2-no-range``, ``hqekv-3.2-random-ratio``,
+``hqekv-3.2-no-evict`` and ``hqekv-3.2-uniform`` are the Table 6 ablations (:mod:`kv_hqekv.ablations`). The shares
+fix the average bits, so each entry takes only its default budget (``Budget(avg_bits=bits)``); other budgets need
+shares of their own: ``kv_hqekv.hqekv(bits, shares=...)``.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def _ablation_entry(kind: str, bits: float = 3.2) -> Method:
         "no-range": "value metric without the token range (w/o I)",
         "random-ratio": "seeded random feasible shares instead of the searched ones (w/o III)",
         "no-evict": "evict share 0, Eq. 3 re-solved (w/o eviction)",
+        "uniform": "uniform min-max 1-bit tier instead of the normalized one (w/o II)",
     }[kind]
     return Method(
         f"hqekv-{bits:g}-{kind}",

@@ -57,22 +57,27 @@ class HqeKVStore(Store):
     ----------
     block : int
         ``G``: key group length (tokens) and value group width (channels). Paper: 32.
+    one_bit : {"normalized", "uniform"}
+        The 1-bit tier's quantizer: HqeKV's normalized one (default) or uniform min-max (Table 6 "w/o II",
+        :class:`~kv_hqekv.uniform_one_bit.UniformOneBitQuantizer`, held in the same form).
     """
 
     supported_bits = frozenset({EVICT, FULL, *QUANT_TIERS})
     can_demote = True
     can_attend = True
 
-    def __init__(self, block: int = 32) -> None:
+    def __init__(self, block: int = 32, one_bit: str = "normalized") -> None:
         self.block = check_int("block", block, low=1)
+        self.one_bit = one_bit
         self.quantizers = {
-            kind: {b: tier_quantizer(b, name, block) for b in QUANT_TIERS}
+            kind: {b: tier_quantizer(b, name, block, one_bit) for b in QUANT_TIERS}
             for kind, name in (("k", "key"), ("v", "value"))
         }
         self.reset()
 
     def __repr__(self) -> str:
-        return f"HqeKVStore(block={self.block})"
+        extra = "" if self.one_bit == "normalized" else f", one_bit={self.one_bit!r}"
+        return f"HqeKVStore(block={self.block}{extra})"
 
     # -- parts -----------------------------------------------------------------------------------------
     @staticmethod
