@@ -75,3 +75,40 @@ def test_factored_attention_equals_reconstruct_then_attend(L, r, G, Q, seed):
     logits = q @ K.T / math.sqrt(D)
     torch.testing.assert_close(lse, torch.logsumexp(logits, -1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, torch.softmax(logits, -1) @ V, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 12), st.integers(0, 6), st.integers(0, 3)), min_size=0, max_size=7),
+       st.integers(1, 3), st.integers(1, 2), st.integers(0, 999))  # fmt: skip
+def test_factored_attention_batch_equals_per_span_then_merge(items, G, Q, seed):
+    """The batched Stage 2 (padding, masking, scatter merge) equals one factored attention per (span, head)
+    merged by log-sum-exp per group, for spans of mixed lengths and ranks (rank 0 = a raw span ``(K, 1, I)``),
+    groups with several spans, one span or none."""
+    from kv_sekv.kernels import factored_attention_batch_torch
+    from kvcore.attention import merge_attention
+
+    g = torch.Generator().manual_seed(seed)
+    D, groups = 8, 4
+
+    def factors(L, r):
+        if r == 0:
+            return torch.randn(L, D, generator=g), torch.ones(D), torch.eye(D)
+        r = min(r, L)
+        return torch.randn(L, r, generator=g), torch.rand(r, generator=g), torch.randn(r, D, generator=g)
+
+    kf = [factors(L, r) for L, r, _ in items]
+    vf = [factors(L, r if r == 0 else max(1, r - 1)) for L, r, _ in items]
+    for i, (L, _, _) in enumerate(items):  # value factors span the same tokens
+        assert vf[i][0].shape[0] == L
+    group = torch.tensor([grp for _, _, grp in items], dtype=torch.long)
+    q = torch.randn(groups, G, Q, D, generator=g)
+    out, lse = factored_attention_batch_torch(q[group], kf, vf, 0.35, group, groups)
+    assert out.shape == (groups, G, Q, D) and lse.shape == (groups, G, Q)
+    for grp in range(groups):
+        mine = [i for i, (_, _, x) in enumerate(items) if x == grp]
+        if not mine:
+            assert bool((out[grp] == 0).all()) and bool(torch.isneginf(lse[grp]).all())
+            continue
+        want = merge_attention([factored_attention_torch(q[grp], kf[i], vf[i], 0.35) for i in mine])
+        torch.testing.assert_close(out[grp], want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[grp], want[1], rtol=1e-5, atol=1e-5)

@@ -26,6 +26,7 @@ A plain :class:`kvcore.Plan` (no segmentation) is held as resident full-precisio
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -38,7 +39,7 @@ from kvcore.memory import storage_bytes
 
 from .bases import SpanBasis, truncated_svd
 from .config import SEKVConfig
-from .kernels import biased_attention, factored_attention
+from .kernels import biased_attention, factored_attention_batch
 from .plan import SpanPlan
 from .router import RouterSource
 from .summaries import coarse_entries, routing_summaries
@@ -423,12 +424,13 @@ class SEKVStore(Store):
         factors = pending.result() if pending is not None else fetch()
         Hq, Q = q.shape[1], q.shape[2]
         g = Hq // H
-        out2 = torch.zeros(B, Hq, Q, D, device=q.device)
-        lse2 = torch.full((B, Hq, Q), float("-inf"), device=q.device)
-        for b, h in pairs:
-            qh = q[b, h * g : (h + 1) * g].float()  # [g, Q, D]
-            parts = [factored_attention(qh, *factors[b, h, s], scale) for s in spans[b, h]]
-            out2[b, h * g : (h + 1) * g], lse2[b, h * g : (h + 1) * g] = merge_attention(parts)
+        items = [(b, h, s) for b, h in pairs for s in spans[b, h]]
+        group = torch.tensor([b * H + h for b, h, _ in items], dtype=torch.long)
+        qi = q.float().reshape(B * H, g, Q, D)[group.to(q.device)]  # [P, g, Q, D]: each item's query heads
+        out2, lse2 = factored_attention_batch(
+            qi, [factors[i][0] for i in items], [factors[i][1] for i in items], scale, group, B * H
+        )
+        out2, lse2 = out2.reshape(B, Hq, Q, D), lse2.reshape(B, Hq, Q)
         stats.fetched_bytes = sum(
             _head_bytes(sp.key_basis[b][s], h) + _head_bytes(sp.value_basis[b][s], h) for b, h, s in factors
         )
@@ -576,12 +578,17 @@ def _expand_index(idx: torch.Tensor, t: torch.Tensor, dims: int) -> torch.Tensor
     return idx[:, None, :, None].expand(t.shape[0], t.shape[1], idx.shape[1], t.shape[3])
 
 
+@functools.lru_cache(maxsize=16)
+def _identity(D: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(1 [D], I [D, D])``: the factors ``σ, Vᵀ`` of a raw span (shared, never written)."""
+    return torch.ones(D, device=device), torch.eye(D, device=device)
+
+
 def _factors(basis: SpanBasis, h: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(U, σ, Vᵀ)`` of head ``h`` on ``device``; a raw span is ``(X, 1, I)``."""
     if basis.raw is not None:
         x = basis.raw[h].to(device, non_blocking=True)
-        D = x.shape[-1]
-        return x, torch.ones(D, device=device), torch.eye(D, device=device)
+        return (x, *_identity(x.shape[-1], x.device))
     return tuple(t[h].to(device, non_blocking=True) for t in (basis.U, basis.sigma, basis.Vh))
 
 

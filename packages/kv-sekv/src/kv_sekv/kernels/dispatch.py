@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .reference import biased_attention_torch, factored_attention_torch
+from .reference import biased_attention_torch, factored_attention_batch_torch, factored_attention_torch
 
-__all__ = ["biased_attention", "factored_attention"]
+__all__ = ["biased_attention", "factored_attention", "factored_attention_batch"]
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -36,3 +36,10 @@ def factored_attention(query, key_factors, value_factors, scale):
 
         return factored_attention_triton(query, key_factors, value_factors, scale)
     return factored_attention_torch(query, key_factors, value_factors, scale)
+
+
+def factored_attention_batch(query, key_factors, value_factors, scale, group, groups):
+    """Stage-2 attention over every expanded (span, KV head) of a step at once, merged per KV head (see
+    :func:`~kv_sekv.kernels.reference.factored_attention_batch_torch`; one batched PyTorch pass on every device:
+    there is no Triton kernel for it yet)."""
+    return factored_attention_batch_torch(query, key_factors, value_factors, scale, group, groups)

@@ -6,13 +6,16 @@
 * :func:`factored_attention_torch` — Stage 2 for one span held as low-rank factors: the logits ``q K̂ᵀ`` are
   ``(q V_K) diag(σ_K) U_Kᵀ`` and the output ``p V̂`` is ``((p U_V) diag(σ_V)) V_Vᵀ``, so ``K̂``/``V̂`` are never
   rebuilt (exact, ``O(|S| r + r d_h)`` per query instead of ``O(|S| d_h)``).
+* :func:`factored_attention_batch_torch` — Stage 2 for every expanded (span, KV head) of a decode step at once:
+  the factors padded to one batch (zero components, masked tokens), one batched pass, and the parts of each KV
+  head merged by log-sum-exp with scatter reductions -- no Python loop over spans in the arithmetic.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["biased_attention_torch", "factored_attention_torch"]
+__all__ = ["biased_attention_torch", "factored_attention_batch_torch", "factored_attention_torch"]
 
 
 def biased_attention_torch(
@@ -67,3 +70,73 @@ def factored_attention_torch(
     p = torch.exp(logits - lse[..., None])
     out = ((p @ Uv) * sv) @ Vv
     return out, lse
+
+
+def _pad_factors(factors, L: int, r: int, D: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[P, L, r]``, ``[P, r]``, ``[P, r, D]`` float32 zero-padded stacks of ``(U, σ, Vᵀ)`` factors."""
+    P = len(factors)
+    U = torch.zeros(P, L, r, device=device)
+    s = torch.zeros(P, r, device=device)
+    V = torch.zeros(P, r, D, device=device)
+    for i, (u, sg, vh) in enumerate(factors):
+        n, k = u.shape
+        U[i, :n, :k] = u
+        s[i, :k] = sg
+        V[i, :k] = vh
+    return U, s, V
+
+
+def factored_attention_batch_torch(
+    query: torch.Tensor,
+    key_factors: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    value_factors: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    scale: float,
+    group: torch.Tensor,
+    groups: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each group's queries over the union of its spans, every span given as factors.
+
+    Item ``i`` is one span of one KV head: ``key_factors[i] = (U [L_i, r_i], σ [r_i], Vᵀ [r_i, D])`` (a raw span
+    is ``(K, 1, I)``), likewise ``value_factors[i]``, attended by ``query[i]`` ``[G, Q, D]`` and belonging to group
+    ``group[i]`` (a KV head of a batch row) in ``[0, groups)``. Every item is padded to the largest ``L`` and ``r``
+    (zero components add nothing, padded tokens are masked), so the arithmetic is one batched pass; the items of a
+    group are merged by log-sum-exp (scatter ``amax`` and sums), which equals one softmax over the group's tokens.
+
+    Returns
+    -------
+    (out, lse)
+        ``[groups, G, Q, D]`` and ``[groups, G, Q]`` float32, equal to :func:`factored_attention_torch` per item
+        merged with :func:`kvcore.attention.merge_attention` per group; a group with no item gives ``out = 0``,
+        ``lse = -inf``.
+    """
+    P, G, Q, D = query.shape
+    dev = query.device
+    out = torch.zeros(groups, G, Q, D, device=dev)
+    lse = torch.full((groups, G, Q), float("-inf"), device=dev)
+    if P == 0:
+        return out, lse
+    L = max(int(u.shape[0]) for u, _, _ in key_factors)
+    rk = max(int(u.shape[1]) for u, _, _ in key_factors)
+    rv = max(int(u.shape[1]) for u, _, _ in value_factors)
+    Uk, sk, Vk = _pad_factors(key_factors, L, rk, D, dev)
+    Uv, sv, Vv = _pad_factors(value_factors, L, rv, D, dev)
+    lengths = torch.tensor([int(u.shape[0]) for u, _, _ in key_factors], device=dev)
+    valid = torch.arange(L, device=dev)[None, :] < lengths[:, None]  # [P, L]
+    q = query.float().reshape(P, G * Q, D)
+    qt = (q @ Vk.transpose(-1, -2)) * sk[:, None, :]  # [P, GQ, rk]
+    logits = (qt @ Uk.transpose(-1, -2)) * scale  # [P, GQ, L]
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    item_lse = torch.logsumexp(logits, -1)  # [P, GQ], finite: every item has >= 1 token
+    p = torch.exp(logits - item_lse[..., None])
+    item_out = ((p @ Uv) * sv[:, None, :]) @ Vv  # [P, GQ, D]
+    idx = group.to(dev).long()
+    top = torch.full((groups, G * Q), float("-inf"), device=dev).scatter_reduce(
+        0, idx[:, None].expand(P, G * Q), item_lse, reduce="amax"
+    )
+    w = torch.exp(item_lse - top[idx])  # [P, GQ]
+    denom = torch.zeros(groups, G * Q, device=dev).index_add_(0, idx, w)
+    num = torch.zeros(groups, G * Q, D, device=dev).index_add_(0, idx, w[..., None] * item_out)
+    seen = denom > 0
+    out = torch.where(seen[..., None], num / torch.where(seen, denom, 1.0)[..., None], 0.0)
+    lse = torch.where(seen, top + torch.log(torch.where(seen, denom, 1.0)), float("-inf"))
+    return out.reshape(groups, G, Q, D), lse.reshape(groups, G, Q)
