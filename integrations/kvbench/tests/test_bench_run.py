@@ -390,3 +390,37 @@ def test_recorded_commands_name_no_local_folder(monkeypatch, tmp_path):
     assert cli.portable_argv(["--out", inside, "--profile", "paper"]) == ["--out", "results/run1", "--profile", "paper"]
     assert cli.portable_argv([f"--out={outside}"]) == ["--out=run2"]
     assert cli.portable_argv(["--out", "rel/x", "--methods", "a"]) == ["--out", "rel/x", "--methods", "a"]
+
+
+def test_a_cell_computed_by_other_code_is_recomputed(tmp_path, monkeypatch):
+    """Cells are keyed on a fingerprint of the code that computes them (the method's package and the evaluation
+    modules): after an edit, a rerun recomputes instead of reusing a stale result; unchanged code reuses it."""
+    import kvbench.run as run_mod
+    from kvbench.cells import code_fingerprint
+
+    model, tok, registry, work = tiny_model(), CharTokenizer(), discover(), workload()
+    first = Recording(tmp_path, {"work": work.fingerprint()})
+    run_grid(model, tok, registry, GRID[:1], work, cache=first, progress=False)
+    assert first.puts == 2 + 2
+    same = Recording(tmp_path, {"work": work.fingerprint()})
+    run_grid(model, tok, registry, GRID[:1], work, cache=same, progress=False)
+    assert same.puts == 0
+    real = run_mod.code_fingerprint  # as if a file of kv_baselines (the method's package) had changed:
+    monkeypatch.setattr(run_mod, "code_fingerprint", lambda mods: real(mods) + ("!" if "kv_baselines" in mods else ""))
+    after = Recording(tmp_path, {"work": work.fingerprint()})
+    run_grid(model, tok, registry, GRID[:1], work, cache=after, progress=False)
+    assert after.puts == 2 + 2  # streaming_llm and the full cache live in kv_baselines: every cell again
+    # the fingerprint follows the files: an edited module gives another value, the same sources the same value
+    pkg = tmp_path / "fp_pkg_probe"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("x = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import kvbench.cells as cells_mod
+
+    a = code_fingerprint(["fp_pkg_probe"])
+    cells_mod._source_digest.cache_clear()
+    assert code_fingerprint(["fp_pkg_probe"]) == a
+    (pkg / "__init__.py").write_text("x = 2\n")
+    cells_mod._source_digest.cache_clear()
+    assert code_fingerprint(["fp_pkg_probe"]) != a
+    assert code_fingerprint(["no_such_module_anywhere"]) != a

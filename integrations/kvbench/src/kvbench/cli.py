@@ -287,7 +287,7 @@ def _run(args, argv, registry, grid, tasks, protocols) -> int:
     from kvbench.models import load_smollm2
     from kvbench.paired import pair_rows
     from kvbench.report import format_table, markdown_report, plot, write_json
-    from kvbench.run import Workload, describe_machine, fp16_bytes_per_token, run_grid
+    from kvbench.run import Workload, describe_machine, fp16_bytes_per_token, method_code, run_grid
     from kvbench.tasks import continuation_split, lee_background, make_tasks
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -347,6 +347,7 @@ def _run(args, argv, registry, grid, tasks, protocols) -> int:
         "kl_continuation": args.kl_continuation,
         "fp16_bytes_per_token": fp16_bytes_per_token(model),
         "cells_reused": counter.reused,
+        "code": {name: method_code(registry[name]) for name in sorted({r.method for r in rows})},
         "cells_compute_s": sum(counter.compute_s.values()),  # reused cells count the time they took when computed
         "wall_s": time.perf_counter() - t0,
     }

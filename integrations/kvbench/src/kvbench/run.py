@@ -31,7 +31,7 @@ from kv_hf.cache import compressed_cache
 from kv_hf.prefill import prefill
 from kv_hf.reuse import generate_answer
 from kv_hf.shared import collect_prefill
-from kvbench.cells import CellCache
+from kvbench.cells import CellCache, code_fingerprint
 from kvbench.match import match_budget
 from kvbench.memory import peak_memory
 from kvbench.methods import GridItem
@@ -250,6 +250,27 @@ def _row(item: GridItem, protocol: str, tasks: dict | None, windows: dict | None
     return row
 
 
+EVALUATION_CODE: tuple[str, ...] = (
+    "kvcore",
+    "kvcodec",
+    "kv_hf",
+    "kvbench.run",
+    "kvbench.memory",
+    "kvbench.match",
+    "kvbench.tasks",
+    "kvbench.models",
+)
+"""Modules whose code decides every cell's result besides the method's own package (the presentation modules --
+CLI, statistics, reports -- work from the cells' per-unit results and are left out)."""
+
+
+def method_code(method: Method) -> str:
+    """:func:`kvbench.cells.code_fingerprint` of what computes ``method``'s cells: the top-level package that defines
+    its factory (``kv_hqekv`` for ``hqekv-3.2``) and :data:`EVALUATION_CODE`."""
+    package = (getattr(method.factory, "__module__", None) or "").split(".")[0]
+    return code_fingerprint([*EVALUATION_CODE, *([package] if package else [])])
+
+
 def run_grid(
     model,
     tokenizer,
@@ -298,10 +319,11 @@ def run_grid(
     items = _distinct([_resolve(model, tokenizer, methods, g, work, cache) for g in items])
 
     def task_cell(item: GridItem, protocol: str) -> dict:
-        return {"kind": "tasks", "method": item.name, "budget": item.label, "protocol": protocol}
+        code = method_code(methods[item.name])
+        return {"kind": "tasks", "method": item.name, "budget": item.label, "protocol": protocol, "code": code}
 
     def kl_cell(item: GridItem) -> dict:
-        return {"kind": "kl", "method": item.name, "budget": item.label}
+        return {"kind": "kl", "method": item.name, "budget": item.label, "code": method_code(methods[item.name])}
 
     def protocols_of(item: GridItem) -> list[str]:
         return ["any"] if item.name == "full" else list(protocols)
@@ -553,7 +575,7 @@ def _resolve(model, tokenizer, methods: dict[str, Method], item: GridItem, work:
     if item.budget is not None:
         return item
     target = item.target.value
-    cell = {"kind": "match", "method": item.name, "target": target}
+    cell = {"kind": "match", "method": item.name, "target": target, "code": method_code(methods[item.name])}
     found = cache.get(cell)
     if found is None:
         device = next(model.parameters()).device
