@@ -1,6 +1,8 @@
 """The ragged residual: KIVI's append / pop-oldest policies over flat rows, and evicted entries hold no memory."""
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcodec.ragged import Residual
 from kvcore import storage_bytes
@@ -59,3 +61,50 @@ def test_bytes_are_exactly_the_held_entries():
     r.keep(torch.tensor([True, True, True, False]))  # evict the only entry of segment 1
     assert r.length.tolist() == [3, 0]
     assert _bytes(r) == before - (4 * D + 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 70_000), max_size=40))
+def test_position_runs_round_trip_exactly(values):
+    """``expand_runs(position_runs(p)) == p`` for any position vector (runs break wherever p[i+1] != p[i] + 1);
+    starts narrow to int16 only while every start fits."""
+    from kvcodec.ragged import expand_runs, position_runs
+
+    p = torch.tensor(values, dtype=torch.int32)
+    starts, lengths = position_runs(p)
+    assert expand_runs(starts, lengths).tolist() == values
+    assert int(lengths.sum()) == len(values)
+    assert starts.dtype == (torch.int16 if max(values, default=0) <= 32_767 else torch.int32)
+
+
+def test_quantized_positions_cost_one_run_per_unit_and_survive_edits():
+    """A quantization unit of consecutive tokens holds its positions as one run (start, length), not one position
+    per row; keep / crop / take_segments / widening past int16 return exactly the positions they should."""
+    from kvcodec import UniformQuantizer
+    from kvcodec.ragged import QuantUnits
+
+    S, U, D = 2, 8, 16
+    g = torch.Generator().manual_seed(0)
+    units = QuantUnits(UniformQuantizer(2, "channel", U), U)
+    pos = torch.arange(4 * U).view(4, U).int()  # segment 0: units 0-1, segment 1: units 2-3, consecutive positions
+    seg = torch.tensor([0, 0, 1, 1])
+    units.add(torch.randn(4, U, D, generator=g), seg, pos)
+    assert units._pos_starts.numel() == 1  # all 32 positions are consecutive: a single run
+    assert units.positions()[1].tolist() == list(range(4 * U))
+    keep = torch.ones(4 * U, dtype=torch.bool)
+    keep[[3, 4, 20]] = False
+    units.keep(keep)
+    want = [p for p in range(4 * U) if p not in (3, 4, 20)]
+    assert units.positions()[1].tolist() == want and units._pos_starts.numel() == 3
+    units.crop(18)
+    want = [p for p in want if p < 18]
+    assert units.positions()[1].tolist() == want
+    assert units.positions()[0].tolist() == [0] * (2 * U - 2) + [1] * (len(want) - 2 * U + 2)
+    units.take_segments(torch.tensor([1, 0]), S)  # swap the segments
+    assert units.positions()[0].tolist() == [0] * 2 + [1] * (2 * U - 2)
+    assert units.positions()[1].tolist() == [16, 17] + [p for p in want if p < 16]
+    far = torch.arange(40_000, 40_000 + U).int()[None]  # a unit beyond int16 widens the runs for good
+    units.add(torch.randn(1, U, D, generator=g), torch.tensor([1]), far)
+    assert units._pos_starts.dtype == torch.int32 and units.positions()[1].tolist()[-U:] == far[0].tolist()
+    units.crop(40_000)
+    assert units._pos_starts.dtype == torch.int32 and 40_000 not in units.positions()[1].tolist()

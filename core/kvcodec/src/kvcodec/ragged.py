@@ -19,7 +19,9 @@ succeeded, and a failing step leaves the originals exactly as they were.
 A *segment* is one (batch row, KV head). Every entry keeps its true position; positions are unique inside a
 segment, so ``(segment, position)`` orders keys and values of different tiers identically on read. Metadata is
 kept small because it is memory too (:mod:`kvcodec.narrow`): positions are stored as int16 while every position
-fits (at most 32,767; widened to int32 for good the first time a larger one arrives), the segment ids of
+fits (at most 32,767; widened to int32 for good the first time a larger one arrives); the positions of quantized
+rows are run-length encoded as runs of consecutive positions (one start and one length per run: a quantization
+unit covers consecutive tokens, so a unit costs one run instead of one position per row); the segment ids of
 quantization units run-length encoded (one id and one count per run of consecutive units of one segment: a store
 appends units segment by segment, so runs are long), the per-unit row counts in int16, and the full-precision rows
 carry per-segment counts only. What the parts return (:meth:`FullRows.entries`, :meth:`QuantUnits.positions`,
@@ -47,6 +49,26 @@ def _runs(seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return seg.new_zeros(0, dtype=torch.int16), seg.new_zeros(0, dtype=torch.int16)
     ids, lengths = torch.unique_consecutive(seg.long(), return_counts=True)
     return narrow(ids), narrow(lengths)
+
+
+def position_runs(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs of consecutive positions ``(starts, lengths)`` of a position vector (a run continues while the next
+    position is the previous one plus 1), each in the narrowest dtype (:func:`kvcodec.narrow.narrow`);
+    :func:`expand_runs` inverts it exactly."""
+    if pos.numel() == 0:
+        return pos.new_zeros(0, dtype=torch.int16), pos.new_zeros(0, dtype=torch.int16)
+    p = pos.long()
+    new = torch.ones_like(p, dtype=torch.bool)
+    new[1:] = p[1:] != p[:-1] + 1
+    first = new.nonzero().flatten()
+    lengths = torch.diff(first, append=first.new_tensor([p.numel()]))
+    return narrow(p[first]), narrow(lengths)
+
+
+def expand_runs(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """int32 positions of runs ``(starts, lengths)`` (the inverse of :func:`position_runs`)."""
+    lengths = lengths.long()
+    return (starts.long()[segment_ids(lengths)] + offsets_in_segment(lengths)).int()
 
 
 def compact_entries(x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> tuple[Entries, torch.Tensor]:
@@ -154,8 +176,9 @@ class QuantUnits:
 
     Unit-level buffers hold one quantization group each (``scales``/``zeros [capU, 1, C]`` and ``rows [capU]``
     int16, the number of code rows the unit still holds; the first ``nu`` in use) and the units' segment ids,
-    run-length encoded (:attr:`seg` expands them); row-level buffers hold one packed code row per *entry*
-    (``codes [capR, PW]``, ``pos [capR]`` int16 or int32, the first ``nr`` in use), sorted by unit. The group
+    run-length encoded (:attr:`seg` expands them); the row-level buffer holds one packed code row per *entry*
+    (``codes [capR, PW]``, the first ``nr`` in use), sorted by unit, and the rows' positions are held as runs of
+    consecutive positions (:func:`position_runs`; :attr:`pos` expands them). The group
     membership is explicit (``rows``; for ``U = 1`` rows and units correspond one to one and ``rows`` is not
     stored): dropping an entry drops its code row and leaves its unit's scale and zero as they
     were (never re-quantized; every row of a group shares them, so a row's slot is immaterial); a unit left
@@ -171,7 +194,7 @@ class QuantUnits:
     """
 
     _UNIT = ("scales", "zeros", "rows")
-    _ROW = ("codes", "pos")
+    _ROW = ("codes",)
 
     def __init__(self, quantizer: Quantizer, unit: int) -> None:
         self.quantizer = quantizer
@@ -184,7 +207,8 @@ class QuantUnits:
         self.codebook: torch.Tensor | None = None
         self._seg_ids: torch.Tensor | None = None  # run-length encoded segment id of every unit in use
         self._seg_lens: torch.Tensor | None = None
-        self.pos: torch.Tensor | None = None
+        self._pos_starts: torch.Tensor | None = None  # runs of consecutive positions of the rows in use
+        self._pos_lens: torch.Tensor | None = None
         self.rows: torch.Tensor | None = None
         self._meta: tuple | None = None  # (bits, axis, group_size, D, dtype) of the stored QuantizedTensor
 
@@ -198,6 +222,31 @@ class QuantUnits:
         if self._seg_ids is None:
             return None
         return self._seg_ids.long()[segment_ids(self._seg_lens)]
+
+    @property
+    def pos(self) -> torch.Tensor | None:
+        """``[nr]`` int32 position of every row in use (expanded from the runs)."""
+        if self._pos_starts is None:
+            return None
+        return expand_runs(self._pos_starts, self._pos_lens)
+
+    def _set_pos(self, pos: torch.Tensor) -> None:
+        self._pos_starts, self._pos_lens = position_runs(pos)
+
+    def _extend_pos(self, pos: torch.Tensor) -> None:
+        starts, lens = position_runs(pos)
+        if self._pos_starts is None or self._pos_starts.numel() == 0:
+            self._pos_starts, self._pos_lens = starts, lens
+            return
+        starts, lens = starts.long(), lens.long()
+        last_end = int(self._pos_starts[-1]) + int(self._pos_lens[-1])
+        old_starts, old_lens = self._pos_starts.long(), self._pos_lens.long()
+        if starts.numel() and int(starts[0]) == last_end:  # the first new run continues the last one
+            lens[0] += old_lens[-1]
+            starts[0] = old_starts[-1]
+            old_starts, old_lens = old_starts[:-1], old_lens[:-1]
+        self._pos_starts = narrow(torch.cat([old_starts, starts]), self._pos_starts)
+        self._pos_lens = narrow(torch.cat([old_lens, lens]), self._pos_lens)
 
     def _set_seg(self, seg: torch.Tensor) -> None:
         self._seg_ids, self._seg_lens = _runs(seg)
@@ -246,11 +295,12 @@ class QuantUnits:
         real = pos >= 0
         count_dtype = narrow_int(U)
         units = {"scales": q.scales, "zeros": q.zeros, "rows": real.sum(1).to(count_dtype) if U > 1 else None}
-        rows = {"codes": q.codes[real], "pos": narrow(pos[real], self.pos)}
+        rows = {"codes": q.codes[real]}
         self._meta, self.codebook = meta, q.codebook
         self.nu = self._append(self._UNIT, units, self.nu)
         self.nr = self._append(self._ROW, rows, self.nr)
         self._extend_seg(seg)
+        self._extend_pos(pos[real])
 
     def _append(self, names: tuple[str, ...], new: dict[str, torch.Tensor | None], n: int) -> int:
         m = next(t for t in new.values() if t is not None).shape[0]
@@ -261,9 +311,6 @@ class QuantUnits:
             if old is None:
                 setattr(self, name, t.clone())
                 continue
-            if old.dtype != t.dtype:  # positions widened from int16 to int32: for good
-                old = old.to(torch.promote_types(old.dtype, t.dtype))
-                setattr(self, name, old)
             if n + m > old.shape[0]:
                 grown = torch.zeros(
                     (max(n + m, old.shape[0] + old.shape[0] // 2), *old.shape[1:]), dtype=old.dtype, device=old.device
@@ -308,13 +355,13 @@ class QuantUnits:
     def entries(self) -> Entries | None:
         if self.empty:
             return None
-        return self.dequantized(), self.seg[self.row_unit()], self.pos[: self.nr].int()
+        return self.dequantized(), self.seg[self.row_unit()], self.pos
 
     def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.empty:
             empty = torch.zeros(0, dtype=torch.long, device=self.codes.device if self.codes is not None else None)
             return empty, empty.int()
-        return self.seg[self.row_unit()], self.pos[: self.nr].int()
+        return self.seg[self.row_unit()], self.pos
 
     def counts(self, num_segments: int, device: torch.device) -> torch.Tensor:
         if self.empty:
@@ -339,16 +386,20 @@ class QuantUnits:
         seg = self.seg[unit_idx]
         units = {n: None if getattr(self, n) is None else getattr(self, n)[unit_idx] for n in self._UNIT}
         units["rows"] = None if self.unit == 1 else rows_per_unit.to(self.rows.dtype)
-        for name, t in {**units, "codes": self.codes[row_idx], "pos": self.pos[row_idx]}.items():
+        pos = self.pos[row_idx]
+        for name, t in {**units, "codes": self.codes[row_idx]}.items():
             setattr(self, name, t)
         self.nu, self.nr = unit_idx.numel(), row_idx.numel()
         self._set_seg(seg)
+        held = self._pos_starts
+        self._set_pos(pos)
+        self._pos_starts = narrow(self._pos_starts, held)  # a store never narrows what it already widened
 
     def crop(self, position: int) -> None:
         """Drop entries at ``position`` or later; units left without entries are freed."""
         if self.codes is None:
             return
-        self.keep(self.pos[: self.nr].int() < position)
+        self.keep(self.pos < position)
 
     def take_segments(self, take: torch.Tensor, num_segments: int) -> None:
         if self.codes is None:
