@@ -197,7 +197,7 @@ def test_nbytes_is_the_sum_of_the_parts_for_hex3_on_fp16():
         + coded_tokens * d1 * 2  # overlay values
     )
     want += H * D * 2 * 2 + T * 2 * 2  # key scale/zero per (head, channel); value scale/zero per token (fp16)
-    want += T * H * 2 + T * 4  # int16 positions per entry (all at most 32,767); int32 slot positions per token
+    want += T * H * 2 + T * 2  # int16 positions per entry and int16 slot positions per token (all <= 32,767)
     want += 2 * T * H  # key / value FULL flags (bool per entry)
     want += 2 * H * 8 + 8  # per-head counts of the segment and the (empty) residual; last position of the row
     assert store.nbytes() == want
@@ -242,7 +242,7 @@ def test_positions_widen_past_int16_and_stay_exact():
     pos = torch.arange(start, start + 192)[None]
     store = HEXStore(cfg)
     store.write(k, v, hex_plan(cfg, 192), pos)
-    assert store._segments[0].pos.dtype == torch.int16
+    assert store._segments[0].pos.dtype == torch.int16 and store._segments[0].slot_pos.dtype == torch.int16
     g = torch.Generator().manual_seed(1)
     for step in range(4):
         p = start + 192 + step
@@ -258,3 +258,8 @@ def test_positions_widen_past_int16_and_stay_exact():
     low = HEXStore(cfg)
     low.write(k, v, hex_plan(cfg, 192), torch.arange(192)[None])
     assert low._segments[0].pos.dtype == torch.int16 and low._res["pos"].dtype == torch.int16
+    high = HEXStore(cfg)  # a segment past int16: its entry and slot positions are int32 and read back exact
+    high.write(k, v, hex_plan(cfg, 192), torch.arange(40_000, 40_192)[None])
+    assert high._segments[0].pos.dtype == torch.int32 and high._segments[0].slot_pos.dtype == torch.int32
+    assert high.read().positions[0, 0].tolist() == list(range(40_000, 40_192))
+    torch.testing.assert_close(high.attend(q)[0], reference_attention(high.read(), q)[0], rtol=1e-4, atol=1e-4)

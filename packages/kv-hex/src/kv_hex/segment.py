@@ -56,7 +56,7 @@ class Segment:
     n: int
     H: int
     D: int
-    slot_pos: torch.Tensor  # [B, n] int32
+    slot_pos: torch.Tensor  # [B, n] int16 while every position fits (kvcodec.narrow), else int32; -1: empty slot
     counts: torch.Tensor  # [S] int64
     pos: torch.Tensor  # [N] int16 while every position fits (kvcodec.narrow), else int32
     k_full: torch.Tensor  # [N] bool, or [0] when every entry is full precision
@@ -248,7 +248,7 @@ def compress_segment(
         n=n,
         H=H,
         D=D,
-        slot_pos=slot_pos.int().clone() if coded_any else slot_pos[:, :0].int().clone(),
+        slot_pos=narrow(slot_pos.clone() if coded_any else slot_pos[:, :0].clone()),
         counts=held.reshape(B * H, n).sum(-1),
         pos=pos,
         k_full=parts["k"]["full"],

@@ -512,7 +512,8 @@ class HEXStore(Store):
         fp16 = 2 * entries * D * 2
         total = self.nbytes()
         meta = sum(
-            s.pos.numel() * s.pos.element_size() + s.counts.numel() * 8 + s.slot_pos.numel() * 4 for s in self._segments
+            s.pos.numel() * s.pos.element_size() + s.counts.numel() * 8 + s.slot_pos.numel() * s.slot_pos.element_size()
+            for s in self._segments
         )
         meta += self._res["pos"].numel() * self._res["pos"].element_size() + self._res["counts"].numel() * 8
         C = self._shape[1] * D if self.config.mask_scope == "layer" else D
