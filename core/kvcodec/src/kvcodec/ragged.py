@@ -21,11 +21,12 @@ segment, so ``(segment, position)`` orders keys and values of different tiers id
 kept small because it is memory too (:mod:`kvcodec.narrow`): positions are stored as int16 while every position
 fits (at most 32,767; widened to int32 for good the first time a larger one arrives); the positions of quantized
 rows are run-length encoded as runs of consecutive positions (one start and one length per run: a quantization
-unit covers consecutive tokens, so a unit costs one run instead of one position per row); the segment ids of
-quantization units run-length encoded (one id and one count per run of consecutive units of one segment: a store
-appends units segment by segment, so runs are long), the per-unit row counts in int16, and the full-precision rows
-carry per-segment counts only. What the parts return (:meth:`FullRows.entries`, :meth:`QuantUnits.positions`,
-...) is int32 positions and int64 segment ids whatever is stored.
+unit covers consecutive tokens, so a unit costs one run instead of one position per row; the bytes they take depend
+on how the positions are spaced, so rows evicted inside a unit can add a run where they free a code row); the
+segment ids of quantization units run-length encoded (one id and one count per run of consecutive units of one
+segment: a store appends units segment by segment, so runs are long), the per-unit row counts in int16, and the
+full-precision rows carry per-segment counts only. What the parts return (:meth:`FullRows.entries`,
+:meth:`QuantUnits.positions`, ...) is int32 positions and int64 segment ids whatever is stored.
 """
 
 from __future__ import annotations
