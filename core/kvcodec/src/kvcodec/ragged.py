@@ -72,6 +72,26 @@ def expand_runs(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return (starts.long()[segment_ids(lengths)] + offsets_in_segment(lengths)).int()
 
 
+def _join_runs(
+    values: torch.Tensor | None,
+    lengths: torch.Tensor | None,
+    new_values: torch.Tensor,
+    new_lengths: torch.Tensor,
+    continues,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run-length encodings ``(values, lengths)`` followed by ``(new_values, new_lengths)``, the first new run merged
+    into the last old one when ``continues(last value, last length, first new value)``; narrow dtypes, never
+    narrower than the old ones."""
+    if values is None or values.numel() == 0:
+        return new_values, new_lengths
+    old_v, old_l, new_v, new_l = values.long(), lengths.long(), new_values.long(), new_lengths.long()
+    if new_v.numel() and continues(int(old_v[-1]), int(old_l[-1]), int(new_v[0])):
+        new_v, new_l = new_v.clone(), new_l.clone()
+        new_v[0], new_l[0] = old_v[-1], new_l[0] + old_l[-1]
+        old_v, old_l = old_v[:-1], old_l[:-1]
+    return narrow(torch.cat([old_v, new_v]), values), narrow(torch.cat([old_l, new_l]), lengths)
+
+
 def compact_entries(x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> tuple[Entries, torch.Tensor]:
     """Entries of ``x [B, H, T, D]`` where ``mask [B, H, T]``, in (segment, T) order, and the counts ``[B*H]``."""
     rows, lengths = _kernels.compact(x, mask)
@@ -236,33 +256,18 @@ class QuantUnits:
 
     def _extend_pos(self, pos: torch.Tensor) -> None:
         starts, lens = position_runs(pos)
-        if self._pos_starts is None or self._pos_starts.numel() == 0:
-            self._pos_starts, self._pos_lens = starts, lens
-            return
-        starts, lens = starts.long(), lens.long()
-        last_end = int(self._pos_starts[-1]) + int(self._pos_lens[-1])
-        old_starts, old_lens = self._pos_starts.long(), self._pos_lens.long()
-        if starts.numel() and int(starts[0]) == last_end:  # the first new run continues the last one
-            lens[0] += old_lens[-1]
-            starts[0] = old_starts[-1]
-            old_starts, old_lens = old_starts[:-1], old_lens[:-1]
-        self._pos_starts = narrow(torch.cat([old_starts, starts]), self._pos_starts)
-        self._pos_lens = narrow(torch.cat([old_lens, lens]), self._pos_lens)
+        self._pos_starts, self._pos_lens = _join_runs(
+            self._pos_starts, self._pos_lens, starts, lens, lambda old, old_len, new: old + old_len == new
+        )
 
     def _set_seg(self, seg: torch.Tensor) -> None:
         self._seg_ids, self._seg_lens = _runs(seg)
 
     def _extend_seg(self, seg: torch.Tensor) -> None:
         ids, lens = _runs(seg)
-        if self._seg_ids is None or self._seg_ids.numel() == 0:
-            self._seg_ids, self._seg_lens = ids, lens
-            return
-        lens = lens.long()
-        if ids.numel() and int(ids[0]) == int(self._seg_ids[-1]):  # the first new run continues the last one
-            lens[0] += self._seg_lens[-1]
-            self._seg_ids, self._seg_lens = self._seg_ids[:-1], self._seg_lens[:-1]
-        self._seg_ids = narrow(torch.cat([self._seg_ids.long(), ids.long()]))
-        self._seg_lens = narrow(torch.cat([self._seg_lens.long(), lens]))
+        self._seg_ids, self._seg_lens = _join_runs(
+            self._seg_ids, self._seg_lens, ids, lens, lambda old, old_len, new: old == new
+        )
 
     # -- building ---------------------------------------------------------------------------------------
     @staticmethod
