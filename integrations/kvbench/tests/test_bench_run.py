@@ -410,6 +410,14 @@ def test_a_cell_computed_by_other_code_is_recomputed(tmp_path, monkeypatch):
     after = Recording(tmp_path, {"work": work.fingerprint()})
     run_grid(model, tok, registry, GRID[:1], work, cache=after, progress=False)
     assert after.puts == 2 + 2  # streaming_llm and the full cache live in kv_baselines: every cell again
+    # a method composed from another package's registered base depends on both (hubkv-snapkv: kv_hubkv and the
+    # snapkv of kv_baselines, which kv_hubkv never imports), found from the built compressor
+    seen: list = []
+    monkeypatch.setattr(run_mod, "code_fingerprint", lambda mods: seen.append(sorted(mods)) or "x")
+    run_mod.method_code(registry["hubkv-snapkv"])
+    assert {"kv_hubkv", "kv_baselines", "kvcore", "kv_hf", "kvbench.run"} <= set(seen[-1])
+    run_mod.method_code(registry["streaming_llm"])
+    assert "kv_baselines" in seen[-1] and "kv_hubkv" not in seen[-1]
     # the fingerprint follows the files: an edited module gives another value, the same sources the same value
     pkg = tmp_path / "fp_pkg_probe"
     pkg.mkdir()

@@ -16,6 +16,7 @@ under both protocols and is computed once per (method, budget).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -264,11 +265,38 @@ EVALUATION_CODE: tuple[str, ...] = (
 CLI, statistics, reports -- work from the cells' per-unit results and are left out)."""
 
 
+def _packages(obj: Any, found: set[str], seen: set[int], depth: int = 4) -> None:
+    """Top-level packages of the classes and functions reachable from ``obj`` (attributes, containers, closures)."""
+    if depth < 0 or id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool, torch.Tensor)):
+        return
+    seen.add(id(obj))
+    module = getattr(obj, "__module__", None) if callable(obj) else type(obj).__module__
+    if isinstance(module, str) and module not in ("builtins", "functools"):
+        found.add(module.split(".")[0])
+    children: list[Any] = []
+    if isinstance(obj, dict):
+        children += list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        children += list(obj)
+    if callable(obj) and getattr(obj, "__closure__", None):
+        children += [cell.cell_contents for cell in obj.__closure__ if cell.cell_contents is not None]
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        children += list(vars(obj).values())
+    for child in children:
+        _packages(child, found, seen, depth - 1)
+
+
 def method_code(method: Method) -> str:
-    """:func:`kvbench.cells.code_fingerprint` of what computes ``method``'s cells: the top-level package that defines
-    its factory (``kv_hqekv`` for ``hqekv-3.2``) and :data:`EVALUATION_CODE`."""
-    package = (getattr(method.factory, "__module__", None) or "").split(".")[0]
-    return code_fingerprint([*EVALUATION_CODE, *([package] if package else [])])
+    """:func:`kvbench.cells.code_fingerprint` of what computes ``method``'s cells: the top-level packages of the
+    objects its compressor is built from at its default budget (``kv_hubkv`` and ``kv_baselines`` for
+    ``hubkv-snapkv``, whose base comes from the registry) -- the scorer, selector, store factory and what they
+    hold or close over -- the package of its factory, and :data:`EVALUATION_CODE`."""
+    found: set[str] = set()
+    _packages(method.factory, found, set())
+    with contextlib.suppress(TypeError, ValueError):  # a factory refusing its default budget: its own package only
+        _packages(method.build(), found, set())
+    found -= {"torch", "typing", "collections", "dataclasses", "abc", "__main__"}
+    return code_fingerprint([*EVALUATION_CODE, *sorted(found)])
 
 
 def run_grid(
