@@ -432,3 +432,27 @@ def test_a_cell_computed_by_other_code_is_recomputed(tmp_path, monkeypatch):
     cells_mod._source_digest.cache_clear()
     assert code_fingerprint(["fp_pkg_probe"]) != a
     assert code_fingerprint(["no_such_module_anywhere"]) != a
+
+
+def test_an_edit_during_a_run_is_reported(tmp_path, monkeypatch):
+    """``code_changed`` reads the sources again: a method whose package changed since the run started is named
+    (the CLI warns and records it in ``meta.code_changed_during_run``), an unchanged one is not."""
+    from kvbench.run import code_changed, method_code
+
+    pkg = tmp_path / "fp_edit_probe"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "from kvcore.registry import Method\n"
+        "def make(budget):\n"
+        "    import kv_baselines\n"
+        "    return kv_baselines.streaming_llm(budget.ratio)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import fp_edit_probe
+
+    registry = discover()
+    registry["probe"] = Method("probe", fp_edit_probe.make, "a method defined in a package this test edits")
+    before = {name: method_code(registry[name]) for name in ("probe", "streaming_llm")}
+    assert code_changed(registry, before) == []
+    (pkg / "__init__.py").write_text((pkg / "__init__.py").read_text() + "# edited\n")
+    assert code_changed(registry, before) == ["probe"]

@@ -287,7 +287,7 @@ def _run(args, argv, registry, grid, tasks, protocols) -> int:
     from kvbench.models import load_smollm2
     from kvbench.paired import pair_rows
     from kvbench.report import format_table, markdown_report, plot, write_json
-    from kvbench.run import Workload, describe_machine, fp16_bytes_per_token, method_code, run_grid
+    from kvbench.run import Workload, code_changed, describe_machine, fp16_bytes_per_token, method_code, run_grid
     from kvbench.tasks import continuation_split, lee_background, make_tasks
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -322,7 +322,15 @@ def _run(args, argv, registry, grid, tasks, protocols) -> int:
         context["fresh"] = time.time()
     cells = CellCache(args.out / "cells", context)
     counter = _Counting(cells)
+    code = {name: method_code(registry[name]) for name in sorted({g.name for g in grid} | {"full"})}
     rows = run_grid(model, tok, registry, grid, work, protocols=protocols, cache=counter, progress=not args.no_progress)
+    edited = code_changed(registry, code)
+    if edited:
+        print(
+            f"kvbench: warning: the code of {', '.join(edited)} changed while this run was going; their cells may mix "
+            "old and new code -- rerun the command to recompute them with the code as it is now",
+            file=sys.stderr,
+        )
     pair_rows(rows, args.reference, seed=args.seed)
     comparisons = compare_rows(rows, args.comparisons, seed=args.seed)
     command = "kvbench " + " ".join(portable_argv(sys.argv[1:] if argv is None else argv))
@@ -347,7 +355,8 @@ def _run(args, argv, registry, grid, tasks, protocols) -> int:
         "kl_continuation": args.kl_continuation,
         "fp16_bytes_per_token": fp16_bytes_per_token(model),
         "cells_reused": counter.reused,
-        "code": {name: method_code(registry[name]) for name in sorted({r.method for r in rows})},
+        "code": code,
+        "code_changed_during_run": edited,
         "cells_compute_s": sum(counter.compute_s.values()),  # reused cells count the time they took when computed
         "wall_s": time.perf_counter() - t0,
     }

@@ -299,6 +299,16 @@ def method_code(method: Method) -> str:
     return code_fingerprint([*EVALUATION_CODE, *sorted(found)])
 
 
+def code_changed(methods: dict[str, Method], before: dict[str, str]) -> list[str]:
+    """The methods of ``before`` (name -> :func:`method_code` taken when a run started) whose code differs now,
+    read from the files again: an edit made while a run was going, which the cells' keys (taken at the start) do
+    not show."""
+    from kvbench.cells import _source_digest
+
+    _source_digest.cache_clear()
+    return [name for name, code in sorted(before.items()) if method_code(methods[name]) != code]
+
+
 def run_grid(
     model,
     tokenizer,
