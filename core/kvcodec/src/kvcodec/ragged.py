@@ -54,16 +54,14 @@ def _runs(seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def position_runs(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs of consecutive positions ``(starts, lengths)`` of a position vector (a run continues while the next
-    position is the previous one plus 1), each in the narrowest dtype (:func:`kvcodec.narrow.narrow`);
-    :func:`expand_runs` inverts it exactly."""
+    position is the previous one plus 1: ``pos[i] - i`` stays constant), each in the narrowest dtype
+    (:func:`kvcodec.narrow.narrow`); :func:`expand_runs` inverts it exactly."""
     if pos.numel() == 0:
         return pos.new_zeros(0, dtype=torch.int16), pos.new_zeros(0, dtype=torch.int16)
-    p = pos.long()
-    new = torch.ones_like(p, dtype=torch.bool)
-    new[1:] = p[1:] != p[:-1] + 1
-    first = new.nonzero().flatten()
-    lengths = torch.diff(first, append=first.new_tensor([p.numel()]))
-    return narrow(p[first]), narrow(lengths)
+    shifted, lengths = torch.unique_consecutive(
+        pos.long() - torch.arange(pos.numel(), device=pos.device), return_counts=True
+    )
+    return narrow(shifted + exclusive_cumsum(lengths)), narrow(lengths)
 
 
 def expand_runs(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -252,7 +250,9 @@ class QuantUnits:
         return expand_runs(self._pos_starts, self._pos_lens)
 
     def _set_pos(self, pos: torch.Tensor) -> None:
+        held = self._pos_starts
         self._pos_starts, self._pos_lens = position_runs(pos)
+        self._pos_starts = narrow(self._pos_starts, held)  # a store never narrows what it already widened
 
     def _extend_pos(self, pos: torch.Tensor) -> None:
         starts, lens = position_runs(pos)
@@ -397,9 +397,7 @@ class QuantUnits:
             setattr(self, name, t)
         self.nu, self.nr = unit_idx.numel(), row_idx.numel()
         self._set_seg(seg)
-        held = self._pos_starts
         self._set_pos(pos)
-        self._pos_starts = narrow(self._pos_starts, held)  # a store never narrows what it already widened
 
     def crop(self, position: int) -> None:
         """Drop entries at ``position`` or later; units left without entries are freed."""

@@ -356,12 +356,14 @@ def run_grid(
     items = [full] + [g for g in grid if g.name != "full"]
     items = _distinct([_resolve(model, tokenizer, methods, g, work, cache) for g in items])
 
+    codes = {i.name: method_code(methods[i.name]) for i in items}  # once per method: it builds the compressor
+
     def task_cell(item: GridItem, protocol: str) -> dict:
-        code = method_code(methods[item.name])
+        code = codes[item.name]
         return {"kind": "tasks", "method": item.name, "budget": item.label, "protocol": protocol, "code": code}
 
     def kl_cell(item: GridItem) -> dict:
-        return {"kind": "kl", "method": item.name, "budget": item.label, "code": method_code(methods[item.name])}
+        return {"kind": "kl", "method": item.name, "budget": item.label, "code": codes[item.name]}
 
     def protocols_of(item: GridItem) -> list[str]:
         return ["any"] if item.name == "full" else list(protocols)
