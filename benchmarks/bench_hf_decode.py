@@ -3,9 +3,10 @@
 One run, same model (SmolLM2-135M-Instruct, offline), same random prompt, same greedy steps:
 
 * ``DynamicCache``  the anchor: transformers' own cache, attention over the raw K/V (``torch.cat`` per step);
-* ``kv_hf full``    our adapter with ``kv_baselines.full()``: same entries, held in a kvcore ``DenseStore``;
-* ``kv_hf snapkv``  our adapter after SnapKV evicted half of every head (``snapkv(0.5)``);
-* ``kv_hf kivi-2``  our adapter over a KIVI-2 store (dequantized every step: reference path, no fused kernel).
+* ``kv_hf <method>`` our adapter over each method of ``--methods`` (registry names, ``name@budget`` for a budget
+  other than the method's default; default ``full,snapkv@0.5,kivi-2``): the full cache in a kvcore ``DenseStore``,
+  SnapKV after evicting half of every head, KIVI-2 decoding through its fused ``attend``. Stores that declare
+  ``can_attend`` decode through ``Store.attend``.
 
 Printed: KV bytes after the prefill (ours: ``cache.nbytes()``, int32 positions included; DynamicCache: K+V in
 the model dtype), single-token decode steps per second (median over ``--rounds`` interleaved rounds, each ``--steps``
@@ -15,6 +16,7 @@ Usage::
 
     python benchmarks/bench_hf_decode.py                    # 1,000-token prompt, CPU or the first GPU
     python benchmarks/bench_hf_decode.py --tokens 4000 --device cuda
+    python benchmarks/bench_hf_decode.py --tokens 2048 --steps 64 --methods kivi-2,kivi-4,hqekv-2,hqekv-3.2 --threads 1
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ import time
 import torch
 from transformers import DynamicCache
 
-import kv_baselines
 import kv_hf
+from kvbench.budgets import parse_budget
 from kvbench.models import load_smollm2
 from kvbench.run import decode_rate
+from kvcore import registry
 
 
 def _sync(device: torch.device) -> None:
@@ -64,17 +67,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--methods", default="full,snapkv@0.5,kivi-2", help="registry names, name@budget (default: %(default)s)"
+    )
     args = p.parse_args(argv)
+    methods = registry.discover()
+    contenders = {}
+    for item in filter(None, (x.strip() for x in args.methods.split(","))):
+        name, _, budget = item.partition("@")
+        registry.get(name, methods)  # unknown names fail here, before the model loads
+        spec = parse_budget(budget, "--methods budget").budget() if budget else None
+        contenders[f"kv_hf {item}"] = lambda name=name, spec=spec: registry.build(name, spec, methods)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     model, _ = load_smollm2(device=device)
     ids = torch.randint(100, 10_000, (1, args.tokens), generator=torch.Generator().manual_seed(0)).to(device)
-    contenders = {
-        "kv_hf full": kv_baselines.full,
-        "kv_hf snapkv(0.5)": lambda: kv_baselines.snapkv(0.5),
-        "kv_hf kivi-2": lambda: kv_baselines.kivi(2),
-    }
     caches = {}
     for name, make in contenders.items():
         cache = kv_hf.compressed_cache(model, make())

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kv_hqekv import HqeKVStore, tier_quantizer, window_importance_ref
 from kv_hqekv.attention import attention_row, mixed_tier_attention, tier_pair_attention, tiered_sides
 from kv_hqekv.kernels import TieredSide, dequantize_side_ref, tiered_attention_row_ref, transcode_ref
+from kv_hqekv.part_attention import _codes, _Columns, _key_entries, part_attention
 from kvcodec.packing import unpack_unchecked
 from kvcodec.stats import expand_groups
 from kvcore import EVICT, FULL, KVView, Plan, merge_attention, reference_attention
@@ -269,3 +270,59 @@ def test_bad_input_names_the_argument():
         mixed_tier_attention(store, torch.randn(1, 2, 1, 16), return_row=1)
     with pytest.raises(ValueError, match="query must be"):
         store.attend(torch.randn(1, 3, 1, 16))
+
+
+# -- the CPU path: attention part by part (kv_hqekv.part_attention) -------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("by_position", [True, False])
+def test_part_attention_both_column_layouts_equal_reference(dtype, by_position):
+    """Columns by position (no sort; evicted positions left empty) and by read() slot give the reference attention
+    over read(): every tier pair, values evicted under kept keys, a ragged head, GQA, the uniform 1-bit ablation, and
+    a decoded store whose units lost rows (eviction after re-tiering: the partial-unit layout)."""
+    g = torch.Generator().manual_seed(5)
+    stores = [_store(g, B=2, H=2, T=48, D=32, G=8, dtype=dtype), _decoded_after_retier(g)]
+    uniform = HqeKVStore(block=4, one_bit="uniform")
+    k, v = torch.randn(1, 2, 24, 16, generator=g).to(dtype), torch.randn(1, 2, 24, 16, generator=g).to(dtype)
+    uniform.write(k, v, _plan(g, 1, 2, 24, 4), torch.arange(24)[None])
+    stores.append(uniform)
+    for store in stores:
+        B, H, D = store._shape
+        q = torch.randn(B, 4 * H, 2, D, generator=g).to(dtype)
+        out, lse = part_attention(store, q, D**-0.5, by_position=by_position)
+        ref_out, ref_lse = reference_attention(store.read(), q)
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_part_attention_sparse_positions_take_the_sorted_layout():
+    """Positions spread far apart (a span much larger than the entries held) are laid out by read() slot, not by
+    position, and still give the reference attention."""
+    g = torch.Generator().manual_seed(6)
+    store = HqeKVStore(block=4)
+    k, v = torch.randn(1, 2, 24, 16, generator=g), torch.randn(1, 2, 24, 16, generator=g)
+    store.write(k, v, _plan(g, 1, 2, 24, 4), (torch.arange(24) * 1000)[None])
+    seg, pos, _ = _key_entries(store, torch.zeros(2, 1, 16), 1.0)
+    assert not _Columns(seg, pos, 2).by_position
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    out, lse = store.attend(q)
+    ref_out, ref_lse = reference_attention(store.read(), q)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("D", [8, 24, 64])
+def test_part_attention_codes_word_wise_and_byte_wise(bits, D):
+    """The codes unpacked for the CPU path equal kvcodec's unpack, whether rows are read as 32-bit words (a row a
+    whole number of words) or byte-wise (D 8 at 1 or 2 bits, D 24 at 1 bit: rows of 1-3 bytes)."""
+    g = torch.Generator().manual_seed(7)
+    store = HqeKVStore(block=4)
+    tiers = torch.tensor([bits], dtype=torch.uint8)
+    k, v = torch.randn(1, 2, 16, D, generator=g), torch.randn(1, 2, 16, D, generator=g)
+    store.write(
+        k, v, _plan(g, 1, 2, 16, 4, key_tiers=tiers, value_tiers=tiers, evict_keys=False), torch.arange(16)[None]
+    )
+    for kind in ("k", "v"):
+        units = store._parts[kind][(4, 2, 1).index(bits) + 1]
+        want = unpack_unchecked(units.codes[: units.nr], bits, D).float()
+        torch.testing.assert_close(_codes(units, D, "test"), want, atol=0, rtol=0)

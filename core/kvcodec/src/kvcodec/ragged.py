@@ -67,7 +67,8 @@ def position_runs(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def expand_runs(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """int32 positions of runs ``(starts, lengths)`` (the inverse of :func:`position_runs`)."""
     lengths = lengths.long()
-    return (starts.long()[segment_ids(lengths)] + offsets_in_segment(lengths)).int()
+    run = segment_ids(lengths)
+    return ((starts.long() - exclusive_cumsum(lengths))[run] + torch.arange(run.numel(), device=run.device)).int()
 
 
 def _join_runs(

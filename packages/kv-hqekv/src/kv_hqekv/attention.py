@@ -3,8 +3,10 @@
 :func:`mixed_tier_attention` is the store's fused ``attend``: one pass over the held entries in the order of
 ``read()``, each entry's key gathered from its key tier and its value from its value tier (fp16 rows, 4-/2-bit
 uniform codes, 1-bit normalized codes with the Gaussian-quantile codebook), dequantized in registers, with an
-online softmax and GQA (:func:`kv_hqekv.kernels.tiered_attention`: a Triton kernel on CUDA, its PyTorch reference
-on CPU). :func:`attention_row` gives the attention of every held entry summed over the query heads of its KV head,
+online softmax and GQA (:func:`kv_hqekv.kernels.tiered_attention`, a Triton kernel, on CUDA). On CPU the same
+attention is computed part by part (:func:`kv_hqekv.part_attention.part_attention`: key scales folded into the
+queries, value tiers dequantized one at a time into per-thread scratch), which is several times faster there than
+the per-entry maps the kernel and its PyTorch reference read. :func:`attention_row` gives the attention of every held entry summed over the query heads of its KV head,
 the row the importance window (§3.2) accumulates while decoding.
 
 :func:`tier_pair_attention` is the earlier path, kept as an independent cross-check and for the benchmark: one
@@ -16,7 +18,9 @@ from __future__ import annotations
 import torch
 
 from kv_hqekv.kernels import TierCodes, TieredSide, tiered_attention, tiered_attention_row
+from kv_hqekv.part_attention import part_attention, part_attention_row
 from kvcodec import CodeRows, QuantizedSegment, normal_codebook, quantized_attention
+from kvcodec.kernels.dispatch import use_triton
 from kvcore import FULL, merge_attention
 from kvcore.attention import check_query, check_scale
 
@@ -155,8 +159,11 @@ def mixed_tier_attention(
     B, H, D = store._shape
     q = check_query(query, H, D, B)
     scale = check_scale(scale, D)
+    q = q.to(store._parts["k"][0].rows.device)
+    if not use_triton(q):  # CPU: part by part, statistics broadcast per unit (kv_hqekv.part_attention)
+        out, lse = part_attention(store, q, scale)
+        return (out, lse, part_attention_row(store, q, scale, lse)) if return_row else (out, lse)
     keys, values = tiered_sides(store)
-    q = q.to(keys.tier.device)
     out, lse = tiered_attention(q, keys, values, scale)
     if not return_row:
         return out, lse
@@ -180,5 +187,7 @@ def attention_row(
         return mixed_tier_attention(store, q, scale, return_row=True)[2]
     if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != tuple(q.shape[:3]):
         raise ValueError(f"lse must be a tensor of shape {tuple(q.shape[:3])} (the query's [B, Hq, Q])")
+    if not use_triton(q):
+        return part_attention_row(store, q.to(store._parts["k"][0].rows.device), scale, lse)
     keys, _ = tiered_sides(store)
     return tiered_attention_row(q.to(keys.tier.device), keys, scale, lse.to(keys.tier.device))

@@ -44,8 +44,9 @@ class HqeKVStore(Store):
     the softmax denominator with a zero value (``read()`` shows ``V = 0``; ``tiers()`` shows the value ``EVICT``).
     ``kv_hqekv.HqeKVSelector(joint_evict=True)`` evicts the same blocks for both.
 
-    ``attend(query, scale)`` (``can_attend``) reads the packed codes of every tier without a dequantized copy
-    (:func:`kv_hqekv.attention.mixed_tier_attention`); the HF adapter decodes through it.
+    ``attend(query, scale)`` (``can_attend``) reads the packed codes of every tier without a dequantized copy of the
+    cache (:func:`kv_hqekv.attention.mixed_tier_attention`: fused on CUDA, part by part on CPU); the HF adapter
+    decodes through it.
 
     ``retier(plan)`` (``can_demote``): each entry is evicted, kept untouched (bit-identical bytes), or moved to a
     lower tier — a demotion dequantizes only the demoted entries' units from the held tier and quantizes them at the
@@ -102,8 +103,12 @@ class HqeKVStore(Store):
     def _staged(self) -> Parts:
         return {kind: tuple(part.copy() for part in parts) for kind, parts in self._parts.items()}
 
-    def _commit(self, parts: Parts, shape=None) -> None:
+    def _commit(self, parts: Parts, shape=None, last: torch.Tensor | None = None) -> None:
+        """Make ``parts`` the content; ``last [B]`` (each batch row's last position) is recomputed unless given."""
         B, H, D = self._shape if shape is None else shape
+        if last is not None:
+            self._parts, self._shape, self._last_pos = parts, (B, H, D), last
+            return
         held = [part.positions() for part in parts["k"]]
         device = parts["k"][0].length.device
         row = torch.cat([seg.to(device) for seg, _ in held]).long() // H
@@ -192,7 +197,8 @@ class HqeKVStore(Store):
         parts["k"][0].push(keys.reshape(S, n, D), pos)
         parts["v"][0].push(values.reshape(S, n, D), pos)
         self._dtype = keys.dtype
-        self._commit(parts, (B, H, D))
+        new_last = positions.long().amax(1)  # every new position is past the held ones (checked above)
+        self._commit(parts, (B, H, D), new_last if last is None else torch.maximum(last, new_last))
 
     def read(self, query: torch.Tensor | None = None) -> KVView:
         """Dequantized, position-ordered view of the key-kept entries (value 0 where only the value is evicted);

@@ -33,7 +33,6 @@ one batched matmul. Mutations are all-or-nothing: everything that can fail runs 
 from __future__ import annotations
 
 import functools
-import threading
 
 import torch
 
@@ -41,28 +40,15 @@ from kv_baselines.quant.kivi_layout import Positions, Side, uniform
 from kv_baselines.quant.token_quant import quantize_tokens
 from kvcodec import UniformQuantizer
 from kvcodec.narrow import narrow_int
+from kvcodec.scratch import scratch
 
 KEY_RESERVE = 8
 """Key residual rows reserved past the rows held."""
-
-_scratch = threading.local()
 
 
 def reserve(n: int) -> int:
     """Slots reserved past ``n`` entries when a per-token buffer grows: ``max(16, n // 128)``."""
     return max(16, n // 128)
-
-
-def scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A 1-D per-thread scratch buffer of ``numel`` elements (grown when needed, reused across calls and stores)."""
-    pool = getattr(_scratch, "pool", None)
-    if pool is None:
-        pool = _scratch.pool = {}
-    key = (name, dtype, str(device))
-    buf = pool.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = pool[key] = torch.empty(numel, dtype=dtype, device=device)
-    return buf[:numel]
 
 
 @functools.cache
