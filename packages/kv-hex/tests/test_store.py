@@ -198,7 +198,7 @@ def test_nbytes_is_the_sum_of_the_parts_for_hex3_on_fp16():
     )
     want += H * D * 2 * 2 + T * 2 * 2  # key scale/zero per (head, channel); value scale/zero per token (fp16)
     want += T * H * 2 + T * 2  # int16 positions per entry and int16 slot positions per token (all <= 32,767)
-    want += 2 * T * H  # key / value FULL flags (bool per entry)
+    want += 2 * -(-T * H // 8)  # key / value FULL flags (one bit per entry)
     want += 2 * H * 8 + 8  # per-head counts of the segment and the (empty) residual; last position of the row
     assert store.nbytes() == want
     rep = store.memory_report()

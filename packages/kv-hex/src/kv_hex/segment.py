@@ -24,10 +24,18 @@ from kv_hex.config import HEXConfig
 from kv_hex.expander import dense_mask, mask_table
 from kv_hex.kernels import dispatch
 from kvcodec.narrow import narrow
-from kvcodec.packing import pack_unchecked
+from kvcodec.packing import pack_unchecked, unpack_unchecked
 from kvcore import packed_width
 
 __all__ = ["Segment", "compress_segment", "segment_mask"]
+
+
+def full_flags(flags: torch.Tensor) -> torch.Tensor:
+    """``[N]`` bool "full-precision row" flags as a segment holds them: one bit per entry (uint8
+    ``[ceil(N / 8)]``, kvcodec's little-endian bit packing), or nothing (``[0]``) when every entry is full."""
+    if bool(flags.all()):
+        return torch.zeros(0, dtype=torch.uint8, device=flags.device)
+    return pack_unchecked(flags[None].to(torch.uint8), 1)[0]
 
 
 @functools.lru_cache(maxsize=64)
@@ -59,8 +67,8 @@ class Segment:
     slot_pos: torch.Tensor  # [B, n] int16 while every position fits (kvcodec.narrow), else int32; -1: empty slot
     counts: torch.Tensor  # [S] int64
     pos: torch.Tensor  # [N] int16 while every position fits (kvcodec.narrow), else int32
-    k_full: torch.Tensor  # [N] bool, or [0] when every entry is full precision
-    v_full: torch.Tensor  # [N] bool, or [0] when every entry is full precision
+    k_full: torch.Tensor  # [ceil(N / 8)] uint8 bit-packed flags (full_flags), or [0] when every entry is full
+    v_full: torch.Tensor  # [ceil(N / 8)] uint8 bit-packed flags (full_flags), or [0] when every entry is full
     k_rows: torch.Tensor  # [Nkf, D]
     v_rows: torch.Tensor  # [Nvf, D]
     k_codes: torch.Tensor  # [Nkq, PW] uint8
@@ -83,7 +91,9 @@ class Segment:
     def full(self, kind: str) -> torch.Tensor:
         """``[N]`` bool: the entry's key (``"k"``) or value (``"v"``) is a full-precision row."""
         f = getattr(self, f"{kind}_full")
-        return torch.ones_like(self.pos, dtype=torch.bool) if f.numel() != self.pos.numel() else f
+        if f.numel() == 0:
+            return torch.ones_like(self.pos, dtype=torch.bool)
+        return unpack_unchecked(f[None], 1, self.pos.numel())[0].bool()
 
     @property
     def coded(self) -> bool:
@@ -149,7 +159,7 @@ class Segment:
             sel_full = idx[full[idx]]
             sel_code = idx[~full[idx]]
             flags = full[idx]
-            setattr(new, f"{kind}_full", flags[:0].clone() if bool(flags.all()) else flags.clone())
+            setattr(new, f"{kind}_full", full_flags(flags))
             setattr(new, f"{kind}_rows", getattr(self, f"{kind}_rows")[rank_full[sel_full]].clone())
             setattr(new, f"{kind}_codes", getattr(self, f"{kind}_codes")[rank_code[sel_code]].clone())
             # overlay values of coded entries: per-entry counts -> offsets -> gather
@@ -212,7 +222,7 @@ def compress_segment(
         if not bool(coded.any()):  # no codes and no statistics held for a tensor with no coded entry
             empty = torch.zeros(0, dtype=x.dtype, device=x.device)
             parts[kind] = dict(
-                full=torch.zeros(0, dtype=torch.bool, device=x.device),
+                full=torch.zeros(0, dtype=torch.uint8, device=x.device),
                 rows=x[held].clone(),
                 codes=torch.zeros(0, packed_width(D, bits), dtype=torch.uint8, device=x.device),
                 over=empty.clone(),
@@ -235,7 +245,7 @@ def compress_segment(
             scale, zero = scale.reshape(B, H, n)[coded], zero.reshape(B, H, n)[coded]
         codes = codes.reshape(B, H, n, D)
         parts[kind] = dict(
-            full=(tier[held] == FULL),
+            full=full_flags(tier[held] == FULL),
             rows=x[held & (tier == FULL)].clone(),
             codes=pack_unchecked(codes[coded], bits),
             over=x[coded][emask[coded]].clone(),
