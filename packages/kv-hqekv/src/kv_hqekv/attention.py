@@ -6,8 +6,10 @@ uniform codes, 1-bit normalized codes with the Gaussian-quantile codebook), dequ
 online softmax and GQA (:func:`kv_hqekv.kernels.tiered_attention`, a Triton kernel, on CUDA). On CPU the same
 attention is computed part by part (:func:`kv_hqekv.part_attention.part_attention`: key scales folded into the
 queries, value tiers dequantized one at a time into per-thread scratch), which is several times faster there than
-the per-entry maps the kernel and its PyTorch reference read. :func:`attention_row` gives the attention of every held entry summed over the query heads of its KV head,
-the row the importance window (§3.2) accumulates while decoding.
+the per-entry maps the kernel and its PyTorch reference read.
+
+:func:`attention_row` gives the attention of every held entry summed over the query heads of its KV head, the row
+the importance window (§3.2) accumulates while decoding.
 
 :func:`tier_pair_attention` is the earlier path, kept as an independent cross-check and for the benchmark: one
 :func:`kvcodec.quantized_attention` call per (key tier, value tier) pair present (up to 9), merged by log-sum-exp.
