@@ -326,3 +326,79 @@ def test_part_attention_codes_word_wise_and_byte_wise(bits, D):
         units = store._parts[kind][(4, 2, 1).index(bits) + 1]
         want = unpack_unchecked(units.codes[: units.nr], bits, D).float()
         torch.testing.assert_close(_codes(units, D, "test"), want, atol=0, rtol=0)
+
+
+# -- re-tiering through the transcode kernel ------------------------------------------------------------------------
+def _demoting_plan(store):
+    """Every block's key and value moved one tier down (fp16 -> 4 -> 2 -> 1; 1-bit entries stay)."""
+    held = store.tiers()
+    down = {FULL: 4, 4: 2, 2: 1, 1: 1, EVICT: EVICT}
+    kb = held.key_bits.clone().apply_(lambda t: down[t])
+    vb = held.bits_for_values.clone().apply_(lambda t: down[t])
+    return Plan(kb, vb)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_retier_demotes_from_the_held_representation(dtype):
+    """A demoted block reads back exactly as its held (dequantized) entries quantized at the new tier — per block of
+    G keys (per channel) and per value token — and every entry that stays keeps its bytes."""
+    g = torch.Generator().manual_seed(8)
+    G = 4
+    store = HqeKVStore(block=G)
+    k, v = torch.randn(1, 2, 16, 8, generator=g).to(dtype), torch.randn(1, 2, 16, 8, generator=g).to(dtype)
+    store.write(k, v, _plan(g, 1, 2, 16, G, evict_keys=False), torch.arange(16)[None])
+    before, held = store.read(), store.tiers()
+    plan = _demoting_plan(store)
+    store.retier(plan)
+    after = store.read()
+    for name, x_before, x_after, bits_before, bits_after in (
+        ("key", before.keys, after.keys, held.key_bits, plan.key_bits),
+        ("value", before.values, after.values, held.bits_for_values, plan.bits_for_values),
+    ):
+        U = G if name == "key" else 1
+        for h in range(2):
+            for start in range(0, 16, U):
+                blk = slice(start, start + U)
+                old, new = int(bits_before[0, h, start]), int(bits_after[0, h, start])
+                if old == new or new == EVICT:
+                    assert torch.equal(x_after[0, h, blk], x_before[0, h, blk]), (name, h, start)
+                    continue
+                quant = tier_quantizer(new, name, G)
+                want = quant.dequantize(quant.quantize(x_before[0, h, blk][None]))[0]
+                assert torch.equal(x_after[0, h, blk], want), (name, h, start, old, new)
+
+
+def test_retier_through_the_triton_transcode_equals_the_reference(monkeypatch):
+    """The store's demotions with the Triton transcode kernel (under the interpreter) hold the same codes as with
+    its PyTorch reference: 4- and 2-bit targets bit for bit (the 1-bit target is checked kernel-level above)."""
+    pytest.importorskip("triton")
+    import kv_hqekv.store as store_module
+    from kv_hqekv.kernels.triton_transcode import transcode_triton
+
+    g = torch.Generator().manual_seed(9)
+    G = 4
+    stores = [HqeKVStore(block=G), HqeKVStore(block=G)]
+    k, v = torch.randn(1, 2, 16, 8, generator=g), torch.randn(1, 2, 16, 8, generator=g)
+    tiers = torch.tensor([FULL, 4, 2], dtype=torch.uint8)
+    plan = _plan(g, 1, 2, 16, G, key_tiers=tiers, value_tiers=tiers, evict_keys=False)
+    for s in stores:
+        s.write(k, v, plan, torch.arange(16)[None])
+    held = stores[0].tiers()
+    down = {FULL: 2, 4: 2, 2: 2}
+    demote = Plan(*(t.clone().apply_(lambda b: down[b]) for t in (held.key_bits, held.bits_for_values)))
+    stores[0].retier(demote)
+    calls = []
+
+    def triton_transcode(side, bits, axis, group_size):
+        calls.append(bits)
+        return transcode_triton(side, bits, axis, group_size, block_r=8)
+
+    monkeypatch.setattr(store_module, "transcode", triton_transcode)
+    stores[1].retier(demote)
+    assert calls
+    for kind in ("k", "v"):
+        ref, got = stores[0]._parts[kind][2], stores[1]._parts[kind][2]  # the 2-bit tier
+        assert torch.equal(got.codes[: got.nr], ref.codes[: ref.nr])
+        assert torch.equal(got.scales[: got.nu], ref.scales[: ref.nu])
+        assert torch.equal(got.zeros[: got.nu], ref.zeros[: ref.nu])
+    assert torch.equal(stores[1].read().keys, stores[0].read().keys)

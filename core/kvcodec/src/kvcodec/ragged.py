@@ -292,8 +292,15 @@ class QuantUnits:
         """Quantize ``x [Nu, U, D]`` (once) and append the units and their real rows (``pos >= 0``)."""
         if x.shape[0] == 0:
             return
-        q = self.quantizer.quantize(x)
-        meta = (q.bits, q.axis, q.group_size, x.shape[-1], q.dtype)
+        self.add_quantized(self.quantizer.quantize(x), seg, pos)
+
+    def add_quantized(self, q: QuantizedTensor, seg: torch.Tensor, pos: torch.Tensor) -> None:
+        """Append units already quantized, ``q`` of shape ``[Nu, U, D]`` (e.g. transcoded from held codes by a
+        kernel; one group per unit, as this part's quantizer makes them), with their segments ``seg [Nu]`` and
+        positions ``pos [Nu, U]`` (``-1`` on padding rows, which are not stored)."""
+        if q.shape[0] == 0:
+            return
+        meta = (q.bits, q.axis, q.group_size, q.shape[-1], q.dtype)
         if self._meta is not None and meta != self._meta:
             raise ValueError(f"quantized units must share (bits, axis, group_size, D, dtype) {self._meta}, got {meta}")
         if tuple(q.scales.shape[1:-1]) != (1,):

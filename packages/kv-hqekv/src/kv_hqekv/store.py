@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kv_hqekv.kernels import TierCodes, TieredSide, dequantize_side_ref, transcode
 from kv_hqekv.quantizers import tier_quantizer
 from kvcodec.ragged import Entries, QuantUnits, Residual, compact_entries
 from kvcodec.segments import rank_in_segment
@@ -49,8 +50,9 @@ class HqeKVStore(Store):
     decodes through it.
 
     ``retier(plan)`` (``can_demote``): each entry is evicted, kept untouched (bit-identical bytes), or moved to a
-    lower tier — a demotion dequantizes only the demoted entries' units from the held tier and quantizes them at the
-    new one (the authors' ``K_high_2_low``), never a dequantize-everything pass. Moving up is a ``ValueError``
+    lower tier — a demotion reads only the demoted entries from their held codes or rows and quantizes them at the
+    new tier with the block transcode kernel (:func:`kv_hqekv.kernels.transcode`; the authors' ``K_high_2_low``),
+    never a dequantize-everything pass. Moving up is a ``ValueError``
     (§3.5, App. A.5: blocks only move down). Every mutation is all-or-nothing (parts are edited as copies and
     committed last, :mod:`kvcodec.ragged`).
 
@@ -266,30 +268,59 @@ class HqeKVStore(Store):
         parts = self._staged()
         slots = {kind: self._slots(kind) for kind in ("k", "v")}
         for kind in ("k", "v"):
+            held_parts = self._parts[kind]  # what the demoted entries are transcoded from (never edited)
             staged = list(parts[kind])
-            moved: dict[int, list[Entries]] = {b: [] for b in QUANT_TIERS}
+            moved: dict[int, list[torch.Tensor]] = {b: [] for b in QUANT_TIERS}
             for i, (part, (seg, slot), tier) in enumerate(zip(staged, slots[kind], self._held_tiers())):
                 target = new_bits[kind][seg, slot] if seg.numel() else seg.to(torch.uint8)
                 stay = target == tier
                 down = (target != tier) & (target != EVICT)
                 if bool(down.any()):
-                    src = part.copy()
-                    src.keep(down)
-                    rows, sseg, spos = src.entries()
+                    row = down.nonzero().flatten()
+                    group = torch.zeros_like(row) if tier == FULL else part.row_unit()[row]
+                    _, pos = part.positions()
+                    ref = torch.stack([torch.full_like(row, tier), row, group, seg[row], pos[row].long()], 1)
                     dest = target[down]
                     for b in QUANT_TIERS:
-                        m = dest == b
-                        if bool(m.any()):
-                            moved[b].append((rows[m], sseg[m], spos[m]))
+                        if bool((dest == b).any()):
+                            moved[b].append(ref[dest == b])
                 part.keep(stay)
                 staged[i] = part
             for b, units in zip(QUANT_TIERS, staged[1:]):
                 if moved[b]:
-                    rows, seg, pos = _cat(moved[b])
-                    order = torch.argsort((seg.long() << 32) | pos.long())
-                    units.add(*QuantUnits.gather_units((rows[order], seg[order], pos[order]), S, units.unit))
+                    units.add_quantized(*self._transcode(kind, held_parts, torch.cat(moved[b]), b))
             parts[kind] = tuple(staged)
         self._commit(parts)
+
+    def _transcode(self, kind: str, held: tuple, ref: torch.Tensor, bits: int) -> tuple:
+        """Entries ``ref [N, 5]`` (held tier, row in its part, group, segment, position) of side ``kind`` quantized
+        at ``bits`` from their held representation, in units of the side's unit (consecutive entries of a
+        segment): ``(QuantizedTensor [Nu, U, D], seg [Nu], pos [Nu, U])`` for :meth:`QuantUnits.add_quantized`.
+
+        The block transcode kernel (:func:`kv_hqekv.kernels.transcode`: Triton on CUDA, dequantize-then-quantize
+        on CPU) reads the demoted entries straight from their held codes or fp16 rows; the uniform 1-bit ablation
+        (``one_bit="uniform"``), which the kernel does not implement, goes through its quantizer."""
+        S = self._segments
+        ref = ref[torch.argsort((ref[:, 3] << 32) | ref[:, 4])]
+        index, seg, pos = QuantUnits.gather_units((ref[:, :3], ref[:, 3], ref[:, 4].int()), S, self._unit(kind))
+        fp16, *quant = held
+        tables = {}
+        for b, units in zip(QUANT_TIERS, quant):
+            if not units.empty:
+                tables[b] = TierCodes(
+                    units.codes[: units.nr],
+                    units.scales[: units.nu].flatten(1),
+                    units.zeros[: units.nu].flatten(1),
+                    b,
+                    units.codebook if b == 1 else None,
+                )
+        full = fp16.rows if fp16.rows.dtype == self._dtype else fp16.rows.to(self._dtype)
+        tier, row, group = index.unbind(-1)
+        axis = "channel" if kind == "k" else "token"
+        side = TieredSide(full, tables, tier.to(torch.uint8), row.int(), group.int(), axis, self.block)
+        if bits == 1 and self.one_bit != "normalized":
+            return self.quantizers[kind][bits].quantize(dequantize_side_ref(side)), seg, pos
+        return transcode(side, bits, axis, self.block), seg, pos
 
     def attend(self, query: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of ``query [B, Hq, Q, D]`` over the held cache read from the packed codes
