@@ -263,7 +263,6 @@ class HqeKVStore(Store):
                     "(tier := min(held, planned), §3.5)"
                 )
         vb = torch.where(kb != EVICT, vb, EVICT)
-        S = self._segments
         new_bits = {"k": kb.flatten(0, 1), "v": vb.flatten(0, 1)}  # [S, T]
         parts = self._staged()
         slots = {kind: self._slots(kind) for kind in ("k", "v")}
