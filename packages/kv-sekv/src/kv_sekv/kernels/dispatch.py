@@ -40,6 +40,10 @@ def factored_attention(query, key_factors, value_factors, scale):
 
 def factored_attention_batch(query, key_factors, value_factors, scale, group, groups):
     """Stage-2 attention over every expanded (span, KV head) of a step at once, merged per KV head (see
-    :func:`~kv_sekv.kernels.reference.factored_attention_batch_torch`; one batched PyTorch pass on every device:
-    there is no Triton kernel for it yet)."""
+    :func:`~kv_sekv.kernels.reference.factored_attention_batch_torch`; on CUDA the Triton kernel
+    :func:`~kv_sekv.kernels.triton_attention.factored_attention_batch_triton`)."""
+    if _use_triton(query):
+        from .triton_attention import factored_attention_batch_triton
+
+        return factored_attention_batch_triton(query, key_factors, value_factors, scale, group, groups)
     return factored_attention_batch_torch(query, key_factors, value_factors, scale, group, groups)

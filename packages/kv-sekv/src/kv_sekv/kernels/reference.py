@@ -110,18 +110,11 @@ def factored_attention_batch_torch(
         ``lse = -inf``.
     """
     P, G, Q, D = query.shape
-    dev = query.device
-    out = torch.zeros(groups, G, Q, D, device=dev)
-    lse = torch.full((groups, G, Q), float("-inf"), device=dev)
     if P == 0:
-        return out, lse
-    L = max(int(u.shape[0]) for u, _, _ in key_factors)
-    rk = max(int(u.shape[1]) for u, _, _ in key_factors)
-    rv = max(int(u.shape[1]) for u, _, _ in value_factors)
-    Uk, sk, Vk = _pad_factors(key_factors, L, rk, D, dev)
-    Uv, sv, Vv = _pad_factors(value_factors, L, rv, D, dev)
-    lengths = torch.tensor([int(u.shape[0]) for u, _, _ in key_factors], device=dev)
-    valid = torch.arange(L, device=dev)[None, :] < lengths[:, None]  # [P, L]
+        none = torch.zeros(0, G * Q, D, device=query.device)
+        return merge_items(none, none[..., 0], group, groups, G, Q)
+    Uk, sk, Vk, Uv, sv, Vv, lengths = pad_items(key_factors, value_factors, D, query.device)
+    valid = torch.arange(Uk.shape[1], device=query.device)[None, :] < lengths[:, None]  # [P, L]
     q = query.float().reshape(P, G * Q, D)
     qt = (q @ Vk.transpose(-1, -2)) * sk[:, None, :]  # [P, GQ, rk]
     logits = (qt @ Uk.transpose(-1, -2)) * scale  # [P, GQ, L]
@@ -129,13 +122,36 @@ def factored_attention_batch_torch(
     item_lse = torch.logsumexp(logits, -1)  # [P, GQ], finite: every item has >= 1 token
     p = torch.exp(logits - item_lse[..., None])
     item_out = ((p @ Uv) * sv[:, None, :]) @ Vv  # [P, GQ, D]
+    return merge_items(item_out, item_lse, group, groups, G, Q)
+
+
+def pad_items(key_factors, value_factors, D: int, device) -> tuple[torch.Tensor, ...]:
+    """The items of :func:`factored_attention_batch_torch` zero-padded to the largest ``L`` and ranks:
+    ``(Uk [P, L, rk], σk [P, rk], Vkᵀ [P, rk, D], Uv [P, L, rv], σv [P, rv], Vvᵀ [P, rv, D], lengths [P])``."""
+    L = max(int(u.shape[0]) for u, _, _ in key_factors)
+    rk = max(int(u.shape[1]) for u, _, _ in key_factors)
+    rv = max(int(u.shape[1]) for u, _, _ in value_factors)
+    Uk, sk, Vk = _pad_factors(key_factors, L, rk, D, device)
+    Uv, sv, Vv = _pad_factors(value_factors, L, rv, D, device)
+    lengths = torch.tensor([int(u.shape[0]) for u, _, _ in key_factors], device=device)
+    return Uk, sk, Vk, Uv, sv, Vv, lengths
+
+
+def merge_items(
+    item_out: torch.Tensor, item_lse: torch.Tensor, group: torch.Tensor, groups: int, G: int, Q: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-item attentions ``item_out [P, G·Q, D]``, ``item_lse [P, G·Q]`` merged per group by log-sum-exp (scatter
+    ``amax`` and sums): ``(out [groups, G, Q, D], lse [groups, G, Q])``, ``out = 0`` and ``lse = -inf`` for a group
+    with no item."""
+    P, GQ, D = item_out.shape
+    dev = item_out.device
     idx = group.to(dev).long()
-    top = torch.full((groups, G * Q), float("-inf"), device=dev).scatter_reduce(
-        0, idx[:, None].expand(P, G * Q), item_lse, reduce="amax"
+    top = torch.full((groups, GQ), float("-inf"), device=dev).scatter_reduce(
+        0, idx[:, None].expand(P, GQ), item_lse, reduce="amax"
     )
     w = torch.exp(item_lse - top[idx])  # [P, GQ]
-    denom = torch.zeros(groups, G * Q, device=dev).index_add_(0, idx, w)
-    num = torch.zeros(groups, G * Q, D, device=dev).index_add_(0, idx, w[..., None] * item_out)
+    denom = torch.zeros(groups, GQ, device=dev).index_add_(0, idx, w)
+    num = torch.zeros(groups, GQ, D, device=dev).index_add_(0, idx, w[..., None] * item_out)
     seen = denom > 0
     out = torch.where(seen[..., None], num / torch.where(seen, denom, 1.0)[..., None], 0.0)
     lse = torch.where(seen, top + torch.log(torch.where(seen, denom, 1.0)), float("-inf"))

@@ -6,8 +6,13 @@ the dot products are elementwise products and sums in float32 (decode is memory-
 wrong in the interpreter). The number of blocks is a compile-time constant (the interpreter needs constant loop
 bounds). Tested against the reference under ``TRITON_INTERPRET=1``; GPU speed is unmeasured.
 
-Stage 2 (attention over a span from its low-rank factors) has no Triton kernel yet: the dispatch uses the PyTorch
-reference on every device.
+:func:`factored_attention_batch_triton` is Stage 2 (§3.3): the attention of every expanded (span, KV head) of a
+decode step over the span reconstructed from its low-rank factors, ``K̂ = U_K diag(σ_K) V_Kᵀ`` and likewise ``V̂``,
+without reconstructing it: one program per (item, query row) folds the query into the key factors
+(``q̃ = σ_K ⊙ (V_K q)``), streams the span's tokens in blocks (logits ``U_K q̃``, online softmax, the weights
+accumulated against ``U_V``), and maps the result back once (``V_Vᵀ (σ_V ⊙ acc)``); the items of a KV head are then
+merged by log-sum-exp (:func:`kv_sekv.kernels.reference.merge_items`). Items are zero-padded to one shape as in the
+reference. The single-span :func:`factored_attention_triton` still runs the reference.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ try:
 except ImportError:  # pragma: no cover - exercised only without triton
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "biased_attention_triton"]
+__all__ = ["HAS_TRITON", "biased_attention_triton", "factored_attention_batch_triton"]
 
 if HAS_TRITON:
 
@@ -91,6 +96,54 @@ if HAS_TRITON:
         tl.store(o_ptr + b * sob + h * soh + qi * soq + d, out, mask=dmask)
         tl.store(lse_ptr + b * slb + h * slh + qi, lse)
 
+    @triton.jit
+    def _factored_items_kernel(
+        q_ptr, uk_ptr, sk_ptr, vk_ptr, uv_ptr, sv_ptr, vv_ptr, len_ptr, o_ptr, lse_ptr, scale,
+        M: tl.constexpr, L: tl.constexpr, RK: tl.constexpr, RV: tl.constexpr, D: tl.constexpr,
+        BLOCK_RK: tl.constexpr, BLOCK_RV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        N_BLOCKS: tl.constexpr,
+    ):  # fmt: skip
+        """Program (item p, query row m): ``out[p, m]``, ``lse[p, m]`` over the item's ``len[p]`` tokens; every
+        tensor contiguous, padded to ``L`` tokens and ranks ``RK`` / ``RV``."""
+        p = tl.program_id(0)
+        m = tl.program_id(1)
+        d = tl.arange(0, BLOCK_D)
+        rk = tl.arange(0, BLOCK_RK)
+        rv = tl.arange(0, BLOCK_RV)
+        dmask = d < D
+        rkmask = rk < RK
+        rvmask = rv < RV
+        n_tokens = tl.load(len_ptr + p)
+        q = tl.load(q_ptr + (p * M + m) * D + d, mask=dmask, other=0.0).to(tl.float32)
+        vk = tl.load(vk_ptr + (p * RK + rk[:, None]) * D + d[None, :], mask=rkmask[:, None] & dmask[None, :], other=0.0)
+        sk = tl.load(sk_ptr + p * RK + rk, mask=rkmask, other=0.0)
+        qt = tl.sum(vk * q[None, :], 1) * sk * scale  # [BLOCK_RK]: the query in the key basis, scaled
+        mx = tl.max(tl.full((BLOCK_N,), float("-inf"), tl.float32), 0)
+        total = tl.sum(tl.zeros((BLOCK_N,), tl.float32), 0)
+        acc = tl.zeros((BLOCK_RV,), tl.float32)
+        for i in range(N_BLOCKS):
+            n = i * BLOCK_N + tl.arange(0, BLOCK_N)
+            nmask = n < n_tokens
+            uk = tl.load(uk_ptr + (p * L + n[:, None]) * RK + rk[None, :], mask=nmask[:, None] & rkmask[None, :],
+                         other=0.0)  # fmt: skip
+            s = tl.where(nmask, tl.sum(uk * qt[None, :], 1), float("-inf"))
+            mx_new = tl.maximum(mx, tl.max(s, 0))
+            safe = tl.where(mx_new == float("-inf"), 0.0, mx_new)
+            corr = tl.exp(mx - safe)
+            w = tl.exp(s - safe)
+            uv = tl.load(uv_ptr + (p * L + n[:, None]) * RV + rv[None, :], mask=nmask[:, None] & rvmask[None, :],
+                         other=0.0)  # fmt: skip
+            total = total * corr + tl.sum(w, 0)
+            acc = acc * corr + tl.sum(w[:, None] * uv, 0)
+            mx = mx_new
+        sv = tl.load(sv_ptr + p * RV + rv, mask=rvmask, other=0.0)
+        vv = tl.load(vv_ptr + (p * RV + rv[:, None]) * D + d[None, :], mask=rvmask[:, None] & dmask[None, :], other=0.0)
+        has = total > 0
+        coef = tl.where(has, acc * sv / tl.where(has, total, 1.0), 0.0)
+        out = tl.sum(coef[:, None] * vv, 0)  # [BLOCK_D]
+        tl.store(o_ptr + (p * M + m) * D + d, out, mask=dmask)
+        tl.store(lse_ptr + p * M + m, tl.where(has, mx + tl.log(tl.where(has, total, 1.0)), float("-inf")))
+
 
 def biased_attention_triton(
     keys: torch.Tensor,
@@ -123,6 +176,33 @@ def biased_attention_triton(
         N_BLOCKS=triton.cdiv(max(N, 1), block_n),
     )  # fmt: skip
     return out, lse
+
+
+def factored_attention_batch_triton(query, key_factors, value_factors, scale, group, groups, block_n: int = 64):
+    """Triton version of :func:`~kv_sekv.kernels.reference.factored_attention_batch_torch` (same arguments and
+    result; module doc)."""
+    if not HAS_TRITON:
+        raise ImportError("factored_attention_batch_triton needs triton (pip install kv-sekv[triton])")
+    from .reference import merge_items, pad_items
+
+    P, G, Q, D = query.shape
+    if P == 0:
+        none = torch.zeros(0, G * Q, D, device=query.device)
+        return merge_items(none, none[..., 0], group, groups, G, Q)
+    Uk, sk, Vk, Uv, sv, Vv, lengths = pad_items(key_factors, value_factors, D, query.device)
+    L, RK, RV = Uk.shape[1], Uk.shape[2], Uv.shape[2]
+    M = G * Q
+    q = query.float().reshape(P, M, D).contiguous()
+    out = torch.empty(P, M, D, dtype=torch.float32, device=query.device)
+    lse = torch.empty(P, M, dtype=torch.float32, device=query.device)
+    block_n = max(16, min(block_n, triton.next_power_of_2(L)))
+    _factored_items_kernel[(P, M)](
+        q, Uk, sk, Vk, Uv, sv, Vv, lengths.to(torch.int32), out, lse, float(scale),
+        M=M, L=L, RK=RK, RV=RV, D=D, BLOCK_RK=max(16, triton.next_power_of_2(RK)),
+        BLOCK_RV=max(16, triton.next_power_of_2(RV)), BLOCK_D=triton.next_power_of_2(D), BLOCK_N=block_n,
+        N_BLOCKS=triton.cdiv(L, block_n),
+    )  # fmt: skip
+    return merge_items(out, lse, group, groups, G, Q)
 
 
 def factored_attention_triton(query, key_factors, value_factors, scale):
