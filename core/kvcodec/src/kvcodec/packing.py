@@ -98,9 +98,11 @@ def unpack_unchecked(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
         codes = ((packed[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*lead, width * per)
     else:
         chunks = -(-d // 8)
-        p = F.pad(packed, (0, chunks * bits - width)).reshape(*lead, chunks, bits).to(torch.int64)
-        byte_shift = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
-        word = (p << byte_shift).sum(-1)
-        shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
+        p = F.pad(packed, (0, chunks * bits - width)).reshape(*lead, chunks, bits)
+        wide = torch.int32 if bits * 8 < 32 else torch.int64  # a chunk of 8 codes is a bits-byte word
+        word = p[..., 0].to(wide)
+        for i in range(1, bits):  # OR the bytes in (a reduction over a 3-7 wide axis is ~2x slower on CPU)
+            word |= p[..., i].to(wide) << (8 * i)
+        shifts = torch.arange(8, device=packed.device, dtype=wide) * bits
         codes = ((word[..., None] >> shifts) & ((1 << bits) - 1)).to(torch.uint8).view(*lead, chunks * 8)
     return codes if codes.shape[-1] == d else codes[..., :d].clone(memory_format=torch.contiguous_format)

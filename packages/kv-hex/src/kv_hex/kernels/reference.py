@@ -113,25 +113,27 @@ def dequantize_part(part) -> tuple[torch.Tensor, torch.Tensor]:
         if bool(full.all()):
             out.append(side.rows[(-1 - side.idx).long()])
             continue
-        rows = torch.empty(N, D, dtype=side.rows.dtype, device=side.idx.device)
+        dev = side.idx.device
         fi = torch.nonzero(full).flatten()
         ci = torch.nonzero(~full).flatten()
-        rows.index_copy_(0, fi, side.rows[(-1 - side.idx[fi]).long()])
         crow = side.idx[ci].long()
-        packed = side.codes if crow.numel() == side.codes.shape[0] else side.codes[crow]  # rows in entry order
+        # codes laid out in entry order (a full row's slot stays 0 and is overwritten below): a uint8 scatter of
+        # packed rows instead of a float scatter of dequantized ones
+        packed = torch.zeros(N, side.codes.shape[1], dtype=torch.uint8, device=dev)
+        packed[ci] = side.codes if crow.numel() == side.codes.shape[0] else side.codes[crow]
         codes = unpack_unchecked(packed, part.bits, D).float()
-        grp = side.grp[ci].long()
+        grp = side.grp.long()  # in range for every entry (a full row's statistics row is read, then overwritten)
         if side.per_channel:
             s, z = side.scale.float()[grp], side.zero.float()[grp]
         else:
             s, z = side.scale.float()[grp][:, None], side.zero.float()[grp][:, None]
-        deq = (codes * s + z).to(rows.dtype)
+        rows = codes.mul_(s).add_(z).to(side.rows.dtype)  # code · scale + zero in float32, no fused multiply-add
         if part.hcols.shape[-1]:
             # overlay values in entry order, channels ascending: flat positions (entry, channel) of the mask
             cols = part.hcols[part.slot[ci].long(), part.seg()[ci] % part.H].long()  # [Nc, W], -1 padded
-            flat = (torch.arange(ci.numel(), device=cols.device)[:, None] * D + cols)[cols >= 0]
-            deq.view(-1)[flat] = side.over
-        rows.index_copy_(0, ci, deq)
+            flat = (ci[:, None] * D + cols)[cols >= 0]
+            rows.view(-1)[flat] = side.over
+        rows[fi] = side.rows[(-1 - side.idx[fi]).long()]
         out.append(rows)
     return out[0], out[1]
 
