@@ -123,11 +123,16 @@ def dequantize_part(part) -> tuple[torch.Tensor, torch.Tensor]:
         packed[ci] = side.codes if crow.numel() == side.codes.shape[0] else side.codes[crow]
         codes = unpack_unchecked(packed, part.bits, D).float()
         grp = side.grp.long()  # in range for every entry (a full row's statistics row is read, then overwritten)
-        if side.per_channel:
+        S, T = part.B * part.H, part.T
+        if side.per_channel and N == S * T and side.scale.shape[0] == S and bool((part.count == T).all()):
+            # keys: one statistics row per head (grp = head) and every head holds T entries: broadcast, no gather
+            s, z = side.scale.float()[:, None, :], side.zero.float()[:, None, :]
+            codes = codes.view(S, T, D)
+        elif side.per_channel:
             s, z = side.scale.float()[grp], side.zero.float()[grp]
         else:
             s, z = side.scale.float()[grp][:, None], side.zero.float()[grp][:, None]
-        rows = codes.mul_(s).add_(z).to(side.rows.dtype)  # code · scale + zero in float32, no fused multiply-add
+        rows = codes.mul_(s).add_(z).view(N, D).to(side.rows.dtype)  # code · scale + zero in float32, no FMA
         if part.hcols.shape[-1]:
             # overlay values in entry order, channels ascending: flat positions (entry, channel) of the mask
             cols = part.hcols[part.slot[ci].long(), part.seg()[ci] % part.H].long()  # [Nc, W], -1 padded
