@@ -10,13 +10,15 @@ gathered per entry:
   or its codebook value (normalized), so ``q·k = (q ⊙ s_u)·y + q·z_u`` — the scale is folded into the query of
   each unit and the logits come from one batched product over the unpacked codes, with no dequantized key;
 * **values**, quantized per token in groups of ``G`` channels, are dequantized per part (statistics broadcast over
-  the group) and scattered once into the ``[S, T, D]`` layout of ``read()`` for one batched product with the
-  probabilities.
+  the group, one tier at a time in per-thread scratch) and scattered once into an ``[S, T, D]`` layout for one
+  batched product with the probabilities.
 
-Entries are placed by their true position: the key entries of every segment, sorted by position, give the slots of
-``read()``; a value finds its slot by its key's ``(segment, position)`` (a value evicted under a kept key has no
-slot filled and contributes ``V = 0``, as in ``read()``). Results equal
-``kvcore.reference_attention(store.read(), query, scale)`` within float tolerance.
+Entries are placed in ``[S, ·, T]`` columns (:class:`_Columns`): by true position (position minus the smallest
+held one) while the held positions are dense — no sort, the columns of evicted positions stay empty — and by their
+slot in ``read()`` (the segment's keys sorted by position) otherwise; a value takes its key's column (a value
+evicted under a kept key fills none and contributes ``V = 0``, as in ``read()``). float32 caches fold the scales as
+above; half-precision caches dequantize and round every entry to their dtype first, as ``read()`` does. Results
+equal ``kvcore.reference_attention(store.read(), query, scale)`` within float tolerance.
 """
 
 from __future__ import annotations
