@@ -32,6 +32,16 @@ __all__ = ["HAS_TRITON", "biased_attention_triton", "factored_attention_batch_tr
 if HAS_TRITON:
 
     @triton.jit
+    def _online_softmax_step(m, total, acc, s, rows):
+        """One block of an online softmax: running max ``m``, sum ``total`` and weighted sum ``acc`` updated with
+        the block's logits ``s [BLOCK_N]`` (``-inf`` on masked entries) and the rows ``[BLOCK_N, W]`` they weight."""
+        m_new = tl.maximum(m, tl.max(s, 0))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        corr = tl.exp(m - safe)
+        w = tl.exp(s - safe)
+        return m_new, total * corr + tl.sum(w, 0), acc * corr + tl.sum(w[:, None] * rows, 0)
+
+    @triton.jit
     def _biased_attention_kernel(
         q_ptr,
         k_ptr,
@@ -82,14 +92,8 @@ if HAS_TRITON:
             k = tl.load(k_ptr + b * skb + kh * skh + n[:, None] * skn + d[None, :], mask=kv_mask, other=0.0)
             bias = tl.load(b_ptr + b * sbb + kh * sbh + n, mask=nmask, other=float("-inf")).to(tl.float32)
             s = tl.sum(k.to(tl.float32) * q[None, :], 1) * scale + bias
-            m_new = tl.maximum(m, tl.max(s, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            corr = tl.exp(m - m_safe)
-            p = tl.exp(s - m_safe)
             v = tl.load(v_ptr + b * svb + kh * svh + n[:, None] * svn + d[None, :], mask=kv_mask, other=0.0)
-            l = l * corr + tl.sum(p, 0)
-            acc = acc * corr + tl.sum(p[:, None] * v.to(tl.float32), 0)
-            m = m_new
+            m, l, acc = _online_softmax_step(m, l, acc, s, v.to(tl.float32))
         has = l > 0
         out = tl.where(has, acc / tl.where(has, l, 1.0), 0.0)
         lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
@@ -127,15 +131,9 @@ if HAS_TRITON:
             uk = tl.load(uk_ptr + (p * L + n[:, None]) * RK + rk[None, :], mask=nmask[:, None] & rkmask[None, :],
                          other=0.0)  # fmt: skip
             s = tl.where(nmask, tl.sum(uk * qt[None, :], 1), float("-inf"))
-            mx_new = tl.maximum(mx, tl.max(s, 0))
-            safe = tl.where(mx_new == float("-inf"), 0.0, mx_new)
-            corr = tl.exp(mx - safe)
-            w = tl.exp(s - safe)
             uv = tl.load(uv_ptr + (p * L + n[:, None]) * RV + rv[None, :], mask=nmask[:, None] & rvmask[None, :],
                          other=0.0)  # fmt: skip
-            total = total * corr + tl.sum(w, 0)
-            acc = acc * corr + tl.sum(w[:, None] * uv, 0)
-            mx = mx_new
+            mx, total, acc = _online_softmax_step(mx, total, acc, s, uv)
         sv = tl.load(sv_ptr + p * RV + rv, mask=rvmask, other=0.0)
         vv = tl.load(vv_ptr + (p * RV + rv[:, None]) * D + d[None, :], mask=rvmask[:, None] & dmask[None, :], other=0.0)
         has = total > 0
