@@ -133,13 +133,7 @@ def tiered_sides(store) -> tuple[TieredSide, TieredSide]:
             tier[seg, slot] = b
             row[seg, slot] = torch.arange(units.nr, dtype=torch.int32, device=device)
             group[seg, slot] = units.row_unit().int()
-            tables[b] = TierCodes(
-                units.codes[: units.nr],
-                units.scales[: units.nu].flatten(1),
-                units.zeros[: units.nu].flatten(1),
-                b,
-                units.codebook if b == 1 else None,
-            )
+            tables[b] = TierCodes.of(units, b)
         axis = units.quantizer.axis
         full = fp16.rows if fp16.rows.dtype == store._dtype else fp16.rows.to(store._dtype)
         maps = (tier.view(B, H, T), row.view(B, H, T), group.view(B, H, T))

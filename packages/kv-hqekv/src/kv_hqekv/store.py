@@ -303,16 +303,7 @@ class HqeKVStore(Store):
         ref = ref[torch.argsort((ref[:, 3] << 32) | ref[:, 4])]
         index, seg, pos = QuantUnits.gather_units((ref[:, :3], ref[:, 3], ref[:, 4].int()), S, self._unit(kind))
         fp16, *quant = held
-        tables = {}
-        for b, units in zip(QUANT_TIERS, quant):
-            if not units.empty:
-                tables[b] = TierCodes(
-                    units.codes[: units.nr],
-                    units.scales[: units.nu].flatten(1),
-                    units.zeros[: units.nu].flatten(1),
-                    b,
-                    units.codebook if b == 1 else None,
-                )
+        tables = {b: TierCodes.of(units, b) for b, units in zip(QUANT_TIERS, quant) if not units.empty}
         full = fp16.rows if fp16.rows.dtype == self._dtype else fp16.rows.to(self._dtype)
         tier, row, group = index.unbind(-1)
         axis = "channel" if kind == "k" else "token"

@@ -47,6 +47,18 @@ class TierCodes:
     bits: int
     codebook: torch.Tensor | None = None
 
+    @classmethod
+    def of(cls, units, bits: int) -> TierCodes:
+        """The code table of a :class:`kvcodec.ragged.QuantUnits` tier: its code rows and unit statistics in use
+        (viewed, not copied); the codebook for the 1-bit tier."""
+        return cls(
+            units.codes[: units.nr],
+            units.scales[: units.nu].flatten(1),
+            units.zeros[: units.nu].flatten(1),
+            bits,
+            units.codebook if bits == 1 else None,
+        )
+
     def __post_init__(self) -> None:
         check_tensor("codes", self.codes, ndim=2)
         check_tensor("scales", self.scales, ndim=2)
