@@ -145,13 +145,25 @@ def test_attend_never_builds_the_whole_dequantized_cache(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["append", "full"])
 def test_attend_through_the_triton_kernels(monkeypatch, mode):
-    """The whole store on the Triton path (interpreted on CPU): attend and read equal the PyTorch path."""
+    """The whole store on the Triton path (interpreted on CPU): attend and read equal the PyTorch path. In append
+    mode the store holds two compressed segments and the residual, which the Triton path attends as one layout
+    (kv_hex.layout.concat_layouts, one launch) and the PyTorch path part by part."""
     pytest.importorskip("triton")
-    store = written(config(mode), 37)
+
+    def grown():
+        store = written(config(mode), 37)
+        for step in range(16):  # one more compressed block in append mode
+            x = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(step))
+            store.append(x, -x, torch.full((B, 1), 37 + step))
+        return store
+
+    store = grown()
     want_view = store.read()
     want = store.attend(query(6, Q=2))
     want_acc = [a for a, _, _ in held_accumulators(store)]
-    store = written(config(mode), 37)
+    store = grown()
+    if mode == "append":
+        assert len(store._segments) == 2
     monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
     view = store.read()
     assert torch.equal(view.keys, want_view.keys) and torch.equal(view.values, want_view.values)
@@ -160,3 +172,23 @@ def test_attend_through_the_triton_kernels(monkeypatch, mode):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for a, (b, _, _) in zip(want_acc, held_accumulators(store)):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_concat_layouts_address_every_part_in_one_layout():
+    """Two compressed segments and the residual as one layout: each head's entries contiguous, and the entries
+    read back (codes dequantized, overlay merged, full rows) are the parts' own entries in the returned order."""
+    from kv_hex.layout import concat_layouts
+
+    store = written(config(), 37)
+    for step in range(16):
+        x = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(step))
+        store.append(x, -x, torch.full((B, 1), 37 + step))
+    parts = [p for p in store._layouts() if p.num_entries]
+    assert len(parts) == 3
+    combined, order = concat_layouts(parts)
+    assert combined.num_entries == sum(p.num_entries for p in parts)
+    assert torch.equal(combined.count.long(), sum(p.count.long() for p in parts))
+    assert torch.equal(combined.seg(), torch.cat([p.seg() for p in parts])[order])  # heads contiguous
+    keys, values = zip(*(reference.dequantize_part(p) for p in parts))
+    got_k, got_v = reference.dequantize_part(combined)
+    assert torch.equal(got_k, torch.cat(keys)[order]) and torch.equal(got_v, torch.cat(values)[order])

@@ -19,7 +19,7 @@ import torch
 from kv_hex.config import HEXConfig
 from kv_hex.segment import Segment, segment_mask
 
-__all__ = ["PartLayout", "SideLayout", "head_columns", "residual_layout", "segment_layout"]
+__all__ = ["PartLayout", "SideLayout", "concat_layouts", "head_columns", "residual_layout", "segment_layout"]
 
 
 @dataclass(frozen=True)
@@ -201,3 +201,61 @@ def residual_layout(res: dict, B: int, H: int, D: int, bits: int) -> PartLayout:
     sides = [SideLayout(idx, codes, res[kind], empty, empty, zi, res[kind][:0, 0], zi, kind == "k") for kind in "kv"]
     hcols = torch.zeros(1, H, 0, dtype=torch.int32, device=device)
     return PartLayout(B, H, D, bits, start, count, T, zi, hcols, sides[0], sides[1])
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    out, total = [], 0
+    for n in sizes:
+        out.append(total)
+        total += n
+    return out
+
+
+def concat_layouts(parts: list[PartLayout]) -> tuple[PartLayout, torch.Tensor]:
+    """Several parts of one layer (the segments and the residual) as one :class:`PartLayout`, so the decode kernel
+    attends to all of them in one launch with one softmax instead of one launch per part and a log-sum-exp merge.
+
+    The tables of the parts are concatenated (codes, full rows, statistics, overlay values, the mask rows' channel
+    lists padded to the widest) and every per-entry index is shifted into the concatenation; the entries are
+    reordered so that each head's entries stay contiguous (a head's entries of the first part, then of the next).
+    Nothing is dequantized. Returns the layout and ``order`` (int64 ``[N]``): combined entry ``i`` is entry
+    ``order[i]`` of the parts' entries taken one part after the other.
+    """
+    first = parts[0]
+    if len(parts) == 1:
+        return first, torch.arange(first.num_entries, device=first.count.device)
+    B, H, D, bits = first.B, first.H, first.D, first.bits
+    seg = torch.cat([p.seg() for p in parts])
+    order = torch.sort(seg, stable=True).indices  # by head; within a head, part after part and entry order
+    count = sum(p.count.long() for p in parts)
+    start, count, T = _starts(count)
+    W = max(p.hcols.shape[-1] for p in parts)
+    hcols = torch.cat([torch.nn.functional.pad(p.hcols, (0, W - p.hcols.shape[-1]), value=-1) for p in parts])
+    slot_off = _offsets([p.hcols.shape[0] for p in parts])
+    slot = torch.cat([p.slot + o for p, o in zip(parts, slot_off)])[order]
+
+    def side(kind: str) -> SideLayout:
+        sides = [getattr(p, kind) for p in parts]
+        code_off = _offsets([s.codes.shape[0] for s in sides])
+        full_off = _offsets([s.rows.shape[0] for s in sides])
+        grp_off = _offsets([s.scale.shape[0] for s in sides])
+        over_off = _offsets([s.over.numel() for s in sides])
+        idx = torch.cat([torch.where(s.idx >= 0, s.idx + c, s.idx - f) for s, c, f in zip(sides, code_off, full_off)])
+        grp = torch.cat([torch.where(s.idx >= 0, s.grp + g, 0) for s, g in zip(sides, grp_off)])  # full: any row
+        ooff = torch.cat([s.ooff + o for s, o in zip(sides, over_off)])
+        stats = [s for s in sides if s.scale.numel()]
+        scale = torch.cat([s.scale for s in stats]) if stats else sides[0].scale
+        zero = torch.cat([s.zero for s in stats]) if stats else sides[0].zero
+        return SideLayout(
+            idx[order].to(torch.int32),
+            torch.cat([s.codes for s in sides]),
+            torch.cat([s.rows for s in sides]),
+            scale,
+            zero,
+            grp[order].to(torch.int32),
+            torch.cat([s.over for s in sides]),
+            ooff[order].to(torch.int32),
+            sides[0].per_channel,
+        )
+
+    return PartLayout(B, H, D, bits, start, count, T, slot.to(torch.int32), hcols, side("k"), side("v")), order

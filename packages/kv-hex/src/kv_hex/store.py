@@ -8,7 +8,7 @@ import torch
 
 from kv_hex.config import HEXConfig
 from kv_hex.kernels import dispatch
-from kv_hex.layout import PartLayout, residual_layout, segment_layout
+from kv_hex.layout import PartLayout, concat_layouts, residual_layout, segment_layout
 from kv_hex.segment import Segment, compress_segment
 from kv_hex.selector import hex_tiers
 from kvcodec.narrow import narrow
@@ -423,10 +423,13 @@ class HEXStore(Store):
         """Attention of ``query [B, Hq, Q, D]`` over the held cache: ``(out fp32, lse fp32)`` equal to
         ``kvcore.reference_attention(self.read(), query, scale)``, without rebuilding the dequantized cache.
 
-        Each part (every segment, then the residual) is attended on its own by the fused kernel
-        (:func:`kv_hex.kernels.dispatch.part_attention`: codes dequantized in registers, overlay values and
-        full-precision rows read where they are held, online softmax, GQA) and the parts are merged by log-sum-exp
-        (:func:`kvcore.merge_attention`). Each residual entry's attention probability (summed over the queries and
+        On CUDA every part (the segments and the residual) is addressed as one layout
+        (:func:`kv_hex.layout.concat_layouts`: the parts' tables concatenated, nothing dequantized) and attended in
+        one launch of the fused kernel (:func:`kv_hex.kernels.dispatch.part_attention`: codes dequantized in
+        registers, overlay values and full-precision rows read where they are held, one online softmax, GQA),
+        however many segments the layer holds. On CPU the PyTorch reference dequantizes what it attends, so it
+        attends one part at a time and merges them by log-sum-exp (:func:`kvcore.merge_attention`): the whole
+        dequantized cache never exists at once. Each residual entry's attention probability (summed over the queries and
         its GQA group) is then added to the heavy-hitter accumulator (and every entry's, in full mode; HEX §3.3)."""
         if self._shape is None:
             raise ValueError("attend() on an empty store: write() or append() first")
@@ -436,29 +439,27 @@ class HEXStore(Store):
         device = self._res["pos"].device
         q = q.to(device)
         Hq, Q = q.shape[1], q.shape[2]
-        full_mode = self.config.mode == "full"
         layouts = self._layouts()
-        results = []
-        for i, part in enumerate(layouts):
-            want = full_mode or i == len(layouts) - 1
-            if part.num_entries == 0:
-                results.append(None)
-                continue
-            results.append(dispatch.part_attention(q, part, scale, want))
-        attended = [(o, lse) for o, lse, _ in filter(None, results)]
-        if not attended:
+        held = [part for part in layouts if part.num_entries]
+        if not held:
             out = torch.zeros(B, Hq, Q, D, device=device)
             return out, torch.full((B, Hq, Q), float("-inf"), device=device)
-        out, lse = merge_attention(attended)
+        # CUDA: every part in one launch and one softmax (the kernel dequantizes in registers); CPU: the reference
+        # dequantizes what it attends, so one part at a time, merged by log-sum-exp
+        calls = [concat_layouts(held)] if dispatch.use_triton(q) else [(p, None) for p in held]
+        results = [(dispatch.part_attention(q, part, scale, True), order) for part, order in calls]
+        out, lse = merge_attention([(o, l) for (o, l, _), _ in results])
+        entry_logits = []
+        for (_, _, logits), order in results:
+            if order is not None:  # back to the parts' own entry order, part after part
+                logits = torch.empty_like(logits).index_copy_(0, order, logits)
+            entry_logits.append(logits)
+        entry_logits = torch.cat(entry_logits)
+        seg = torch.cat([p.seg() for p in held])
         rows_lse = lse.reshape(B * H, (Hq // H) * Q)
-        sums = []
-        for part, res in zip(layouts, results):
-            if res is None or res[2] is None:
-                sums.append(None)
-                continue
-            p = torch.exp(res[2] - rows_lse[part.seg()]).nan_to_num_(0.0)
-            sums.append(p.sum(-1))
-        self._accumulate(sums)
+        prob = torch.exp(entry_logits - rows_lse[seg]).nan_to_num_(0.0).sum(-1)
+        sums = iter(prob.split([p.num_entries for p in held]))
+        self._accumulate([next(sums) if p.num_entries else None for p in layouts])
         return out, lse
 
     def _accumulate(self, sums: list[torch.Tensor | None]) -> None:

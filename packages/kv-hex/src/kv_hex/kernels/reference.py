@@ -120,7 +120,7 @@ def dequantize_part(part) -> tuple[torch.Tensor, torch.Tensor]:
         # codes laid out in entry order (a full row's slot stays 0 and is overwritten below): a uint8 scatter of
         # packed rows instead of a float scatter of dequantized ones
         packed = torch.zeros(N, side.codes.shape[1], dtype=torch.uint8, device=dev)
-        packed[ci] = side.codes if crow.numel() == side.codes.shape[0] else side.codes[crow]
+        packed[ci] = side.codes[crow]
         codes = unpack_unchecked(packed, part.bits, D).float()
         grp = side.grp.long()  # in range for every entry (a full row's statistics row is read, then overwritten)
         S, T = part.B * part.H, part.T
@@ -134,10 +134,13 @@ def dequantize_part(part) -> tuple[torch.Tensor, torch.Tensor]:
             s, z = side.scale.float()[grp][:, None], side.zero.float()[grp][:, None]
         rows = codes.mul_(s).add_(z).view(N, D).to(side.rows.dtype)  # code · scale + zero in float32, no FMA
         if part.hcols.shape[-1]:
-            # overlay values in entry order, channels ascending: flat positions (entry, channel) of the mask
-            cols = part.hcols[part.slot[ci].long(), part.seg()[ci] % part.H].long()  # [Nc, W], -1 padded
-            flat = (ci[:, None] * D + cols)[cols >= 0]
-            rows.view(-1)[flat] = side.over
+            # each coded entry's overlay values start at its ooff, channels ascending (the mask's columns of its slot
+            # and head, -1 padded at the end): flat positions (entry, channel) and the values' positions in `over`
+            cols = part.hcols[part.slot[ci].long(), part.seg()[ci] % part.H].long()  # [Nc, W]
+            held = cols >= 0
+            flat = (ci[:, None] * D + cols)[held]
+            src = (side.ooff[ci].long()[:, None] + torch.arange(cols.shape[1], device=dev))[held]
+            rows.view(-1)[flat] = side.over[src]
         rows[fi] = side.rows[(-1 - side.idx[fi]).long()]
         out.append(rows)
     return out[0], out[1]
