@@ -17,9 +17,18 @@ from dataclasses import dataclass
 import torch
 
 from kv_hex.config import HEXConfig
+from kv_hex.kernels import dispatch
 from kv_hex.segment import Segment, segment_mask
 
-__all__ = ["PartLayout", "SideLayout", "concat_layouts", "head_columns", "residual_layout", "segment_layout"]
+__all__ = [
+    "PartLayout",
+    "SideLayout",
+    "concat_layouts",
+    "decode_segment",
+    "head_columns",
+    "residual_layout",
+    "segment_layout",
+]
 
 
 @dataclass(frozen=True)
@@ -187,6 +196,16 @@ def segment_layout(cfg: HEXConfig, seg: Segment) -> PartLayout:
     return PartLayout(
         seg.counts.numel() // seg.H, seg.H, seg.D, cfg.bits, start, count, T, slot.to(torch.int32), hcols, k, v
     )
+
+
+def decode_segment(cfg: HEXConfig, seg: Segment, bits: int) -> tuple[torch.Tensor, ...]:
+    """``(keys [N, D], values [N, D], seg [N], pos [N])`` of a compressed segment reconstructed (full rows
+    bit-exact, overlay exact) by the dequantize + overlay-merge kernel
+    (:func:`kv_hex.kernels.dispatch.dequantize_part`)."""
+    if bits != cfg.bits:
+        raise ValueError(f"bits must be the config's code width {cfg.bits}, got {bits}")
+    k, v = dispatch.dequantize_part(segment_layout(cfg, seg))
+    return k, v, seg.seg(), seg.pos.int()
 
 
 def residual_layout(res: dict, B: int, H: int, D: int, bits: int) -> PartLayout:

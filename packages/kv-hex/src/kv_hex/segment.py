@@ -123,17 +123,6 @@ class Segment:
             return torch.zeros(seg.numel(), self.D, dtype=torch.bool, device=self.pos.device)
         return m[slot.long(), seg % self.H]
 
-    def decode(self, cfg: HEXConfig, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(keys [N, D], values [N, D], seg [N], pos [N])`` reconstructed (full rows bit-exact, overlay exact) by
-        the dequantize + overlay-merge kernel (:func:`kv_hex.kernels.dispatch.dequantize_part`)."""
-        from kv_hex.layout import segment_layout
-
-        if bits != cfg.bits:
-            raise ValueError(f"bits must be the config's code width {cfg.bits}, got {bits}")
-        part = segment_layout(cfg, self)
-        k, v = dispatch.dequantize_part(part)
-        return k, v, self.seg(), self.pos.int()
-
     def take(
         self, cfg: HEXConfig, idx: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor | None = None
     ) -> Segment:

@@ -8,7 +8,7 @@ import torch
 
 from kv_hex.config import HEXConfig
 from kv_hex.kernels import dispatch
-from kv_hex.layout import PartLayout, concat_layouts, residual_layout, segment_layout
+from kv_hex.layout import PartLayout, concat_layouts, decode_segment, residual_layout, segment_layout
 from kv_hex.segment import Segment, compress_segment
 from kv_hex.selector import hex_tiers
 from kvcodec.narrow import narrow
@@ -270,7 +270,7 @@ class HEXStore(Store):
     def _recompress(self, segments, k, v, held, slot_pos, acc) -> Segment:
         """Full mode: the held segments (reconstructed from their codes) and the new block as one segment."""
         B, H, D = self._shape
-        parts = [s.decode(self.config, self.config.bits) for s in segments]
+        parts = [decode_segment(self.config, s, self.config.bits) for s in segments]
         accs = [s.acc if s.acc is not None else torch.zeros(s.num_entries, device=k.device) for s in segments]
         sh = torch.nonzero(held, as_tuple=True)
         rows_k = torch.cat([p[0] for p in parts] + [k[sh]])
@@ -301,7 +301,7 @@ class HEXStore(Store):
         bits = self.config.bits
         ks, vs, kt, vt = [], [], [], []
         for s in self._segments:
-            k, v, _, _ = s.decode(self.config, bits)
+            k, v, _, _ = decode_segment(self.config, s, bits)
             ks.append(k)
             vs.append(v)
             kt.append(torch.where(s.full("k"), FULL, bits).to(torch.uint8))

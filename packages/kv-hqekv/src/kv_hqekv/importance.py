@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from kv_hqekv.kernels.reference import seen_by
 from kvcodec.kernels.dispatch import use_triton
 
 
@@ -53,11 +54,6 @@ def window_importance_ref(
     if normalize:
         a = a / seen_by(N, m, keys.device)
     return a
-
-
-def seen_by(n: int, m: int, device: torch.device | None = None) -> torch.Tensor:
-    """``c_j = min(m, n - j)``: window queries that see column ``j`` (float32 ``[n]``)."""
-    return (n - torch.arange(n, device=device)).clamp(max=m).float()
 
 
 def window_importance(

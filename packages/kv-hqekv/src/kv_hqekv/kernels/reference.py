@@ -84,6 +84,12 @@ def tiered_attention_row_ref(query: torch.Tensor, keys: TieredSide, scale: float
     return p.sum(dim=(2, 3))
 
 
+def seen_by(n: int, m: int, device: torch.device | None = None) -> torch.Tensor:
+    """``c_j = min(m, n - j)``: the window queries that see column ``j`` (float32 ``[n]``), the normalizer of the
+    window importance (:func:`kv_hqekv.importance.window_importance_ref`)."""
+    return (n - torch.arange(n, device=device)).clamp(max=m).float()
+
+
 def transcode_ref(source: TieredSide, bits: int, axis: str, group_size: int) -> QuantizedTensor:
     """The entries addressed by ``source``'s maps ``[Nu, U]`` (``Nu`` units of ``U`` entries, every map entry
     held) quantized at ``bits`` (4, 2: uniform min-max; 1: normalized) from their held representation: exactly

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kv_hqekv.kernels.reference import seen_by
+
 
 @triton.jit
 def _window_logits(q, k_ptr, b, h, n0, skb, skh, skn, skd, valid_ptr, N, M_WIN, sqrt_d, r, rmask, d, dmask,
@@ -117,8 +119,6 @@ def window_importance_triton(
 ) -> torch.Tensor:
     """Triton :func:`~kv_hqekv.importance.window_importance_ref` (same arguments, same results): ``block_n`` keys
     per tile, ``tiles`` tiles per program."""
-    from kv_hqekv.importance import seen_by
-
     B, Hq, m, D = queries.shape
     H, N = keys.shape[1], keys.shape[2]
     group = Hq // H
