@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from kvbench.budgets import parse_budget
 from kvbench.methods import GridItem
-from kvbench.report import Row, resident_bytes_per_token
+from kvbench.report import Row, format_comparisons, resident_bytes_per_token
 from kvbench.stats import PairedDiff, paired_difference
 
 __all__ = ["Comparison", "Side", "compare_rows", "format_comparisons", "parse_comparisons", "validate_comparisons"]
@@ -158,18 +158,3 @@ def compare_rows(
                 c.d_kl = paired_difference(a.window_kl, b.window_kl, seed=seed, n_boot=n_boot)
             out.append(c)
     return out
-
-
-def format_comparisons(comparisons: list[Comparison]) -> str:
-    """A Markdown table: ``A − B``, bytes of each (fast tier, per context token), their ratio, Δacc and ΔKL with
-    95% CIs (``*``: the interval excludes 0 with at least 10 pairs; a lower KL is better)."""
-    multi = len({c.protocol for c in comparisons}) > 1
-    head = ["A", "B", *(["protocol"] if multi else []), "B/token A", "B/token B", "bytes A/B"]
-    head += ["Δacc A − B [95% CI]", "ΔKL A − B [95% CI]"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for c in comparisons:
-        cells = [c.a, c.b, *([c.protocol] if multi else [])]
-        cells += [f"{c.a_bytes_per_token:.0f}", f"{c.b_bytes_per_token:.0f}", f"{c.bytes_ratio:.2f}"]
-        cells += ["–" if c.d_acc is None else c.d_acc.format(".2f"), "–" if c.d_kl is None else c.d_kl.format(".4f")]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)

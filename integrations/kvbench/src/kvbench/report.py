@@ -213,8 +213,6 @@ def markdown_report(rows: list[Row], meta: dict[str, Any], plots: list[str], com
 
 
 def _comparison_section(comparisons: list) -> list[str]:
-    from kvbench.compare import format_comparisons
-
     return [
         "Head-to-head (`--compare A:B`): mean paired difference A − B over the same samples (accuracy) and windows "
         "(KL; lower is better), seeded bootstrap 95% CI, `*` when it excludes 0; bytes are per context token in the "
@@ -223,3 +221,19 @@ def _comparison_section(comparisons: list) -> list[str]:
         format_comparisons(comparisons),
         "",
     ]
+
+
+def format_comparisons(comparisons: list) -> str:
+    """A Markdown table of :class:`kvbench.compare.Comparison` s: ``A − B``, bytes of each (fast tier, per context
+    token), their ratio, Δacc and ΔKL with 95% CIs (``*``: the interval excludes 0 with at least 10 pairs; a lower KL
+    is better)."""
+    multi = len({c.protocol for c in comparisons}) > 1
+    head = ["A", "B", *(["protocol"] if multi else []), "B/token A", "B/token B", "bytes A/B"]
+    head += ["Δacc A − B [95% CI]", "ΔKL A − B [95% CI]"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in comparisons:
+        cells = [c.a, c.b, *([c.protocol] if multi else [])]
+        cells += [f"{c.a_bytes_per_token:.0f}", f"{c.b_bytes_per_token:.0f}", f"{c.bytes_ratio:.2f}"]
+        cells += ["–" if c.d_acc is None else c.d_acc.format(".2f"), "–" if c.d_kl is None else c.d_kl.format(".4f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
