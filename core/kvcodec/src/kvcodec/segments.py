@@ -18,8 +18,8 @@ def segment_ids(counts: torch.Tensor) -> torch.Tensor:
     """``repeat_interleave(arange(S), counts)``: the segment of every item when items are sorted by segment.
 
     The stores call this several times per decode step; ``torch.repeat_interleave(counts)`` is the fastest way
-    measured on CPU with torch 2.15 (3-7x faster than a ``searchsorted`` over the cumulative counts, which this
-    replaced; ``benchmarks/bench_hf_decode.py`` shows the effect on a whole decode step).
+    measured on CPU with torch 2.15 (4-8x faster than a ``searchsorted`` over the cumulative counts, which this
+    replaced: ``benchmarks/bench_codec_ops.py``).
     """
     return torch.repeat_interleave(counts.long())
 

@@ -164,9 +164,9 @@ class _Columns:
         if by_position:
             self.T, self.keys = span, pos - lo
             return
-        self.code = seg * span + (pos - lo)  # unique per entry
-        order = torch.argsort(self.code)
-        self.sorted_code = self.code[order]
+        code = seg * span + (pos - lo)  # unique per entry
+        order = torch.argsort(code)
+        self.sorted_code = code[order]
         self.rank, counts = rank_in_segment(seg[order], S)
         self.T = int(counts.max()) if S else 0
         self.keys = torch.empty_like(self.rank)
