@@ -17,6 +17,10 @@ Usage::
     python benchmarks/bench_hf_decode.py                    # 1,000-token prompt, CPU or the first GPU
     python benchmarks/bench_hf_decode.py --tokens 4000 --device cuda
     python benchmarks/bench_hf_decode.py --tokens 2048 --steps 64 --methods kivi-2,kivi-4,hqekv-2,hqekv-3.2 --threads 1
+    python benchmarks/bench_hf_decode.py --random-model --device cuda --tokens 8000   # a machine without the weights
+
+``--random-model`` builds SmolLM2-135M's architecture with random weights (same shapes, so the same decode work;
+for timing only: its tokens mean nothing).
 """
 
 from __future__ import annotations
@@ -60,6 +64,27 @@ def dynamic_rate(model, ids: torch.Tensor, steps: int, rounds: int) -> list[floa
     return rates
 
 
+def random_smollm2(device: torch.device, dtype: torch.dtype):
+    """SmolLM2-135M's architecture (its published config) with seeded random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_theta": 100000.0, "rope_type": "default"},
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=1000)
@@ -70,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--methods", default="full,snapkv@0.5,kivi-2", help="registry names, name@budget (default: %(default)s)"
     )
+    p.add_argument("--random-model", action="store_true", help="SmolLM2's shapes with random weights (no download)")
     args = p.parse_args(argv)
     methods = registry.discover()
     contenders = {}
@@ -81,7 +107,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    model, _ = load_smollm2(device=device)
+    if args.random_model:
+        model = random_smollm2(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    else:
+        model, _ = load_smollm2(device=device)
     ids = torch.randint(100, 10_000, (1, args.tokens), generator=torch.Generator().manual_seed(0)).to(device)
     caches = {}
     for name, make in contenders.items():
@@ -97,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"device: {where}, {torch.get_num_threads()} torch threads; torch {torch.__version__}; "
         f"prompt {args.tokens} tokens; {args.steps} steps x {args.rounds} rounds (median)"
+        + ("; random weights" if args.random_model else "")
     )
     base = statistics.median(rates["DynamicCache"])
     print("| cache | KV MB | steps/s | vs DynamicCache |")

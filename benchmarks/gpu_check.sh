@@ -1,25 +1,46 @@
 #!/usr/bin/env bash
 # One device-machine session: environment, Triton kernels vs references on the GPU, then the kernel benchmarks.
 # Runs from a checkout with the members' src folders on PYTHONPATH (no install needed). Logs go to $OUT (or ./gpu_out).
+#
+#   bash benchmarks/gpu_check.sh                       # every step
+#   bash benchmarks/gpu_check.sh tests,attend,hubkv    # some steps: tests attend sweep hubkv hqekv hex hf quant
+#
+# Each step runs under its own time limit, so one slow or failing step leaves the others' logs.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=$(ls -d core/*/src packages/*/src integrations/*/src | tr '\n' ':')${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
+steps=",${1:-tests,attend,sweep,hubkv,hqekv,hex,hf,quant},"
+has() { [[ $steps == *",$1,"* ]]; }
+step() {  # step NAME SECONDS CMD...: run CMD with a time limit, log to $OUT/NAME.txt, print its tail
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name (limit ${limit}s)"
+  timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc, $((SECONDS - t0)) s"
+  tail -n "${TAIL:-25}" "$OUT/$name.txt"
+}
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
   python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee "$OUT/env.txt"
-step=${1:-all}
-if [[ $step == all || $step == tests ]]; then
-  python3 -m pytest -q -p no:cacheprovider -x --timeout 300 \
-      packages/kv-hubkv/tests/test_hubkv_triton.py core/kvcodec/tests/test_kernels.py \
-      packages/kv-hqekv/tests/test_kernels.py packages/kv-hex/tests/test_kernels.py packages/kv-sekv/tests/test_kernels.py \
-      2>&1 | tee "$OUT/kernel_tests.txt" | tail -15
-  python3 -m pytest -q -p no:cacheprovider --timeout 600 core/kvcore/tests core/kvcodec/tests packages/kv-baselines/tests packages/kv-hubkv/tests \
-      2>&1 | tee "$OUT/unit_tests.txt" | tail -15
+if has tests; then
+  # the kernel tests place their inputs on the GPU when one is present (compiled kernels, not the interpreter)
+  TAIL=12 step kernel_tests 240 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 200 \
+      core/kvcodec/tests/test_kernels.py core/kvcodec/tests/test_attention.py core/kvcodec/tests/test_attention_triton.py \
+      packages/kv-hubkv/tests/test_hubkv_triton.py packages/kv-baselines/tests/quant \
+      packages/kv-hqekv/tests/test_kernels.py packages/kv-hex/tests/test_kernels.py packages/kv-sekv/tests/test_kernels.py
 fi
-if [[ $step == all || $step == bench ]]; then
-  python3 benchmarks/bench_hubkv.py 2>&1 | tee "$OUT/bench_hubkv.txt"
-  python3 benchmarks/bench_quant.py 2>&1 | tee "$OUT/bench_quant.txt"
-  python3 benchmarks/bench_hqekv.py --lengths 4096,16384,65536 2>&1 | tee "$OUT/bench_hqekv.txt"
-  python3 benchmarks/bench_hex.py --tables attend 2>&1 | tee "$OUT/bench_hex.txt"
+has attend && step bench_fused_attend 150 python3 benchmarks/bench_fused_attend.py
+has sweep && TAIL=8 step bench_fused_sweep 120 python3 benchmarks/bench_fused_attend.py --sweep --lengths 16384 --batch 1,8 --bits 2
+has hubkv && step bench_hubkv 120 python3 benchmarks/bench_hubkv.py --min-run-time 0.2
+has hqekv && step bench_hqekv 150 python3 benchmarks/bench_hqekv.py --lengths 4096,16384,65536
+has hex && step bench_hex 120 python3 benchmarks/bench_hex.py --tables attend --attend-lengths 3840,16384
+if has hf; then
+  for m in full kivi-2 kivi-4 hqekv-2 hex-3 sekv snapkv@0.5; do
+    TAIL=3 step "hf_decode_${m//@/_}" 90 python3 benchmarks/bench_hf_decode.py --random-model --tokens 8000 --steps 32 \
+        --rounds 3 --methods "$m"
+  done
 fi
+has quant && step bench_quant 150 python3 benchmarks/bench_quant.py
+exit 0

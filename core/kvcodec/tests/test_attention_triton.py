@@ -36,3 +36,27 @@ def test_triton_mixed_rows_and_3_bits():
     ref_out, ref_lse = quantized_attention_ref(q, seg, 0.5)
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("block_t", "tiles"), [(4, 1), (4, 2), (2, 4), (8, 1)])
+def test_triton_any_split_matches_reference(block_t, tiles):
+    # one program per split of the head's entries, merged by log-sum-exp: the result must not depend on the split
+    seg, _ = _case(2, 2, 7, 12, 4, 4, lengths=[[7, 3], [0, 6]], seed=21, dtype=torch.float16)
+    seg = _to(seg, DEVICE)
+    q = torch.randn(2, 4, 1, 12, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.float16)
+    out, lse = quantized_attention_triton(q, seg, 0.3, block_t=block_t, tiles=tiles)
+    ref_out, ref_lse = quantized_attention_ref(q, seg, 0.3)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_split_plan_aims_at_enough_programs_and_checks_tiles():
+    from kvcodec.kernels.triton_attention import TARGET_PROGRAMS, split_plan
+
+    bt, tiles, splits = split_plan(16384, 8)  # one sequence, 8 KV heads: a decode step
+    assert bt * tiles * splits >= 16384 > bt * tiles * (splits - 1)
+    assert 8 * splits >= TARGET_PROGRAMS // 2  # enough programs to fill a GPU
+    assert split_plan(16384, 4096)[2] <= split_plan(16384, 8)[2]  # many heads: longer splits
+    assert split_plan(5, 1) == (8, 1, 1)
+    with pytest.raises(ValueError, match="tiles"):
+        split_plan(64, 1, tiles=0)

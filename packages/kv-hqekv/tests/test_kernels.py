@@ -4,6 +4,8 @@ Each Triton kernel runs under ``TRITON_INTERPRET=1`` on CPU (set by conftest) wi
 and is compared with its PyTorch reference; the references are compared with what the store reads back.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -18,6 +20,20 @@ from kvcodec.stats import expand_groups
 from kvcore import EVICT, FULL, KVView, Plan, merge_attention, reference_attention
 
 TIERS = torch.tensor([FULL, 4, 2, 1], dtype=torch.uint8)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels run compiled on a GPU
+
+
+def _to(x, device=DEVICE):
+    """``x`` (a tensor, a dict of them, or a dataclass of them such as a TieredSide) on ``device``."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
+    if isinstance(x, tuple):
+        return tuple(_to(v, device) for v in x)
+    if dataclasses.is_dataclass(x):
+        return type(x)(**{f.name: _to(getattr(x, f.name), device) for f in dataclasses.fields(x) if f.init})
+    return x
 
 
 def _plan(g, B, H, T, G, key_tiers=TIERS, value_tiers=None, evict_keys=True):
@@ -152,11 +168,11 @@ def test_triton_tiered_attention_equals_reference(dtype):
     store = _store(g, T=14, dtype=dtype)
     keys, values = tiered_sides(store)
     q = torch.randn(1, 4, 2, 16, generator=g).to(dtype)
-    out, lse = tiered_attention_triton(q, keys, values, 0.25, block_t=4, tiles=2)
+    out, lse = _to(tiered_attention_triton(_to(q), _to(keys), _to(values), 0.25, block_t=4, tiles=2), "cpu")
     ref_out, ref_lse = reference_attention(store.read(), q, 0.25)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
-    row = tiered_attention_row_triton(q, keys, 0.25, ref_lse, block_t=4, tiles=2)
+    row = tiered_attention_row_triton(_to(q), _to(keys), 0.25, _to(ref_lse), block_t=4, tiles=2).cpu()
     torch.testing.assert_close(row, tiered_attention_row_ref(q, keys, 0.25, ref_lse), atol=1e-6, rtol=1e-5)
 
 
@@ -168,7 +184,7 @@ def test_triton_tiered_attention_after_retier():
     g = torch.Generator().manual_seed(8)
     store = _decoded_after_retier(g)
     q = torch.randn(1, 2, 1, 16, generator=g)
-    out, lse = tiered_attention_triton(q, *tiered_sides(store), 0.25, block_t=32, tiles=1)
+    out, lse = _to(tiered_attention_triton(_to(q), *_to(tiered_sides(store)), 0.25, block_t=32, tiles=1), "cpu")
     ref_out, ref_lse = reference_attention(store.read(), q, 0.25)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
@@ -216,7 +232,8 @@ def test_triton_transcode_equals_reference(dtype):
     for side, U in ((keys, 4), (values, 1)):
         src = _units(side, U)
         for bits in (4, 2, 1):
-            got, ref = transcode_triton(src, bits, side.axis, 4, block_r=8), transcode_ref(src, bits, side.axis, 4)
+            got = _to(transcode_triton(_to(src), bits, side.axis, 4, block_r=8), "cpu")
+            ref = transcode_ref(src, bits, side.axis, 4)
             assert got.scales.dtype == ref.scales.dtype and got.shape == ref.shape
             if bits > 1:
                 assert torch.equal(got.codes, ref.codes) and torch.equal(got.scales, ref.scales)
@@ -245,7 +262,7 @@ def test_triton_window_importance_equals_reference(masked):
         q, k = torch.randn(B, Hq, m, 16, generator=g), torch.randn(B, H, N, 16, generator=g)
         valid = (torch.rand(B, N, generator=g) > 0.3) if masked else None
         for normalize in (True, False):
-            got = window_importance_triton(q, k, valid, normalize, block_n=8, tiles=2)
+            got = window_importance_triton(_to(q), _to(k), _to(valid), normalize, block_n=8, tiles=2).cpu()
             torch.testing.assert_close(got, window_importance_ref(q, k, valid, normalize), atol=1e-5, rtol=1e-5)
 
 
@@ -391,7 +408,7 @@ def test_retier_through_the_triton_transcode_equals_the_reference(monkeypatch):
 
     def triton_transcode(side, bits, axis, group_size):
         calls.append(bits)
-        return transcode_triton(side, bits, axis, group_size, block_r=8)
+        return _to(transcode_triton(_to(side), bits, axis, group_size, block_r=8), "cpu")
 
     monkeypatch.setattr(store_module, "transcode", triton_transcode)
     stores[1].retier(demote)

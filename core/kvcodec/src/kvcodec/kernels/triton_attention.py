@@ -1,8 +1,11 @@
 """Triton kernel: decode attention over a :class:`~kvcodec.attention.QuantizedSegment`, dequantizing in registers.
 
-One program per (batch row, KV head) owns the ``Hq/Hkv * Q`` query rows of that head (GQA without repeating K/V)
-and walks the head's ``T`` entries in ``NUM_T_BLOCKS`` (a compile-time count) blocks of ``BLOCK_T`` with an online
-softmax (FlashAttention, Dao et al. 2022, §3.1). Each entry's key and value are read through the index maps: a packed
+One program per (batch row, KV head, split) owns the ``Hq/Hkv * Q`` query rows of that head (GQA without repeating
+K/V) and walks ``TILES`` (a compile-time count) tiles of ``BLOCK_T`` of the head's ``T`` entries with an online
+softmax (FlashAttention, Dao et al. 2022, §3.1); the head's entries are split across programs (Flash-Decoding: a
+decode step has one query per head, so without the split a GPU would run ``B * Hkv`` programs) and the splits'
+normalized outputs are merged by log-sum-exp in a second, small kernel (one launch, not a chain of tensor ops). ``T`` is a run-time argument and the split count the
+grid's second dimension, so a growing cache does not recompile the kernel at every decode step. Each entry's key and value are read through the index maps: a packed
 code row (two bytes per code read and shifted, which covers every width 1-8 including 3) dequantized as
 ``zero + code * scale`` in float32 and rounded to the cache dtype (``CodeRows.full.dtype``) exactly as the unpack +
 dequantize kernel of :mod:`kvcodec.kernels.triton_quant` does (no FMA contraction), or a full-precision row.
@@ -101,7 +104,7 @@ def _quantized_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_T_BLOCKS: tl.constexpr,
+    TILES: tl.constexpr,
     KBITS: tl.constexpr,
     KGCOL: tl.constexpr,
     VBITS: tl.constexpr,
@@ -112,6 +115,7 @@ def _quantized_attention_kernel(
     VOUT: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    sp = tl.program_id(1)
     b = pid // H
     h = pid % H
     m = tl.arange(0, BLOCK_M)
@@ -127,8 +131,8 @@ def _quantized_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for blk in range(NUM_T_BLOCKS):
-        t = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+    for blk in range(TILES):
+        t = (sp * TILES + blk) * BLOCK_T + tl.arange(0, BLOCK_T)
         tmask = t < T
         base = pid.to(tl.int64) * T + t
         krow = tl.load(krow_ptr + base, mask=tmask, other=0)
@@ -149,9 +153,32 @@ def _quantized_attention_kernel(
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-    row = (b * (H * GROUP) + hq).to(tl.int64) * Q + qi
+    row = (pid.to(tl.int64) * tl.num_programs(1) + sp) * (GROUP * Q) + m
     tl.store(out_ptr + row[:, None] * D + d[None, :], out, mask=qmask)
     tl.store(lse_ptr + row, lse, mask=mmask)
+
+
+@triton.jit
+def _merge_splits_kernel(outp_ptr, lsep_ptr, out_ptr, lse_ptr, NSPLIT, M, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                         BLOCK_D: tl.constexpr):  # fmt: skip
+    # one program per (head, query row): log-sum-exp merge of the splits' normalized outputs
+    pid = tl.program_id(0)
+    hm = pid // M
+    mi = pid % M
+    sidx = tl.arange(0, BLOCK_S)
+    smask = sidx < NSPLIT
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    rows = (hm.to(tl.int64) * NSPLIT + sidx) * M + mi
+    ls = tl.load(lsep_ptr + rows, mask=smask, other=float("-inf"))
+    top = tl.max(ls, axis=0)
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.where(ls == float("-inf"), 0.0, tl.exp(ls - top_safe))
+    total = tl.sum(w, axis=0)
+    o = tl.load(outp_ptr + rows[:, None] * D + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
+    merged = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + pid.to(tl.int64) * D + d, merged, mask=dmask)
+    tl.store(lse_ptr + pid, tl.where(total > 0, top_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")))
 
 
 def _full_or_dummy(t: torch.Tensor) -> torch.Tensor:
@@ -178,25 +205,59 @@ def _params(side) -> tuple:
     return codes, scales, zeros, _full_or_dummy(side.full), side.codes.shape[1], side.scales.shape[1], gcol, rounding
 
 
+#: programs a launch aims for when it picks the tiles per program (a few waves on a 100+ multiprocessor GPU)
+TARGET_PROGRAMS = 256
+#: tiles per program it picks from (each a compiled variant)
+TILE_CHOICES = (1, 2, 4, 8, 16, 32)
+
+
+def _pow2(n: int) -> int:
+    return max(1, 1 << (max(n, 1) - 1).bit_length())
+
+
+def split_plan(T: int, programs: int, block_t: int | None = None, tiles: int | None = None) -> tuple[int, int, int]:
+    """``(block_t, tiles, splits)`` for ``T`` entries per head and ``programs = B * Hkv`` heads.
+
+    ``block_t`` defaults to 64 entries (fewer for short heads), ``tiles`` to the smallest of :data:`TILE_CHOICES`
+    that keeps the launch near :data:`TARGET_PROGRAMS` programs, so short caches get many small splits and long ones
+    few, long splits (less to merge).
+    """
+    bt = _pow2(block_t if block_t is not None else min(64, _pow2(T)))
+    if tiles is None:
+        want = -(-T // max(1, -(-TARGET_PROGRAMS // max(programs, 1))))  # entries per split for the target
+        tiles = next((c for c in TILE_CHOICES if c * bt >= want), TILE_CHOICES[-1])
+    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
+        raise ValueError(f"tiles must be an int >= 1, got {tiles!r}")
+    return bt, tiles, max(1, triton.cdiv(T, bt * tiles))
+
+
 def quantized_attention_triton(
-    query: torch.Tensor, segment, scale: float, *, block_t: int | None = None, num_warps: int = 4
+    query: torch.Tensor,
+    segment,
+    scale: float,
+    *,
+    block_t: int | None = None,
+    tiles: int | None = None,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton :func:`~kvcodec.kernels.reference.quantized_attention_ref` (same arguments, same results)."""
+    """Triton :func:`~kvcodec.kernels.reference.quantized_attention_ref` (same arguments, same results up to float32
+    summation order); ``block_t`` entries per tile and ``tiles`` tiles per program (defaults: :func:`split_plan`)."""
     B, H, T, D = segment.shape
     Hq, Q = query.shape[1], query.shape[2]
     group = Hq // H
-    out = torch.zeros(B, Hq, Q, D, dtype=torch.float32, device=query.device)
-    lse = torch.full((B, Hq, Q), float("-inf"), dtype=torch.float32, device=query.device)
-    if B * H == 0 or Q == 0 or D == 0:
-        return out, lse
+    M = group * Q
+    if B * H == 0 or Q == 0 or D == 0 or T == 0:
+        out = torch.zeros(B, Hq, Q, D, dtype=torch.float32, device=query.device)
+        return out, torch.full((B, Hq, Q), float("-inf"), dtype=torch.float32, device=query.device)
+    bt, tiles, nsplit = split_plan(T, B * H, block_t, tiles)
+    outp = torch.empty(B * H, nsplit, M, D, dtype=torch.float32, device=query.device)
+    lsep = torch.empty(B * H, nsplit, M, dtype=torch.float32, device=query.device)
     kc, ks, kz, kf, kpw, kC, kg, (kfmax, kout) = _params(segment.keys)
     vc, vs, vz, vf, vpw, vC, vg, (vfmax, vout) = _params(segment.values)
-    bt = block_t if block_t is not None else min(64, max(1, 1 << max(T - 1, 0).bit_length()))
-    bt = 1 << (bt - 1).bit_length()
-    _quantized_attention_kernel[(B * H,)](
+    _quantized_attention_kernel[(B * H, nsplit)](
         query,
-        out,
-        lse,
+        outp,
+        lsep,
         kc,
         ks,
         kz,
@@ -221,10 +282,10 @@ def quantized_attention_triton(
         float(scale),
         GROUP=group,
         D=D,
-        BLOCK_M=max(1, 1 << (group * Q - 1).bit_length()),
+        BLOCK_M=_pow2(M),
         BLOCK_T=bt,
-        BLOCK_D=max(1, 1 << (D - 1).bit_length()),
-        NUM_T_BLOCKS=triton.cdiv(T, bt),
+        BLOCK_D=_pow2(D),
+        TILES=tiles,
         KBITS=segment.keys.bits,
         KGCOL=kg,
         VBITS=segment.values.bits,
@@ -236,4 +297,11 @@ def quantized_attention_triton(
         num_warps=num_warps,
         enable_fp_fusion=False,  # dequantize bit-exactly like the unpack + dequantize kernel
     )
-    return out, lse
+    if nsplit == 1:
+        return outp.view(B, Hq, Q, D), lsep.view(B, Hq, Q)
+    out = torch.empty(B * H, M, D, dtype=torch.float32, device=query.device)
+    lse = torch.empty(B * H, M, dtype=torch.float32, device=query.device)
+    _merge_splits_kernel[(B * H * M,)](
+        outp, lsep, out, lse, nsplit, M, D=D, BLOCK_S=_pow2(nsplit), BLOCK_D=_pow2(D), num_warps=num_warps
+    )
+    return out.view(B, Hq, Q, D), lse.view(B, Hq, Q)
