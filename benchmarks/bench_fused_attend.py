@@ -40,11 +40,10 @@ import torch
 import torch.nn.functional as F
 
 try:
-    import kvcodec
+    import kvcodec  # noqa: F401
 except ImportError:  # running from a checkout without the workspace installed
     root = Path(__file__).resolve().parents[1]
     sys.path[:0] = [str(root / "core/kvcodec/src"), str(root / "core/kvcore/src")]
-    import kvcodec
 
 from kvcodec import QuantizedSegment, UniformQuantizer, quantized_attention
 

@@ -4,9 +4,10 @@ One program per (batch row, KV head, split) owns the ``Hq/Hkv * Q`` query rows o
 K/V) and walks ``TILES`` (a compile-time count) tiles of ``BLOCK_T`` of the head's ``T`` entries with an online
 softmax (FlashAttention, Dao et al. 2022, §3.1); the head's entries are split across programs (Flash-Decoding: a
 decode step has one query per head, so without the split a GPU would run ``B * Hkv`` programs) and the splits'
-normalized outputs are merged by log-sum-exp in a second, small kernel (one launch, not a chain of tensor ops). ``T`` is a run-time argument and the split count the
-grid's second dimension, so a growing cache does not recompile the kernel at every decode step. Each entry's key and value are read through the index maps: a packed
-code row (two bytes per code read and shifted, which covers every width 1-8 including 3) dequantized as
+normalized outputs are merged by log-sum-exp in a second, small kernel (one launch, not a chain of tensor ops).
+``T`` is a run-time argument and the split count the grid's second dimension, so a growing cache does not recompile
+the kernel at every decode step. Each entry's key and value are read through the index maps: a packed code row
+(two bytes per code read and shifted, which covers every width 1-8 including 3) dequantized as
 ``zero + code * scale`` in float32 and rounded to the cache dtype (``CodeRows.full.dtype``) exactly as the unpack +
 dequantize kernel of :mod:`kvcodec.kernels.triton_quant` does (no FMA contraction), or a full-precision row.
 Products are broadcast-and-sum in float32 (no ``tl.dot``: decode has a handful of query rows, and the interpreter's
