@@ -8,7 +8,7 @@ tokens and a ``floor(0.02 N)`` recent window protected; compression ratio 0.95. 
                     (layer-wise, as KVzip), scattered into a keep mask (the plan);
 * ``refine``        HubKV refinement alone (``kv_hubkv.refine``: Triton on CUDA, PyTorch on CPU);
 * ``refine+select`` refinement followed by the same selection;
-* with Triton also ``kernel`` (the fused kernel's own device time per call, from ``torch.profiler``: what the
+* with Triton also ``kernel`` (the two HubKV kernels' own device time per call, from ``torch.profiler``: what the
   call time adds on top of it is launch, argument checks and the host synchronisation), the hot-path form
   ``kv_hubkv.Refiner(check="deferred")`` (reused scratch, no synchronisation per call: ``hot``), the same
   with the launch captured in a CUDA graph (``graph``), each followed by the selection, and the unfused PyTorch
@@ -89,7 +89,8 @@ def peak_mb(fn, device) -> float:
 
 
 def kernel_ms(fn, device, calls: int = 20) -> float:
-    """Device time of the fused HubKV kernel per call (``torch.profiler``), or NaN off CUDA."""
+    """Device time of the HubKV kernels (statistics + mixing launches) per call (``torch.profiler``), or NaN off
+    CUDA."""
     if device.type != "cuda":
         return float("nan")
     fn()
@@ -99,7 +100,7 @@ def kernel_ms(fn, device, calls: int = 20) -> float:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    us = sum(e.self_device_time_total for e in prof.key_averages() if "_hubkv_refine_kernel" in e.key)
+    us = sum(e.self_device_time_total for e in prof.key_averages() if "_hubkv_" in e.key and "kernel" in e.key)
     return us / calls / 1e3
 
 

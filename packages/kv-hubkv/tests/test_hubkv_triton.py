@@ -152,7 +152,7 @@ def test_triton_rejects_negative_unprotected_and_inf_like_the_reference():
         tk.refine_triton(torch.tensor([[[0.1, float("inf")]]], device=DEVICE), 0.5, prot[:2])
 
 
-# -- hot path: one launch, reused scratch, deferred checks, CUDA-graph guard ------------------------------------
+# -- hot path: two launches, reused scratch, deferred checks, CUDA-graph guard ------------------------------------
 class _CountingKernel:
     """Wraps the jit kernel and counts its launches (``kernel[grid](...)``)."""
 
@@ -164,16 +164,17 @@ class _CountingKernel:
         return self.kernel[grid]
 
 
-def test_triton_one_launch_per_call_and_reused_workspace(monkeypatch):
-    counting = _CountingKernel(tk._hubkv_refine_kernel)
-    monkeypatch.setattr(tk, "_hubkv_refine_kernel", counting)
+def test_triton_two_launches_per_call_and_reused_workspace(monkeypatch):
+    stats, mix = _CountingKernel(tk._hubkv_stats_kernel), _CountingKernel(tk._hubkv_mix_kernel)
+    monkeypatch.setattr(tk, "_hubkv_stats_kernel", stats)
+    monkeypatch.setattr(tk, "_hubkv_mix_kernel", mix)
     s, prot = _inputs(3, (2, 3), 4, 37, False, "per_head", torch.float32)
     ws = tk.RefineWorkspace()
     first = tk.refine_triton_config(s, 0.7, prot, HubKVConfig(), workspace=ws, block_n=16)
     ptrs = [t.data_ptr() for t in ws.buffers(6, s.device)]
     out = torch.empty_like(first)
     again = tk.refine_triton_config(s, 0.7, prot, HubKVConfig(), workspace=ws, block_n=16, out=out)
-    assert counting.launches == 2 and again is out
+    assert stats.launches == 2 and mix.launches == 2 and again is out
     assert [t.data_ptr() for t in ws.buffers(6, s.device)] == ptrs  # the same scratch, counter reset by the kernel
     assert int(ws.buffers(6, s.device)[1].item()) == 0
     _close(first, refine_torch(s, 0.7, prot))

@@ -1,9 +1,9 @@
-"""Scratch of the fused HubKV kernel, reused across calls, and its asynchronous error flag.
+"""Scratch of the HubKV kernels, reused across calls, and its asynchronous error flag.
 
-The kernel (:mod:`kv_hubkv.triton_kernel`) needs three small device buffers: every row's largest refined score,
-a completion counter (the last program to finish computes the protected score of the call, then resets it to 0)
-and an error flag. Allocating them per call costs allocator work and a memset launch; a :class:`RefineWorkspace`
-holds them across calls (and across the calls a CUDA graph replays).
+The kernels (:mod:`kv_hubkv.triton_kernel`) need four device buffers: every chunk's partial statistics, every
+row's largest refined score, a completion counter (the last program to finish computes the protected score of the
+call, then resets it to 0) and an error flag. Allocating them per call costs allocator work and a memset launch;
+a :class:`RefineWorkspace` holds them across calls (and across the calls a CUDA graph replays).
 
 The value checks of :func:`kv_hubkv.refine` (finite scores, non-negative unprotected scores; paper §3.1) are folded
 into the kernel: it raises the flag (``1`` = a non-finite score, ``2`` = a negative unprotected score) on the device.
@@ -31,6 +31,7 @@ class RefineWorkspace:
 
     def __init__(self) -> None:
         self._bufs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._partials: dict[str, torch.Tensor] = {}
 
     def buffers(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(row maxima float32 [>= rows], counter int32 [1], flag int32 [1])`` on ``device``."""
@@ -40,6 +41,15 @@ class RefineWorkspace:
             counter = torch.zeros(1, dtype=torch.int32, device=device) if have is None else have[1]
             flag = torch.zeros(1, dtype=torch.int32, device=device) if have is None else have[2]
             have = self._bufs[key] = (torch.empty(max(rows, 1), dtype=torch.float32, device=device), counter, flag)
+        return have
+
+    def partials(self, numel: int, device: torch.device) -> torch.Tensor:
+        """float32 scratch of ``>= numel`` elements on ``device``: the per-chunk statistics the first launch writes
+        and the second merges (grown, never shrunk)."""
+        key = str(device)
+        have = self._partials.get(key)
+        if have is None or have.numel() < numel:
+            have = self._partials[key] = torch.empty(max(numel, 1), dtype=torch.float32, device=device)
         return have
 
     def error_code(self) -> int:

@@ -45,9 +45,10 @@ def _load_side(
 ):
     quant = (row >= 0) & tmask
     isfull = (row < 0) & tmask
-    r = tl.where(quant, row, 0).to(tl.int64)
-    g = tl.where(quant, grp, 0).to(tl.int64)
-    f = tl.where(isfull, -1 - row, 0).to(tl.int64)
+    # clamped rather than selected (masked lanes never load; a select here trips Triton 3.6's layout pass on sm_90)
+    r = tl.maximum(row, 0).to(tl.int64)
+    g = tl.maximum(grp, 0).to(tl.int64)
+    f = tl.maximum(-1 - row, 0).to(tl.int64)
     dmask = d < D
     bitpos = d * BITS
     byte = bitpos // 8
