@@ -124,9 +124,9 @@ def case(B: int, T: int, bits: int, device: torch.device, dtype: torch.dtype, be
         from kvcodec.kernels.triton_attention import quantized_attention_triton
 
         best = None
-        for block_t in (16, 32, 64):
-            for tiles in (1, 2, 4, 8, 16):
-                for warps in (2, 4, 8):
+        for block_t in (32, 64):
+            for tiles in (2, 4, 8):
+                for warps in (4, 8):
                     ms = bench(
                         lambda: quantized_attention_triton(q, seg, scale, block_t=block_t, tiles=tiles, num_warps=warps)
                     )

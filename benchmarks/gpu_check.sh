@@ -43,20 +43,20 @@ step() {  # step NAME SECONDS CMD...: run CMD with a time limit, log to $OUT/NAM
 if has tests; then
   # the kernel tests place their inputs on the GPU when one is present (compiled kernels, not the interpreter)
   # (Hypothesis-driven tests are left to the CPU run: every drawn shape compiles another variant)
-  TAIL=30 step kernel_tests 200 python3 -m pytest -p no:cacheprovider -n 14 --timeout 150 -m "not hypothesis" \
+  TAIL=30 step kernel_tests 150 python3 -m pytest -p no:cacheprovider -n 14 --timeout 120 -rfE -m "not hypothesis" \
       -v --tb=short \
       core/kvcodec/tests/test_kernels.py core/kvcodec/tests/test_attention.py core/kvcodec/tests/test_attention_triton.py \
       packages/kv-hubkv/tests/test_hubkv_triton.py packages/kv-baselines/tests/quant \
       packages/kv-hqekv/tests/test_kernels.py packages/kv-hex/tests/test_kernels.py packages/kv-sekv/tests/test_kernels.py
 fi
-has attend && step bench_fused_attend 120 python3 benchmarks/bench_fused_attend.py
-has sweep && TAIL=8 step bench_fused_sweep 120 python3 benchmarks/bench_fused_attend.py --sweep --lengths 16384 --batch 1,8 --bits 2
-has hubkv && step bench_hubkv 90 python3 benchmarks/bench_hubkv.py --min-run-time 0.1
-has hqekv && step bench_hqekv 150 python3 benchmarks/bench_hqekv.py --lengths 4096,16384,65536
-has hex && step bench_hex 120 python3 benchmarks/bench_hex.py --tables attend --attend-lengths 3840,16384
+has attend && step bench_fused_attend 90 python3 benchmarks/bench_fused_attend.py
+has hubkv && step bench_hubkv 60 python3 benchmarks/bench_hubkv.py --min-run-time 0.1
 # end to end through the HF adapter: one process per method, so a failing method leaves the others' rates
-has hf && TAIL=60 step hf_decode 330 bash -c 'for m in full kivi-2 hqekv-2 hex-3 sekv; do echo "## $m";
-    timeout 60 python3 benchmarks/bench_hf_decode.py --random-model --tokens 8000 --steps 32 --rounds 3 --methods $m \
+has hf && TAIL=60 step hf_decode 260 bash -c 'for m in full kivi-2 hqekv-2 hex-3 sekv; do echo "## $m";
+    timeout 50 python3 benchmarks/bench_hf_decode.py --random-model --tokens 4000 --steps 16 --rounds 3 --methods $m \
     2>&1 | grep -v "^|---" | tail -4; done'
+has sweep && TAIL=8 step bench_fused_sweep 60 python3 benchmarks/bench_fused_attend.py --sweep --lengths 16384 --batch 1 --bits 2
+has hqekv && step bench_hqekv 60 python3 benchmarks/bench_hqekv.py --lengths 4096,16384,65536
+has hex && step bench_hex 60 python3 benchmarks/bench_hex.py --tables attend --attend-lengths 3840,16384
 has quant && step bench_quant 150 python3 benchmarks/bench_quant.py
 exit 0
