@@ -38,10 +38,11 @@ def test_triton_mixed_rows_and_3_bits():
     torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize(("block_t", "tiles"), [(4, 1), (4, 2), (2, 4), (8, 1)])
+@pytest.mark.parametrize(("block_t", "tiles"), [(16, 1), (16, 2), (32, 1), (16, 4)])
 def test_triton_any_split_matches_reference(block_t, tiles):
-    # one program per split of the head's entries, merged by log-sum-exp: the result must not depend on the split
-    seg, _ = _case(2, 2, 7, 12, 4, 4, lengths=[[7, 3], [0, 6]], seed=21, dtype=torch.float16)
+    # one program per split of the head's entries (3, 2, 2 and 1 splits here), merged by log-sum-exp in a second
+    # kernel: the result must not depend on the split
+    seg, _ = _case(2, 2, 40, 12, 4, 4, lengths=[[40, 23], [0, 37]], seed=21, dtype=torch.float16)
     seg = _to(seg, DEVICE)
     q = torch.randn(2, 4, 1, 12, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.float16)
     out, lse = quantized_attention_triton(q, seg, 0.3, block_t=block_t, tiles=tiles)
@@ -57,6 +58,21 @@ def test_split_plan_aims_at_enough_programs_and_checks_tiles():
     assert bt * tiles * splits >= 16384 > bt * tiles * (splits - 1)
     assert 8 * splits >= TARGET_PROGRAMS // 2  # enough programs to fill a GPU
     assert split_plan(16384, 4096)[2] <= split_plan(16384, 8)[2]  # many heads: longer splits
-    assert split_plan(5, 1) == (8, 1, 1)
+    assert split_plan(5, 1) == (16, 1, 1)  # tiles of at least 16 entries (tl.dot)
     with pytest.raises(ValueError, match="tiles"):
         split_plan(64, 1, tiles=0)
+
+
+def test_tensor_core_path_matches_reference_and_checks_dtypes():
+    """The cache-dtype matrix-unit path (float16 query and cache; probabilities split into two float16 parts) stays
+    within float32-level error of the reference: one cast of p to float16 would be off by ~1e-3. (Its bfloat16
+    twin runs on GPUs only: the interpreter's bfloat16 tl.dot is wrong.)"""
+    seg, _ = _case(1, 2, 40, 16, 2, 8, seed=31, dtype=torch.float16)
+    seg = _to(seg, DEVICE)
+    q = (torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(6)) * 3).to(DEVICE, torch.float16)
+    out, lse = quantized_attention_triton(q, seg, 0.3, tensor_cores=True)
+    ref_out, ref_lse = quantized_attention_ref(q, seg, 0.3)
+    torch.testing.assert_close(out, ref_out, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="tensor_cores"):
+        quantized_attention_triton(q.float(), seg, 0.3, tensor_cores=True)

@@ -239,7 +239,9 @@ def test_triton_transcode_equals_reference(dtype):
                 assert torch.equal(got.codes, ref.codes) and torch.equal(got.scales, ref.scales)
                 assert torch.equal(got.zeros, ref.zeros)
                 continue
-            ulp = torch.finfo(dtype).eps  # one rounding step of the stored statistics
+            # one rounding step of the stored statistics, or for float32 statistics the summation-order bound of
+            # the 4-term groups (the GPU's tree reduction and the reference's sum round differently)
+            ulp = max(torch.finfo(dtype).eps, 4 * torch.finfo(torch.float32).eps)
             torch.testing.assert_close(got.scales, ref.scales, atol=0, rtol=ulp)
             torch.testing.assert_close(got.zeros, ref.zeros, atol=1e-6, rtol=ulp)
             x = dequantize_side_ref(src).float()

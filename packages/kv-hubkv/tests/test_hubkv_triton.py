@@ -176,9 +176,30 @@ def test_triton_two_launches_per_call_and_reused_workspace(monkeypatch):
     again = tk.refine_triton_config(s, 0.7, prot, HubKVConfig(), workspace=ws, block_n=16, out=out)
     assert stats.launches == 2 and mix.launches == 2 and again is out
     assert [t.data_ptr() for t in ws.buffers(6, s.device)] == ptrs  # the same scratch, counter reset by the kernel
-    assert int(ws.buffers(6, s.device)[1].item()) == 0
+    rowcount, counter, _, zmax = ws.buffers(6, s.device)
+    assert int(counter.item()) == 0 and int(rowcount.abs().sum()) == 0  # counters reset for the next call
+    assert int(zmax.item()) == tk.NEG_INF_KEY  # the call's maximum reset to -inf too
     _close(first, refine_torch(s, 0.7, prot))
     _close(again, first)
+
+
+@pytest.mark.parametrize("block_n", [4, 8, 64])
+def test_triton_ceiling_across_chunks_rows_and_calls(block_n):
+    """Scores above 1 (SnapKV-style sums over a window): the protected score P = next float above the call's
+    largest refined score, found across every row and chunk, equals the reference; a second call with smaller
+    scores on the same workspace gets its own P (the maximum does not leak between calls)."""
+    s, prot = _inputs(9, (2, 3), 4, 37, False, "per_head", torch.float32)
+    ws = tk.RefineWorkspace()
+    big = s * 7.0
+    _close(
+        tk.refine_triton_config(big, 0.6, prot, HubKVConfig(), workspace=ws, block_n=block_n),
+        refine_torch(big, 0.6, prot),
+    )
+    small = s * 0.5
+    _close(
+        tk.refine_triton_config(small, 0.6, prot, HubKVConfig(), workspace=ws, block_n=block_n),
+        refine_torch(small, 0.6, prot),
+    )
 
 
 def test_triton_deferred_check_raises_later_and_clears():

@@ -1,6 +1,7 @@
 """KIVIStore on kvcore contract v2: tiers/retier (eviction of any entry, untouched bytes, all-or-nothing), the fused
 attend, the unquantized-plan warning, and kivi(evict=...)."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -184,6 +185,15 @@ def test_attend_with_permanent_full_rows_and_empty_heads():
     assert bool(torch.isinf(lse[0, 2:]).all())
 
 
+def _to(x, device):
+    """A segment (nested dataclasses of tensors) on ``device``."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if dataclasses.is_dataclass(x):
+        return type(x)(**{f.name: _to(getattr(x, f.name), device) for f in dataclasses.fields(x) if f.init})
+    return x
+
+
 def test_attend_through_the_triton_kernel_matches():
     pytest.importorskip("triton")
     from kvcodec.kernels.reference import quantized_attention_ref
@@ -192,7 +202,8 @@ def test_attend_through_the_triton_kernel_matches():
     store = _filled(11, B=1, H=2, T=13, appends=3)
     seg = store.quantized_segment()
     q = torch.randn(1, 4, 1, 8, generator=torch.Generator().manual_seed(12))
-    out, lse = quantized_attention_triton(q, seg, 0.35, block_t=8)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, the interpreter on CPU
+    out, lse = (t.cpu() for t in quantized_attention_triton(q.to(device), _to(seg, device), 0.35, block_t=8))
     ref_out, ref_lse = reference_attention(store.read(), q, 0.35)
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)

@@ -40,7 +40,7 @@ import torch
 
 from .checks import prepare
 from .config import HubKVConfig
-from .workspace import RefineWorkspace
+from .workspace import NEG_INF_KEY, RefineWorkspace
 
 try:  # triton is an optional extra: `pip install kv-hubkv[triton]`
     import triton
@@ -51,7 +51,7 @@ except ImportError:  # pragma: no cover - exercised only without triton
 
 HAS_TRITON = triton is not None
 
-__all__ = ["HAS_TRITON", "RefineWorkspace", "refine_triton", "refine_triton_config"]
+__all__ = ["HAS_TRITON", "NEG_INF_KEY", "RefineWorkspace", "refine_triton", "refine_triton_config"]
 
 
 if HAS_TRITON:
@@ -62,25 +62,50 @@ if HAS_TRITON:
         return (v.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _order_key(v):
+        # float32 -> int32 whose signed order is the float order (non-negative floats keep their bits, negative
+        # ones flip the 31 low bits)
+        b = v.to(tl.int32, bitcast=True)
+        return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+
+    @triton.jit
+    def _from_order_key(k):
+        return tl.where(k >= 0, k, k ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _hubkv_stats_kernel(
         s_ptr,
         p_ptr,
         part_ptr,
+        fac_ptr,
+        rowcount_ptr,
+        zmax_ptr,
+        flag_ptr,
         H,
         N,
+        C,
         s_sr,
         s_sh,
         s_sn,
         p_sr,
         p_sh,
         p_sn,
+        gamma,
+        tau,
+        zero_pow,
+        beta_min,
+        beta_max,
+        lam,
+        one_minus_lam,
+        eps,
         HAS_PROT: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):
         # program (row, chunk): per head, the chunk's count, mean, centred sum of squares, min and max of the
-        # unprotected scores and its count of non-finite scores -> part[row, chunk, 0:6, :]
+        # unprotected scores and its count of non-finite scores -> part[row, chunk, 0:6, :]; the row's last chunk
+        # to finish merges them into the row's head factors -> fac[row, 0:2, :]
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         offs_h = tl.arange(0, BLOCK_H)
@@ -105,16 +130,54 @@ if HAS_TRITON:
         tl.store(base + 4 * BLOCK_H, tl.max(tl.where(u, x, float("-inf")), axis=1))
         # non-finite anywhere (protected included; NaN fails every comparison)
         tl.store(base + 5 * BLOCK_H, tl.sum((valid & ~(tl.abs(x) < float("inf"))).to(tl.float32), axis=1))
+        # the row's last chunk (release/acquire on the row's counter orders the other chunks' partials before it)
+        done = tl.atomic_add(rowcount_ptr + row, 1, sem="acq_rel")
+        if done == C - 1:
+            tl.atomic_xchg(rowcount_ptr + row, 0)  # reset for the next call
+            # the row's statistics in one step (Chan et al.'s parallel formula: M2 = sum M2_c + sum n_c dmean_c^2)
+            offs_c = tl.arange(0, BLOCK_C)
+            cmask = (offs_c < C)[:, None] & hmask[None, :]
+            pb = part_ptr + ((row * BLOCK_C + offs_c[:, None]) * 6) * BLOCK_H + offs_h[None, :]
+            nc = tl.load(pb, mask=cmask, other=0.0)
+            mc = tl.load(pb + BLOCK_H, mask=cmask, other=0.0)
+            m2c = tl.load(pb + 2 * BLOCK_H, mask=cmask, other=0.0)
+            cnt = tl.sum(nc, axis=0)
+            mean = tl.sum(nc * mc, axis=0) / tl.maximum(cnt, 1.0)
+            dm = tl.where(nc > 0, mc - mean[None, :], 0.0)
+            m2 = tl.sum(m2c, axis=0) + tl.sum(nc * dm * dm, axis=0)
+            lo = tl.min(tl.load(pb + 3 * BLOCK_H, mask=cmask, other=float("inf")), axis=0)
+            hi = tl.max(tl.load(pb + 4 * BLOCK_H, mask=cmask, other=float("-inf")), axis=0)
+            bad = tl.sum(tl.load(pb + 5 * BLOCK_H, mask=cmask, other=0.0), axis=0)
+            # head selectivity (Eqs. 8-9) and mixing factors; population std clamped to half the range
+            # (Popoviciu): exactly 0 on constant heads
+            std = tl.minimum(tl.sqrt(m2 / tl.maximum(cnt, 1.0)), tl.where(cnt > 0, (hi - lo) * 0.5, 0.0))
+            cv = std / (mean + eps)
+            hvalid = hmask & (cnt > 0)
+            n_valid = tl.sum(hvalid.to(tl.float32), axis=0)
+            cbar = tl.sum(tl.where(hvalid, cv, 0.0), axis=0) / tl.maximum(n_valid, 1.0)
+            rel = tl.where(cbar > 0, cv / tl.where(cbar > 0, cbar, 1.0), 1.0)
+            powv = tl.where(rel > 0, tl.exp2(tau * tl.log2(tl.maximum(rel, 1e-30))), zero_pow)
+            beta = tl.minimum(tl.maximum(powv, beta_min), beta_max)
+            fac_hub = one_minus_lam + lam * beta
+            tl.store(fac_ptr + row * 2 * BLOCK_H + offs_h, fac_hub)
+            tl.store(fac_ptr + (row * 2 + 1) * BLOCK_H + offs_h, one_minus_lam + lam * (beta * gamma))
+            # error flag (sticky until read): 1 = a non-finite score, 2 = a negative unprotected score
+            neg = tl.sum((hvalid & (lo < 0)).to(tl.float32), axis=0)
+            nonfinite = tl.sum(bad, axis=0)
+            tl.atomic_max(flag_ptr, tl.where(nonfinite > 0, 1, tl.where(neg > 0, 2, 0)).to(tl.int32))
+            # largest unprotected z of the call: the first maximum of a head is a hub and s >= 0, so a row's is
+            # hi * fac_hub, the same float32 product the mixing computes there; kept as an order-preserving int32
+            # key (an integer atomic max, which the interpreter supports too)
+            tl.atomic_max(zmax_ptr, _order_key(tl.max(tl.where(hvalid, hi * fac_hub, float("-inf")), axis=0)))
 
     @triton.jit
     def _hubkv_mix_kernel(
         s_ptr,
         p_ptr,
         out_ptr,
-        part_ptr,
-        rowmax_ptr,
+        fac_ptr,
         count_ptr,
-        flag_ptr,
+        zmax_ptr,
         H,
         N,
         R,
@@ -127,66 +190,24 @@ if HAS_TRITON:
         p_sn,
         o_sr,
         o_sh,
-        gamma,
-        tau,
-        zero_pow,
-        beta_min,
-        beta_max,
-        lam,
-        one_minus_lam,
-        eps,
         K: tl.constexpr,
         HAS_PROT: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        BLOCK_R: tl.constexpr,
     ):
-        # program (row, chunk): the row's statistics merged from every chunk's partials, head factors, mixing of
-        # this chunk, then the last program of the launch fixes the protected score P if some z reached 1
+        # program (row, chunk): hubs (Eq. 6), SMD (Eq. 7), calibration + gate (Eqs. 9-10) of the chunk with the row's
+        # head factors; protected entries get the call's protected score P (Eq. 13, kv_hubkv.ceiling): 1, or the
+        # next float above the call's largest z when that reached 1
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         offs_h = tl.arange(0, BLOCK_H)
         hmask = offs_h < H
+        fac_hub = tl.load(fac_ptr + row * 2 * BLOCK_H + offs_h)
+        fac_non = tl.load(fac_ptr + (row * 2 + 1) * BLOCK_H + offs_h)
+        zmax = _from_order_key(tl.load(zmax_ptr))
+        ceiling = tl.where(zmax >= 1.0, _next_up(tl.maximum(zmax, 1.0)), 1.0)
         s_base = s_ptr + row * s_sr + offs_h[:, None] * s_sh
         p_base = p_ptr + row * p_sr + offs_h[:, None] * p_sh
-        # -- 1. the row's statistics: the chunks' partials merged in one step (Chan et al.'s parallel formula:
-        # M2 = sum M2_c + sum n_c (mean_c - mean)^2) --
-        offs_c = tl.arange(0, BLOCK_C)
-        cmask = (offs_c < C)[:, None] & hmask[None, :]
-        pb = part_ptr + ((row * BLOCK_C + offs_c[:, None]) * 6) * BLOCK_H + offs_h[None, :]
-        nc = tl.load(pb, mask=cmask, other=0.0)
-        mc = tl.load(pb + BLOCK_H, mask=cmask, other=0.0)
-        m2c = tl.load(pb + 2 * BLOCK_H, mask=cmask, other=0.0)
-        cnt = tl.sum(nc, axis=0)
-        mean = tl.sum(nc * mc, axis=0) / tl.maximum(cnt, 1.0)
-        dm = tl.where(nc > 0, mc - mean[None, :], 0.0)
-        m2 = tl.sum(m2c, axis=0) + tl.sum(nc * dm * dm, axis=0)
-        lo = tl.min(tl.load(pb + 3 * BLOCK_H, mask=cmask, other=float("inf")), axis=0)
-        hi = tl.max(tl.load(pb + 4 * BLOCK_H, mask=cmask, other=float("-inf")), axis=0)
-        bad = tl.sum(tl.load(pb + 5 * BLOCK_H, mask=cmask, other=0.0), axis=0)
-        # -- 2. head selectivity (Eqs. 8-9) and mixing factors --
-        # population std, clamped to half the range (Popoviciu): exactly 0 on constant heads
-        std = tl.minimum(tl.sqrt(m2 / tl.maximum(cnt, 1.0)), tl.where(cnt > 0, (hi - lo) * 0.5, 0.0))
-        cv = std / (mean + eps)
-        hvalid = hmask & (cnt > 0)
-        n_valid = tl.sum(hvalid.to(tl.float32), axis=0)
-        cbar = tl.sum(tl.where(hvalid, cv, 0.0), axis=0) / tl.maximum(n_valid, 1.0)
-        rel = tl.where(cbar > 0, cv / tl.where(cbar > 0, cbar, 1.0), 1.0)
-        powv = tl.where(rel > 0, tl.exp2(tau * tl.log2(tl.maximum(rel, 1e-30))), zero_pow)
-        beta = tl.minimum(tl.maximum(powv, beta_min), beta_max)
-        fac_hub = one_minus_lam + lam * beta
-        fac_non = one_minus_lam + lam * (beta * gamma)
-        if c == 0:
-            # error flag (sticky until read): 1 = a non-finite score, 2 = a negative unprotected score
-            neg = tl.sum((hvalid & (lo < 0)).to(tl.float32), axis=0)
-            nonfinite = tl.sum(bad, axis=0)
-            code = tl.where(nonfinite > 0, 1, tl.where(neg > 0, 2, 0)).to(tl.int32)
-            tl.atomic_max(flag_ptr, code)
-            # largest unprotected z of the row: the first maximum of a head is a hub and s >= 0, so it is
-            # hi * fac_hub, the same float32 product the mixing computes there
-            tl.store(rowmax_ptr + row, tl.max(tl.where(hvalid, hi * fac_hub, float("-inf")), axis=0))
-        # -- 3. hubs (Eq. 6), SMD (Eq. 7), calibration + gate (Eqs. 9-10) of this chunk; protected entries get 1 --
         offs_n = c * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = hmask[:, None] & (offs_n[None, :] < N)
         x = tl.load(s_base + offs_n[None, :] * s_sn, mask=valid, other=0.0).to(tl.float32)
@@ -215,35 +236,14 @@ if HAS_TRITON:
         hub = (x > left) & (x >= right)
         # z = (1-λ)s + λβs̃ in the factorised form s·((1-λ) + λβq), q ∈ {1, γ} (App. J.3)
         z = x * tl.where(hub, fac_hub[:, None], fac_non[:, None])
-        tl.store(out_ptr + row * o_sr + offs_h[:, None] * o_sh + offs_n[None, :], tl.where(u, z, 1.0), mask=valid)
-        # -- 4. protected score P (Eq. 13, kv_hubkv.ceiling): 1, or the next float above the call's max z --
-        # the last program to finish (release/acquire on the counter orders every program's stores before it)
-        # reads every row's maximum, resets the counter for the next call and, only if that maximum reached 1,
-        # rewrites the protected entries of every row
+        out = tl.where(u, z, ceiling)
+        tl.store(out_ptr + row * o_sr + offs_h[:, None] * o_sh + offs_n[None, :], out, mask=valid)
+        # the last program of the call (every program read zmax before its release increment) resets the call's
+        # maximum and the counter for the next call
         done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
         if done == R * C - 1:
             tl.atomic_xchg(count_ptr, 0)
-            offs_r = tl.arange(0, BLOCK_R)
-            zmax = tl.max(tl.load(rowmax_ptr + offs_r, mask=offs_r < R, other=float("-inf")), axis=0)
-            if HAS_PROT:  # noqa: SIM102 (a compile-time branch around a run-time one)
-                if zmax >= 1.0:
-                    ceiling = _next_up(zmax)
-                    for r in range(BLOCK_R):
-                        rr = (offs_h * 0 + r).to(tl.int64)  # the row, as a tensor (both back ends)
-                        rmask = hmask & (rr < R)
-                        for cc in range(BLOCK_C):
-                            offs_n = cc * BLOCK_N + tl.arange(0, BLOCK_N)
-                            valid = rmask[:, None] & (offs_n[None, :] < N)
-                            pr = tl.load(
-                                p_ptr + rr[:, None] * p_sr + offs_h[:, None] * p_sh + offs_n[None, :] * p_sn,
-                                mask=valid,
-                                other=0,
-                            )
-                            tl.store(
-                                out_ptr + rr[:, None] * o_sr + offs_h[:, None] * o_sh + offs_n[None, :],
-                                tl.zeros((BLOCK_H, BLOCK_N), tl.float32) + ceiling,
-                                mask=valid & (pr != 0),
-                            )
+            tl.atomic_xchg(zmax_ptr, -2139095041)  # workspace.NEG_INF_KEY: -inf
 
 
 def _next_pow2(n: int) -> int:
@@ -328,8 +328,10 @@ def refine_triton_config(
     C = triton.cdiv(N, bn)
     block_c = _next_pow2(C)
     ws = RefineWorkspace() if workspace is None else workspace
-    rowmax, count, flag = ws.buffers(R, dev)
-    part = ws.partials(R * block_c * 6 * block_h, dev)
+    rowcount, count, flag, zmax = ws.buffers(R, dev)
+    n_part = R * block_c * 6 * block_h
+    scratch = ws.partials(n_part + R * 2 * block_h, dev)
+    part, fac = scratch[:n_part], scratch[n_part:]
     o3 = out.view(R, H, N)
     if prot is not None:
         p3 = prot.reshape(-1, H, N).view(torch.uint8)
@@ -343,10 +345,23 @@ def refine_triton_config(
         s3,
         p3,
         part,
+        fac,
+        rowcount,
+        zmax,
+        flag,
         H,
         N,
+        C,
         *s3.stride(),
         *p_strides,
+        config.gamma,
+        config.tau,
+        1.0 if config.tau == 0 else 0.0,
+        config.beta_min,
+        config.beta_max,
+        lam,
+        1.0 - lam,
+        config.eps,
         HAS_PROT=prot is not None,
         BLOCK_H=block_h,
         BLOCK_N=bn,
@@ -357,10 +372,9 @@ def refine_triton_config(
         s3,
         p3,
         o3,
-        part,
-        rowmax,
+        fac,
         count,
-        flag,
+        zmax,
         H,
         N,
         R,
@@ -369,20 +383,10 @@ def refine_triton_config(
         *p_strides,
         o3.stride(0),
         o3.stride(1),
-        config.gamma,
-        config.tau,
-        1.0 if config.tau == 0 else 0.0,
-        config.beta_min,
-        config.beta_max,
-        lam,
-        1.0 - lam,
-        config.eps,
         K=config.half_window,
         HAS_PROT=prot is not None,
         BLOCK_H=block_h,
         BLOCK_N=bn,
-        BLOCK_C=block_c,
-        BLOCK_R=_next_pow2(R),
         num_warps=warps,
     )
     if check == "eager":

@@ -1,8 +1,9 @@
 """Scratch of the HubKV kernels, reused across calls, and its asynchronous error flag.
 
-The kernels (:mod:`kv_hubkv.triton_kernel`) need four device buffers: every chunk's partial statistics, every
-row's largest refined score, a completion counter (the last program to finish computes the protected score of the
-call, then resets it to 0) and an error flag. Allocating them per call costs allocator work and a memset launch;
+The kernels (:mod:`kv_hubkv.triton_kernel`) need device scratch: every chunk's partial statistics and every row's
+head factors, a chunk counter per row (the row's last chunk merges the statistics), the call's largest refined
+score (which sets the protected score), a call counter (the last program resets the counters and the maximum for
+the next call) and an error flag. Allocating them per call costs allocator work and a memset launch;
 a :class:`RefineWorkspace` holds them across calls (and across the calls a CUDA graph replays).
 
 The value checks of :func:`kv_hubkv.refine` (finite scores, non-negative unprotected scores; paper §3.1) are folded
@@ -19,7 +20,11 @@ import torch
 
 from .checks import NEGATIVE_MSG, NONFINITE_MSG
 
-__all__ = ["RefineWorkspace"]
+__all__ = ["NEG_INF_KEY", "RefineWorkspace"]
+
+#: ``-inf`` as the kernels' order-preserving int32 key of a float32 (the bits of ``-inf`` with the 31 low bits
+#: flipped): the value the call's maximum starts from
+NEG_INF_KEY = -2139095041
 
 
 class RefineWorkspace:
@@ -30,17 +35,24 @@ class RefineWorkspace:
     """
 
     def __init__(self) -> None:
-        self._bufs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._bufs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._partials: dict[str, torch.Tensor] = {}
 
-    def buffers(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(row maxima float32 [>= rows], counter int32 [1], flag int32 [1])`` on ``device``."""
+    def buffers(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(per-row chunk counters int32 [>= rows], call counter int32 [1], flag int32 [1], the call's largest
+        refined score as an order-preserving int32 key [1])`` on ``device``. The kernels leave the counters at 0
+        and the maximum at :data:`NEG_INF_KEY` (-inf) after every call."""
         key = str(device)
         have = self._bufs.get(key)
         if have is None or have[0].numel() < rows:
-            counter = torch.zeros(1, dtype=torch.int32, device=device) if have is None else have[1]
-            flag = torch.zeros(1, dtype=torch.int32, device=device) if have is None else have[2]
-            have = self._bufs[key] = (torch.empty(max(rows, 1), dtype=torch.float32, device=device), counter, flag)
+            if have is None:
+                counter = torch.zeros(1, dtype=torch.int32, device=device)
+                flag = torch.zeros(1, dtype=torch.int32, device=device)
+                zmax = torch.full((1,), NEG_INF_KEY, dtype=torch.int32, device=device)
+            else:
+                _, counter, flag, zmax = have
+            rowcount = torch.zeros(max(rows, 1), dtype=torch.int32, device=device)
+            have = self._bufs[key] = (rowcount, counter, flag, zmax)
         return have
 
     def partials(self, numel: int, device: torch.device) -> torch.Tensor:
@@ -60,6 +72,6 @@ class RefineWorkspace:
         """Raise the reference's ``ValueError`` if a call since the last check saw bad scores (and clear the flag)."""
         code = self.error_code()
         if code:
-            for _, _, flag in self._bufs.values():
+            for _, _, flag, _ in self._bufs.values():
                 flag.zero_()
             raise ValueError(NONFINITE_MSG if code == 1 else NEGATIVE_MSG)

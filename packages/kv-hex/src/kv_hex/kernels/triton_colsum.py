@@ -5,7 +5,8 @@ log-sum-exp with an online maximum; pass 2 recomputes the logits tile by tile an
 key column, over the queries and the query heads of each KV head's GQA group. Memory is ``O(B·Hq·W)`` for the
 log-sum-exps. Same signature and result (up to float32 summation order) as
 :func:`kv_hex.kernels.reference.attention_column_sums`. Loop bounds are compile-time constants (``tl.constexpr``)
-and dots run in float32, so the kernel also runs in Triton's interpreter. GPU speed is unmeasured.
+and dots run in float32 (``input_precision="ieee"``: with a GPU's default TF32 dot the kernel failed its 1e-4 test tolerance on an
+H200), so the kernel also runs in Triton's interpreter. GPU speed is unmeasured.
 
 This module needs ``triton``; :mod:`kv_hex.kernels.dispatch` imports it lazily.
 """
@@ -37,7 +38,7 @@ def _row_lse(
     for it in range(NT):
         t = it * BT + tl.arange(0, BT)
         k = tl.load(K + ((b * (HQ // G) + h) * T + t[:, None]) * D + d[None, :], mask=t[:, None] < T, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(tl.float32))) * scale
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
         ok = tl.load(VALID + b * T + t, mask=t < T, other=0) != 0
         allowed = (t[None, :] <= (T - W + qi)[:, None]) & ok[None, :] & (t[None, :] < T)
         s = tl.where(allowed, s, float("-inf"))
@@ -69,7 +70,7 @@ def _col_sums(
             qi = iq * BQ + tl.arange(0, BQ)
             q = tl.load(Q + ((b * HQ + hq) * W + qi[:, None]) * D + d[None, :], mask=qi[:, None] < W, other=0.0)
             lse = tl.load(LSE + (b * HQ + hq) * W + qi, mask=qi < W, other=float("-inf"))
-            s = tl.dot(q.to(tl.float32), tl.trans(k)) * scale
+            s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee") * scale
             allowed = (t[None, :] <= (T - W + qi)[:, None]) & ok[None, :] & (qi[:, None] < W) & (t[None, :] < T)
             allowed = allowed & (lse[:, None] > float("-inf"))
             safe = tl.where(lse == float("-inf"), 0.0, lse)
