@@ -5,8 +5,8 @@ log-sum-exp with an online maximum; pass 2 recomputes the logits tile by tile an
 key column, over the queries and the query heads of each KV head's GQA group. Memory is ``O(B·Hq·W)`` for the
 log-sum-exps. Same signature and result (up to float32 summation order) as
 :func:`kv_hex.kernels.reference.attention_column_sums`. Loop bounds are compile-time constants (``tl.constexpr``)
-and dots run in float32 (``input_precision="ieee"``: with a GPU's default TF32 dot the kernel failed its 1e-4 test tolerance on an
-H200), so the kernel also runs in Triton's interpreter. GPU speed is unmeasured.
+and dots run in float32 (``input_precision="ieee"``: with a GPU's default TF32 dot the kernel failed its 1e-4
+test tolerance on an H200), so the kernel also runs in Triton's interpreter. GPU speed is unmeasured.
 
 This module needs ``triton``; :mod:`kv_hex.kernels.dispatch` imports it lazily.
 """
