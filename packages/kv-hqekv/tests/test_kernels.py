@@ -159,21 +159,41 @@ def test_attention_row_under_a_merged_lse():
 # -- fused attention: the Triton kernel under the interpreter --------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_triton_tiered_attention_equals_reference(dtype):
-    """The Triton kernel (two splits of two 4-entry tiles, GQA 2, two query rows) equals the reference, output,
+    """The Triton kernel (three splits of 16-entry tiles, GQA 2, two query rows) equals the reference, output,
     lse and the reduced row, on a store with every tier pair, evicted values and a ragged head."""
     pytest.importorskip("triton")
     from kv_hqekv.kernels.triton_attention import tiered_attention_row_triton, tiered_attention_triton
 
     g = torch.Generator().manual_seed(4)
-    store = _store(g, T=14, dtype=dtype)
+    store = _store(g, T=40, dtype=dtype)
     keys, values = tiered_sides(store)
     q = torch.randn(1, 4, 2, 16, generator=g).to(dtype)
-    out, lse = _to(tiered_attention_triton(_to(q), _to(keys), _to(values), 0.25, block_t=4, tiles=2), "cpu")
+    out, lse = _to(tiered_attention_triton(_to(q), _to(keys), _to(values), 0.25, block_t=16, tiles=1), "cpu")
     ref_out, ref_lse = reference_attention(store.read(), q, 0.25)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
-    row = tiered_attention_row_triton(_to(q), _to(keys), 0.25, _to(ref_lse), block_t=4, tiles=2).cpu()
+    row = tiered_attention_row_triton(_to(q), _to(keys), 0.25, _to(ref_lse), block_t=16, tiles=1).cpu()
     torch.testing.assert_close(row, tiered_attention_row_ref(q, keys, 0.25, ref_lse), atol=1e-6, rtol=1e-5)
+
+
+def test_triton_tiered_attention_on_the_matrix_units_in_float16():
+    """The cache-dtype path (float16 query and cache on tl.dot, probabilities split into two float16 parts) stays
+    within float32-level error of the reference (one cast of p would be off by ~1e-3); a float32 query with
+    tensor_cores=True is refused. (The bfloat16 twin runs on GPUs only: the interpreter's bfloat16 tl.dot is
+    wrong.)"""
+    pytest.importorskip("triton")
+    from kv_hqekv.kernels.triton_attention import tiered_attention_triton
+
+    g = torch.Generator().manual_seed(12)
+    store = _store(g, T=40, dtype=torch.float16)
+    keys, values = tiered_sides(store)
+    q = (torch.randn(1, 4, 1, 16, generator=g) * 3).to(torch.float16)
+    out, lse = _to(tiered_attention_triton(_to(q), _to(keys), _to(values), 0.25, tensor_cores=True), "cpu")
+    ref_out, ref_lse = reference_attention(store.read(), q, 0.25)
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="tensor_cores"):
+        tiered_attention_triton(_to(q.float()), _to(keys), _to(values), 0.25, tensor_cores=True)
 
 
 def test_triton_tiered_attention_after_retier():

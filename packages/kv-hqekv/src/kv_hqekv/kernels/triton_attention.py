@@ -6,7 +6,10 @@ every entry it gathers the key from the key's tier and the value from the value'
 codes, 1-bit normalized codes; :mod:`kv_hqekv.kernels.triton_tiles`), dequantized in registers, with an online
 softmax (Dao et al. 2022, "FlashAttention", §3.1). The partial ``(acc, max, sum)`` of the splits are combined on
 the host, so the compiled kernel does not depend on the context length (no recompilation as decoding grows it,
-loop bounds are compile-time constants as the interpreter needs). Products are broadcast-and-sum in float32.
+loop bounds are compile-time constants as the interpreter needs). Products run on the matrix units (``tl.dot``, the
+query rows padded to 16): in the cache dtype when the query shares it (float16 or bfloat16; the probabilities split
+into a high and a low part), else in IEEE float32 (the interpreter's path). Broadcast-and-sum products compiled to
+255 registers and 520 bytes of spills per thread for sm_90 (Triton 3.6) at 32-entry tiles.
 
 The row kernel recomputes the logits of every held entry and sums ``exp(logit - lse)`` over the group's query
 rows: the reduced attention row the importance window of HqeKV (§3.2) collects while decoding.
@@ -33,7 +36,41 @@ def _load_query(q_ptr, b, h, sqb, sqh, sqq, sqd, Q, GROUP: tl.constexpr, D: tl.c
     dmask = d < D
     off = b.to(tl.int64) * sqb + hq.to(tl.int64) * sqh + qi.to(tl.int64) * sqq
     qv = tl.load(q_ptr + off[:, None] + d[None, :].to(tl.int64) * sqd, mask=mmask[:, None] & dmask[None, :], other=0.0)
-    return qv.to(tl.float32), m, mmask, hq, qi, d, dmask
+    return qv, m, mmask, hq, qi, d, dmask
+
+
+@triton.jit
+def _as_dot(x, DOT: tl.constexpr):
+    """``x`` in the dtype the products run in: float32 (DOT 0), float16 (1) or bfloat16 (2)."""
+    if DOT == 1:
+        return x.to(tl.float16)
+    elif DOT == 2:
+        return x.to(tl.bfloat16)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _logits(qv, k, DOT: tl.constexpr):
+    """``q · kᵀ`` on the matrix units: in the cache dtype (keys dequantize exactly to it, so the products are exact
+    and only the float32 summation order differs) or in IEEE float32."""
+    if DOT == 0:
+        return tl.dot(qv, tl.trans(k), input_precision="ieee")
+    else:
+        return tl.dot(qv, tl.trans(_as_dot(k, DOT)))
+
+
+@triton.jit
+def _weighted_values(p, v, DOT: tl.constexpr):
+    """``p · v``: in the cache dtype with ``p`` split into a high and a low part (~2x its mantissa bits), or in
+    IEEE float32."""
+    if DOT == 0:
+        return tl.dot(p, v, input_precision="ieee")
+    else:
+        vd = _as_dot(v, DOT)
+        p_hi = _as_dot(p, DOT)
+        p_lo = _as_dot(p - p_hi.to(tl.float32), DOT)
+        return tl.dot(p_hi, vd) + tl.dot(p_lo, vd)
 
 
 @triton.jit
@@ -47,14 +84,14 @@ def _tiered_attention_kernel(
     KGCOL: tl.constexpr, KHAS4: tl.constexpr, KHAS2: tl.constexpr, KHAS1: tl.constexpr,
     KCB4: tl.constexpr, KCB2: tl.constexpr, KCB1: tl.constexpr,
     VGCOL: tl.constexpr, VHAS4: tl.constexpr, VHAS2: tl.constexpr, VHAS1: tl.constexpr,
-    VCB4: tl.constexpr, VCB2: tl.constexpr, VCB1: tl.constexpr,
+    VCB4: tl.constexpr, VCB2: tl.constexpr, VCB1: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     sp = tl.program_id(1)
     b = pid // H
     h = pid % H
     qv, m, mmask, _hq, _qi, d, dmask = _load_query(q_ptr, b, h, sqb, sqh, sqq, sqd, Q, GROUP, D, BLOCK_M, BLOCK_D)
-    qv = qv * scale
+    qv = _as_dot(qv, DOT)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -73,14 +110,14 @@ def _tiered_attention_kernel(
             VHAS4, VHAS2, VHAS1, VCB4, VCB2, VCB1, FMAX, OUT,
         )  # fmt: skip
         held = tmask & (ktier != 0)
-        logits = tl.sum(qv[:, None, :] * k[None, :, :], axis=2)
+        logits = _logits(qv, k, DOT) * scale
         logits = tl.where(held[None, :], logits, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(logits - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + _weighted_values(p, v, DOT)
         m_i = m_new
     part = (pid.to(tl.int64) * NSPLIT + sp) * (GROUP * Q) + m
     tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=mmask[:, None] & dmask[None, :])
@@ -96,14 +133,14 @@ def _tiered_row_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     TILES: tl.constexpr, FMAX: tl.constexpr, OUT: tl.constexpr,
     KGCOL: tl.constexpr, KHAS4: tl.constexpr, KHAS2: tl.constexpr, KHAS1: tl.constexpr,
-    KCB4: tl.constexpr, KCB2: tl.constexpr, KCB1: tl.constexpr,
+    KCB4: tl.constexpr, KCB2: tl.constexpr, KCB1: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     sp = tl.program_id(1)
     b = pid // H
     h = pid % H
     qv, _m, mmask, hq, qi, d, dmask = _load_query(q_ptr, b, h, sqb, sqh, sqq, sqd, Q, GROUP, D, BLOCK_M, BLOCK_D)
-    qv = qv * scale
+    qv = _as_dot(qv, DOT)
     lse = tl.load(lse_ptr + (b * (H * GROUP) + hq).to(tl.int64) * Q + qi, mask=mmask, other=float("-inf"))
     seen = lse != float("-inf")
     lse = tl.where(seen, lse, 0.0)
@@ -117,7 +154,7 @@ def _tiered_row_kernel(
             KHAS4, KHAS2, KHAS1, KCB4, KCB2, KCB1, FMAX, OUT,
         )  # fmt: skip
         held = tmask & (ktier != 0)
-        logits = tl.sum(qv[:, None, :] * k[None, :, :], axis=2)
+        logits = _logits(qv, k, DOT) * scale
         p = tl.exp(logits - lse[:, None])
         p = tl.where(seen[:, None] & held[None, :], p, 0.0)
         tl.store(row_ptr + base, tl.sum(p, axis=0), mask=tmask)
@@ -127,20 +164,35 @@ def _pow2(n: int) -> int:
     return max(1, 1 << (max(n, 1) - 1).bit_length())
 
 
+def _dot_mode(query: torch.Tensor, dtypes, tensor_cores: bool | None) -> int:
+    """The kernels' DOT code: the cache dtype's (float16 1, bfloat16 2) on the matrix units when the query and every
+    side share it (default: on CUDA), else 0 (IEEE float32; the interpreter's bfloat16 ``tl.dot`` is wrong)."""
+    low = OUT_CODE.get(query.dtype, 0)
+    can = low != 0 and all(OUT_CODE[dt] == low for dt in dtypes)
+    if tensor_cores is None:
+        tensor_cores = can and query.is_cuda
+    elif tensor_cores and not can:
+        raise ValueError(
+            "tensor_cores=True needs the query and the cache in one dtype, float16 or bfloat16; got query "
+            f"{query.dtype}, cache {sorted({str(dt) for dt in dtypes})}"
+        )
+    return low if tensor_cores else 0
+
+
 def _common(query: torch.Tensor, keys: TieredSide, block_t: int | None, tiles: int | None):
     B, H, T = keys.tier.shape
     Hq, Q = query.shape[1], query.shape[2]
     D = keys.head_dim
     group = Hq // H
-    bt = _pow2(block_t if block_t is not None else 32)
+    bt = max(16, _pow2(block_t if block_t is not None else 32))  # tl.dot needs >= 16
     tl_ = tiles if tiles is not None else 4
     nsplit = max(1, triton.cdiv(T, bt * tl_))
     meta = dict(
         GROUP=group,
         D=D,
-        BLOCK_M=_pow2(group * Q),
+        BLOCK_M=max(16, _pow2(group * Q)),
         BLOCK_T=bt,
-        BLOCK_D=_pow2(D),
+        BLOCK_D=max(16, _pow2(D)),
         TILES=tl_,
         FMAX=float(torch.finfo(keys.dtype).max),
         OUT=OUT_CODE[keys.dtype],
@@ -160,11 +212,14 @@ def tiered_attention_triton(
     *,
     block_t: int | None = None,
     tiles: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = 8,
+    tensor_cores: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton :func:`~kv_hqekv.kernels.reference.tiered_attention_ref` (same arguments, same results);
-    ``block_t`` entries per tile, ``tiles`` tiles per program."""
+    """Triton :func:`~kv_hqekv.kernels.reference.tiered_attention_ref` (same arguments, same results up to float32
+    summation order); ``block_t`` entries per tile (at least 16), ``tiles`` tiles per program; ``tensor_cores``
+    as in :func:`_dot_mode`."""
     B, H, T, Hq, Q, D, group, nsplit, meta = _common(query, keys, block_t, tiles)
+    meta["DOT"] = _dot_mode(query, (keys.dtype, values.dtype), tensor_cores)
     out = torch.zeros(B, Hq, Q, D, dtype=torch.float32, device=query.device)
     lse = torch.full((B, Hq, Q), float("-inf"), dtype=torch.float32, device=query.device)
     S, M = B * H, group * Q
@@ -198,10 +253,13 @@ def tiered_attention_row_triton(
     *,
     block_t: int | None = None,
     tiles: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = 8,
+    tensor_cores: bool | None = None,
 ) -> torch.Tensor:
-    """Triton :func:`~kv_hqekv.kernels.reference.tiered_attention_row_ref` (same arguments, same results)."""
+    """Triton :func:`~kv_hqekv.kernels.reference.tiered_attention_row_ref` (same arguments, same results up to
+    float32 summation order)."""
     B, H, T, _Hq, Q, D, _group, nsplit, meta = _common(query, keys, block_t, tiles)
+    meta["DOT"] = _dot_mode(query, (keys.dtype,), tensor_cores)
     row = torch.zeros(B, H, T, dtype=torch.float32, device=query.device)
     if B * H == 0 or Q == 0 or D == 0 or T == 0:
         return row
