@@ -1,0 +1,112 @@
+"""pytest plugin: compile every Triton launch of a test run for sm_90 (H100/H200), without a GPU.
+
+Each ``kernel[grid](...)`` the tests make is compiled for ``cuda:90`` with the Triton that is importable (use the
+version the GPU machines run) instead of being run: compile errors and each variant's registers, stack (spills)
+and shared memory are printed at the end (``cuobjdump --dump-resource-usage``, which Triton's wheel carries). No
+kernel computes anything, so the tests themselves fail after their first launch; only the report matters.
+Arguments are specialised as Triton does on a GPU (16-divisible integers and pointers marked, integers equal to 1
+made constants), which is what exposed a layout-pass failure that plain compilation missed.
+
+Usage (Triton 3.6, as on the device machines, installed beside the workspace's)::
+
+    uv pip install --target /tmp/triton36 --no-deps triton==3.6.0
+    PYTHONPATH=/tmp/triton36:benchmarks python -m pytest -q -p sm90_compile_plugin -m "not hypothesis" \\
+        core/kvcodec/tests/test_attention_triton.py packages/kv-hqekv/tests/test_kernels.py
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import tempfile
+
+import torch
+import triton
+import triton.knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+_TYPES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.uint8: "u8",
+    torch.int8: "i8",
+    torch.int16: "i16",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.bool: "i1",
+}
+_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+REPORT: dict[str, str] = {}
+
+# kernels must be JIT functions, not the interpreter's wrappers, whatever the test configuration sets
+type(triton.knobs.runtime).interpret = property(lambda self: False, lambda self, value: None)
+
+
+def compile_sm90(kernel: JITFunction, runtime_args: dict, constexprs: dict, **options):
+    """Compile ``kernel`` for sm_90 with the run-time arguments' types and Triton's GPU specialisations."""
+    names = list(inspect.signature(kernel.fn).parameters)
+    signature, attrs, consts = {}, {}, {(names.index(k),): v for k, v in constexprs.items()}
+    for name, value in runtime_args.items():
+        i = names.index(name)
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TYPES[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            if value == 1:
+                signature[name], consts[(i,)] = "constexpr", 1
+                continue
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"argument {name}: {type(value).__name__}")
+    for name in constexprs:
+        signature[name] = "constexpr"
+    source = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def resources(compiled) -> str:
+    """``REG:.. STACK:.. SHARED:..`` of a compiled kernel."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    fields = " ".join(line.strip() for line in out.splitlines() if "REG" in line).split()
+    return " ".join(x for x in fields if x.split(":")[0] in ("REG", "STACK", "SHARED"))
+
+
+def _run(self, *args, grid, warmup=False, **kwargs):
+    options = {k: kwargs.pop(k) for k in _OPTIONS if k in kwargs}
+    bound = dict(zip([p.name for p in self.params], args))
+    bound.update(kwargs)
+    constexprs = {p.name: bound[p.name] for p in self.params if p.is_constexpr}
+    runtime = {p.name: bound[p.name] for p in self.params if not p.is_constexpr}
+    key = f"{self.fn.__module__}.{self.fn.__name__} {sorted((k, str(v)) for k, v in constexprs.items())} {options}"
+    if key not in REPORT:
+        try:
+            REPORT[key] = "ok " + resources(compile_sm90(self, runtime, constexprs, **options))
+        except Exception as e:  # every compile failure is reported, not raised
+            REPORT[key] = f"FAIL {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+
+
+JITFunction.run = _run
+
+
+def pytest_terminal_summary(terminalreporter):
+    write = terminalreporter.write_line
+    fails = {k: v for k, v in REPORT.items() if not v.startswith("ok")}
+    write(f"sm_90 compile (Triton {triton.__version__}): {len(REPORT)} launch variants, {len(fails)} failed")
+    for key, result in sorted(REPORT.items()):
+        kernel, _, rest = key.partition(" ")
+        write(f"  {kernel.rsplit('.', 1)[-1]}: {result}  {rest[:160]}")

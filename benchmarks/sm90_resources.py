@@ -1,0 +1,62 @@
+"""Registers, spills and shared memory of the decode-attention kernels at a serving shape, compiled for sm_90
+without a GPU (see :mod:`sm90_compile_plugin`): kvcodec's KIVI attention, HqeKV's mixed-tier attention and HEX's
+part attention, Llama-3-8B's attention shape (32 query heads, 8 KV heads, head dim 128), float16, one query per head,
+16,384 cached tokens, at each kernel's defaults (matrix-unit products) and, with ``--float32``, on the IEEE float32 path.
+
+Usage (Triton 3.6, as on the device machines)::
+
+    uv pip install --target /tmp/triton36 --no-deps triton==3.6.0
+    PYTHONPATH=/tmp/triton36:benchmarks python benchmarks/sm90_resources.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import sm90_compile_plugin as sm90  # compiles instead of launching (patches Triton's JIT on import)
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "packages/kv-hqekv/tests"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--float32", action="store_true", help="the IEEE float32 path instead of the matrix-unit one")
+    tc = not ap.parse_args().float32
+    from test_kernels import _plan  # HqeKV's random block-aligned tier plan
+
+    from kv_hex import HEXConfig, HEXStore, hex_tiers
+    from kv_hex.kernels.triton_attention import part_attention_triton
+    from kv_hqekv import HqeKVStore
+    from kv_hqekv.attention import tiered_sides
+    from kv_hqekv.kernels.triton_attention import tiered_attention_triton
+    from kvcodec import QuantizedSegment, UniformQuantizer
+    from kvcodec.kernels.triton_attention import quantized_attention_triton
+    from kvcore import Plan
+
+    g = torch.Generator().manual_seed(0)
+    B, H, T, D = 1, 8, 16384, 128
+    k, v = torch.randn(B, H, T, D, generator=g).half(), torch.randn(B, H, T, D, generator=g).half()
+    q = torch.randn(B, 32, 1, D).half()
+    seg = QuantizedSegment.from_dense(
+        UniformQuantizer(2, "channel", 32).quantize(k), UniformQuantizer(2, "token", 32).quantize(v)
+    )
+    quantized_attention_triton(q, seg, 0.1, tensor_cores=tc)
+    hq = HqeKVStore(block=32)
+    hq.write(k, v, _plan(g, B, H, T, 32), torch.arange(T).expand(B, T))
+    tiered_attention_triton(q, *tiered_sides(hq), 0.1, tensor_cores=tc)
+    keep = torch.ones(B, H, T, dtype=torch.bool)
+    hx = HEXStore(HEXConfig(bits=3))
+    hx.write(k, v, Plan(hex_tiers(torch.rand(B, H, T, generator=g), keep, torch.zeros_like(keep), 3, 0.02, 8, 96)),
+             torch.arange(T).expand(B, T))  # fmt: skip
+    part_attention_triton(q, hx._layouts()[0], 0.1, logits=True, tensor_cores=tc)
+    print(f"sm_90, Triton {sm90.triton.__version__}, {'matrix units (float16)' if tc else 'IEEE float32'} products")
+    for key, result in sm90.REPORT.items():
+        print(f"{key.split(' ')[0].rsplit('.', 1)[-1]:32s} {result}")
+
+
+if __name__ == "__main__":
+    main()
