@@ -1,7 +1,8 @@
 """Registers, spills and shared memory of the decode-attention kernels at a serving shape, compiled for sm_90
 without a GPU (see :mod:`sm90_compile_plugin`): kvcodec's KIVI attention, HqeKV's mixed-tier attention and HEX's
-part attention, Llama-3-8B's attention shape (32 query heads, 8 KV heads, head dim 128), float16, one query per head,
-16,384 cached tokens, at each kernel's defaults (matrix-unit products) and, with ``--float32``, on the IEEE float32 path.
+part attention, Llama-3-8B's attention shape (32 query heads, 8 KV heads, head dim 128), float16, one query per
+head, 16,384 cached tokens, at each kernel's defaults (matrix-unit products) and, with ``--float32``, on the IEEE
+float32 path.
 
 Usage (Triton 3.6, as on the device machines)::
 
