@@ -36,6 +36,23 @@ def test_biased_attention_matches_reference(B, Hkv, group, Q, N, D, dtype):
     assert bool((got[1][0, :group] == float("-inf")).all()) and bool((got[0][0, :group] == 0).all())
 
 
+@pytest.mark.parametrize(("block_n", "tiles"), [(16, 1), (16, 2), (32, 4)])
+def test_biased_attention_any_split_matches_reference(block_n, tiles):
+    """Entries split across programs (5, 3 and 1 splits of 70 here) and merged by log-sum-exp: the result does not
+    depend on the split; a bad tile count is refused."""
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(1, 2, 70, 16, generator=g).to(DEVICE), torch.randn(1, 2, 70, 16, generator=g).to(DEVICE)
+    bias = torch.log(torch.randint(1, 9, (1, 2, 70), generator=g).float())
+    bias[0, 1, :40] = float("-inf")  # whole splits that see nothing
+    q = torch.randn(1, 4, 2, 16, generator=g).to(DEVICE)
+    got = biased_attention_triton(k, v, bias.to(DEVICE), q, 0.25, block_n=block_n, tiles=tiles)
+    want = biased_attention_torch(k, v, bias.to(DEVICE), q, 0.25)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="tiles"):
+        biased_attention_triton(k, v, bias.to(DEVICE), q, 0.25, tiles=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_factored_attention_batch_triton_equals_reference(dtype):
     """The Stage-2 Triton kernel (under the interpreter on CPU) = the batched PyTorch reference: spans of mixed

@@ -1,10 +1,13 @@
 """Triton kernel of SEKV's Stage-1 decode attention with a per-entry logit bias, returning ``(out, lse)``.
 
 Same signature and result as :func:`kv_sekv.kernels.reference.biased_attention_torch`. One program per (batch, query
-head, query) streams its KV head's entries in blocks with an online softmax (FlashAttention, Dao et al. 2022, §3.1);
+head, query, split) streams a run of its KV head's entries in blocks with an online softmax (FlashAttention, Dao et
+al. 2022, §3.1), and the splits are merged by log-sum-exp (Flash-Decoding: without the split a decode step ran
+``B · Hq`` programs, and the block count, a compile-time constant, recompiled the kernel as the cache grew);
 the dot products are elementwise products and sums in float32 (decode is memory-bound, and ``tl.dot`` on bf16 is
-wrong in the interpreter). The number of blocks is a compile-time constant (the interpreter needs constant loop
-bounds). Tested against the reference under ``TRITON_INTERPRET=1``; GPU speed is unmeasured.
+wrong in the interpreter). The blocks per program are a compile-time constant (the interpreter needs constant loop
+bounds). Tested against the reference under ``TRITON_INTERPRET=1``; GPU speed is unmeasured (before the split,
+SEKV decoded at 0.11x DynamicCache's steps/s through kv-hf on an H200).
 
 :func:`factored_attention_batch_triton` is Stage 2 (§3.3): the attention of every expanded (span, KV head) of a
 decode step over the span reconstructed from its low-rank factors, ``K̂ = U_K diag(σ_K) V_Kᵀ`` and likewise ``V̂``,
@@ -62,20 +65,18 @@ if HAS_TRITON:
         svn,
         sbb,
         sbh,
-        sob,
-        soh,
-        soq,
-        slb,
-        slh,
         HQ: tl.constexpr,
         GROUP: tl.constexpr,
         D: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        N_BLOCKS: tl.constexpr,
+        TILES: tl.constexpr,
     ):
+        # program (batch x query head, query, split): TILES blocks of the split's entries; partial results
+        # [(pid * Q + query) * splits + split] merged by log-sum-exp on the host
         pid = tl.program_id(0)
         qi = tl.program_id(1)
+        sp = tl.program_id(2)
         b = pid // HQ
         h = pid % HQ
         kh = h // GROUP
@@ -85,8 +86,8 @@ if HAS_TRITON:
         m = tl.max(tl.full((BLOCK_N,), float("-inf"), tl.float32), 0)
         l = tl.sum(tl.zeros((BLOCK_N,), tl.float32), 0)
         acc = tl.zeros((BLOCK_D,), tl.float32)
-        for i in range(N_BLOCKS):
-            n = i * BLOCK_N + tl.arange(0, BLOCK_N)
+        for i in range(TILES):
+            n = (sp * TILES + i) * BLOCK_N + tl.arange(0, BLOCK_N)
             nmask = n < N
             kv_mask = nmask[:, None] & dmask[None, :]
             k = tl.load(k_ptr + b * skb + kh * skh + n[:, None] * skn + d[None, :], mask=kv_mask, other=0.0)
@@ -97,8 +98,9 @@ if HAS_TRITON:
         has = l > 0
         out = tl.where(has, acc / tl.where(has, l, 1.0), 0.0)
         lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
-        tl.store(o_ptr + b * sob + h * soh + qi * soq + d, out, mask=dmask)
-        tl.store(lse_ptr + b * slb + h * slh + qi, lse)
+        row = (pid.to(tl.int64) * tl.num_programs(1) + qi) * tl.num_programs(2) + sp
+        tl.store(o_ptr + row * BLOCK_D + d, out, mask=dmask)
+        tl.store(lse_ptr + row, lse)
 
     @triton.jit
     def _factored_items_kernel(
@@ -143,6 +145,10 @@ if HAS_TRITON:
         tl.store(lse_ptr + p * M + m, tl.where(has, mx + tl.log(tl.where(has, total, 1.0)), float("-inf")))
 
 
+#: programs a launch aims for when it picks the blocks per program (a few waves on a 100+ multiprocessor GPU)
+TARGET_PROGRAMS = 256
+
+
 def biased_attention_triton(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -150,8 +156,13 @@ def biased_attention_triton(
     query: torch.Tensor,
     scale: float,
     block_n: int = 64,
+    tiles: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of :func:`~kv_sekv.kernels.reference.biased_attention_torch` (same arguments and result)."""
+    """Triton version of :func:`~kv_sekv.kernels.reference.biased_attention_torch` (same arguments and result).
+
+    The entries are split across programs (Flash-Decoding) in runs of ``tiles`` blocks of ``block_n``; ``tiles``
+    defaults to the fewest (1 to 32) that keep the launch near :data:`TARGET_PROGRAMS` programs. The entry count
+    is a run-time argument: a growing cache does not recompile the kernel."""
     if not HAS_TRITON:
         raise ImportError("biased_attention_triton needs triton (pip install kv-sekv[triton])")
     B, Hkv, N, D = keys.shape
@@ -159,21 +170,32 @@ def biased_attention_triton(
     k, v = keys.contiguous(), values.contiguous()
     b = bias.float().contiguous()
     q = query.contiguous()
-    out = torch.empty(B, Hq, Q, D, dtype=torch.float32, device=keys.device)
-    lse = torch.empty(B, Hq, Q, dtype=torch.float32, device=keys.device)
     block_n = max(16, min(block_n, triton.next_power_of_2(max(N, 1))))
-    _biased_attention_kernel[(B * Hq, Q)](
-        q, k, v, b, out, lse, float(scale), N,
+    rows = B * Hq * Q
+    if tiles is None:
+        want = -(-max(N, 1) // max(1, -(-TARGET_PROGRAMS // max(rows, 1))))
+        tiles = next((t for t in (1, 2, 4, 8, 16, 32) if t * block_n >= want), 32)
+    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
+        raise ValueError(f"tiles must be an int >= 1, got {tiles!r}")
+    nsplit = max(1, triton.cdiv(max(N, 1), block_n * tiles))
+    BD = triton.next_power_of_2(D)
+    outp = torch.empty(rows, nsplit, BD, dtype=torch.float32, device=keys.device)
+    lsep = torch.empty(rows, nsplit, dtype=torch.float32, device=keys.device)
+    _biased_attention_kernel[(B * Hq, Q, nsplit)](
+        q, k, v, b, outp, lsep, float(scale), N,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         b.stride(0), b.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
-        HQ=Hq, GROUP=Hq // Hkv, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_N=block_n,
-        N_BLOCKS=triton.cdiv(max(N, 1), block_n),
+        HQ=Hq, GROUP=Hq // Hkv, D=D, BLOCK_D=BD, BLOCK_N=block_n, TILES=tiles,
     )  # fmt: skip
-    return out, lse
+    outp = outp[..., :D]
+    if nsplit == 1:
+        return outp[:, 0].reshape(B, Hq, Q, D), lsep[:, 0].reshape(B, Hq, Q)
+    lse = torch.logsumexp(lsep, dim=1)  # -inf where no split saw an entry
+    w = torch.exp(lsep - torch.where(torch.isfinite(lse), lse, 0.0)[:, None]).nan_to_num_(0.0)
+    out = (w[..., None] * outp).sum(1)
+    return out.reshape(B, Hq, Q, D), lse.reshape(B, Hq, Q)
 
 
 def factored_attention_batch_triton(query, key_factors, value_factors, scale, group, groups, block_n: int = 64):
