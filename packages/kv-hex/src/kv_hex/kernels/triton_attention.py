@@ -34,7 +34,7 @@ def _part_attention(
     VIDX, VCODES, VROWS, VSCALE, VZERO, VGRP, VOVER, VOOFF,
     KPW, VPW, scale,
     H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr, OUT: tl.constexpr,
-    VPC: tl.constexpr, NSPLIT: tl.constexpr, NUM_T_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr,
+    VPC: tl.constexpr, NUM_T_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LOGITS: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     s = tl.program_id(0)
@@ -92,7 +92,7 @@ def _part_attention(
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-    row = (s * NSPLIT + sp) * R + m
+    row = (s * tl.num_programs(1) + sp) * R + m  # the split count is the grid's (no recompile as T grows)
     tl.store(OUTP + row[:, None] * D + d[None, :], out, mask=qmask)
     tl.store(LSEP + row, lse, mask=mmask)
 
@@ -142,7 +142,7 @@ def part_attention_triton(
         q, outp, lsep, lg if logits else lsep, part.start.contiguous(), part.count.contiguous(),
         _nonempty(part.slot, (1,)), _nonempty(part.hcols, (1,)), *kargs, *vargs, kpw, vpw, float(scale),
         H=H, D=D, R=R, BITS=part.bits, W=part.hcols.shape[-1], OUT=_OUT[part.dtype], VPC=part.v.per_channel,
-        NSPLIT=nsplit, NUM_T_BLOCKS=nblk, BLOCK_T=block_t, BLOCK_M=max(16, triton.next_power_of_2(R)),
+        NUM_T_BLOCKS=nblk, BLOCK_T=block_t, BLOCK_M=max(16, triton.next_power_of_2(R)),
         BLOCK_D=max(16, triton.next_power_of_2(D)), WRITE_LOGITS=logits, DOT=low if tensor_cores else 0,
         num_warps=num_warps,
         enable_fp_fusion=False,  # keys and values dequantize bit-exactly as in read()
