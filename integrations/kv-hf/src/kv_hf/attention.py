@@ -13,7 +13,7 @@ change its behaviour elsewhere. Flash-attention and flex kernels cannot take an 
 refused (:func:`enable_attention`).
 
 How a step flows: ``CompressedLayer.update`` returns ``[stored view | pending raw | new]`` key/value tensors and
-tags the key tensor with a :class:`~kv_hf.layer.Step`; the function below builds the mask (stored and pending
+tags the key tensor with a :class:`~kv_hf.step.Step`; the function below builds the mask (stored and pending
 columns from the layer's bias, the new columns from the last ``q`` columns of the mask transformers built), runs
 the kernel and calls ``Step.layer.commit`` (then the cache's ``Step.on_commit`` hook, which compresses a finished
 prefill or re-compresses).
@@ -37,12 +37,12 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
+from kv_hf.step import STEP_ATTR, STORE, Step
 from kvcore import merge_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from kv_hf.layer import Step
 
 KV_HF_SDPA = "kv_hf"
 """Attention implementation name: kv_hf over transformers' SDPA kernel."""
@@ -51,9 +51,6 @@ KV_HF_EAGER = "kv_hf_eager"
 KV_HF_IMPLEMENTATIONS = (KV_HF_SDPA, KV_HF_EAGER)
 _WRAPS = {"sdpa": KV_HF_SDPA, "eager": KV_HF_EAGER}
 _UNWRAPS = {v: k for k, v in _WRAPS.items()}
-
-STEP_ATTR = "_kv_hf_step"
-"""Attribute set on the key tensor a kv_hf cache layer returns; carries the :class:`~kv_hf.layer.Step`."""
 
 
 # -- base kernels ------------------------------------------------------------------------------------------
@@ -184,7 +181,6 @@ def fused_step(step: Step, query: torch.Tensor, new: torch.Tensor | None, scalin
 
 def _single_token_decode(step: Step, new: torch.Tensor | None) -> bool:
     """One real new token per row, nothing pending, a Store that keeps it: :func:`decode_step` applies."""
-    from kv_hf.layer import STORE
 
     layer = step.layer
     return (

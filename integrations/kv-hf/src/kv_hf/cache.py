@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache
 
-from kv_hf.attention import KV_HF_IMPLEMENTATIONS, STEP_ATTR, enable_attention
-from kv_hf.layer import COLLECT, SCRATCH, STORE, CompressedLayer
+from kv_hf.attention import KV_HF_IMPLEMENTATIONS, enable_attention
+from kv_hf.layer import CompressedLayer
 from kv_hf.options import CacheOptions
+from kv_hf.step import COLLECT, SCRATCH, STEP_ATTR, STORE
 from kv_hf.support import check_compressor, check_model, resolve_query_window
 from kvcore import Compressor
 

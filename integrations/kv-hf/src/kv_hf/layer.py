@@ -30,37 +30,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kv_hf.attention import STEP_ATTR
 from kv_hf.entries import Pending
 from kv_hf.options import CacheOptions
 from kv_hf.providers import missing_message
+from kv_hf.step import COLLECT, SCRATCH, STEP_ATTR, STORE, Step
 from kv_hf.support import DEFAULT_QUERY_WINDOW
 from kvcore import Compressor, ScoringContext, Store, retier_store, storage_bytes
 from kvcore.checks import check_integer_tensor
 
-COLLECT = "collect"
-STORE = "store"
-SCRATCH = "scratch"
-
-
-@dataclass
-class Step:
-    """What one ``update`` handed to attention: the new raw K/V and the bias of the columns before them."""
-
-    layer: CompressedLayer
-    keys: torch.Tensor
-    values: torch.Tensor
-    n_prefix: int = 0
-    bias: torch.Tensor | None = None  # [B, Hkv, n_prefix] float32 additive bias; None = all zero
-    deferred: bool = False
-    fused: bool = False  # attend to the Store with its fused ``attend`` and to [pending | new] separately
-    on_commit: Callable[[CompressedLayer], None] | None = None  # set by the cache: what to do after the commit
+__all__ = ["COLLECT", "SCRATCH", "STORE", "CompressedLayer", "Step"]
 
 
 class CompressedLayer(CacheLayerMixin):
