@@ -2,7 +2,7 @@
 without a GPU (see :mod:`sm90_compile_plugin`): kvcodec's KIVI attention, HqeKV's mixed-tier attention and HEX's
 part attention, Llama-3-8B's attention shape (32 query heads, 8 KV heads, head dim 128), float16, one query per
 head, 16,384 cached tokens, at each kernel's defaults (matrix-unit products) and, with ``--float32``, on the IEEE
-float32 path.
+float32 path; and HubKV's two score-refinement kernels at Table 5's largest shape.
 
 Usage (Triton 3.6, as on the device machines)::
 
@@ -54,6 +54,16 @@ def main() -> None:
     hx.write(k, v, Plan(hex_tiers(torch.rand(B, H, T, generator=g), keep, torch.zeros_like(keep), 3, 0.02, 8, 96)),
              torch.arange(T).expand(B, T))  # fmt: skip
     part_attention_triton(q, hx._layouts()[0], 0.1, logits=True, tensor_cores=tc)
+    # HubKV's score refinement at the paper's largest Table 5 shape (36 layers x 4 rows x 8 heads x 32k tokens)
+    from kv_hubkv.config import HubKVConfig
+    from kv_hubkv.triton_kernel import _default_block_n, refine_triton_config
+
+    n = 32768
+    scores = torch.rand(36, 4, 8, n, generator=g).to(torch.bfloat16)
+    prot = torch.zeros(1, 1, 1, n, dtype=torch.bool)
+    prot[..., :4] = True
+    bn = _default_block_n(n, 8, 36 * 4, torch.device("cuda"))
+    refine_triton_config(scores, 0.95, prot, HubKVConfig(), block_n=bn, num_warps=8, check="deferred")
     print(f"sm_90, Triton {sm90.triton.__version__}, {'matrix units (float16)' if tc else 'IEEE float32'} products")
     for key, result in sm90.REPORT.items():
         print(f"{key.split(' ')[0].rsplit('.', 1)[-1]:32s} {result}")

@@ -1,4 +1,5 @@
-"""The fused decode-attention kernels compile for sm_90 (H100 / H200) at a serving shape without register spills.
+"""The fused decode-attention kernels and HubKV's refinement kernels compile for sm_90 (H100 / H200) at serving
+shapes without register spills.
 
 No GPU is needed: ``benchmarks/sm90_resources.py`` compiles each kernel for ``cuda:90`` with the installed Triton
 (specialised as on a GPU) and reads its registers and stack from the binary. A kernel that spills runs far below
@@ -17,7 +18,14 @@ import pytest
 pytest.importorskip("triton")  # Linux wheels carry the compiler and cuobjdump
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = {"_quantized_attention_kernel", "_merge_splits_kernel", "_tiered_attention_kernel", "_part_attention"}
+KERNELS = {
+    "_quantized_attention_kernel",
+    "_merge_splits_kernel",
+    "_tiered_attention_kernel",
+    "_part_attention",
+    "_hubkv_stats_kernel",
+    "_hubkv_mix_kernel",
+}
 
 
 def test_decode_attention_kernels_compile_for_sm90_without_spills():

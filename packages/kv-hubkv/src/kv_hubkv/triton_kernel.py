@@ -340,7 +340,7 @@ def refine_triton_config(
         p3 = o3  # never read (HAS_PROT=False)
         p_strides = (0, 0, 0)
     lam = config.gate(r)
-    warps = num_warps if dev.type == "cuda" else 1
+    warps = num_warps  # (the interpreter ignores it)
     _hubkv_stats_kernel[(R, C)](
         s3,
         p3,
