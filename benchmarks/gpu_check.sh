@@ -43,7 +43,7 @@ step() {  # step NAME SECONDS CMD...: run CMD with a time limit, log to $OUT/NAM
 if has tests; then
   # the kernel tests place their inputs on the GPU when one is present (compiled kernels, not the interpreter)
   # (Hypothesis-driven tests are left to the CPU run: every drawn shape compiles another variant)
-  TAIL=30 step kernel_tests 150 python3 -m pytest -p no:cacheprovider -n 14 --timeout 120 -rfE -m "not hypothesis" \
+  TAIL=30 step kernel_tests 200 python3 -m pytest -p no:cacheprovider -n 14 --timeout 120 -rfE -m "not hypothesis" \
       -v --tb=short \
       core/kvcodec/tests/test_kernels.py core/kvcodec/tests/test_attention.py core/kvcodec/tests/test_attention_triton.py \
       packages/kv-hubkv/tests/test_hubkv_triton.py packages/kv-baselines/tests/quant \
