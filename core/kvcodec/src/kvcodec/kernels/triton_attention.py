@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcodec.kernels.triton_dot import DOT_CODE, as_dot, dot_mode, pv_dot, qk_dot
 from kvcodec.kernels.triton_quant import _bf16_rtne
 
 
@@ -133,13 +134,7 @@ def _quantized_attention_kernel(
     dmask = d < D
     qoff = b.to(tl.int64) * sqb + hq.to(tl.int64) * sqh + qi.to(tl.int64) * sqq
     qmask = mmask[:, None] & dmask[None, :]
-    qv = tl.load(q_ptr + qoff[:, None] + d[None, :].to(tl.int64) * sqd, mask=qmask, other=0.0)
-    if DOT == 1:
-        qv = qv.to(tl.float16)
-    elif DOT == 2:
-        qv = qv.to(tl.bfloat16)
-    else:
-        qv = qv.to(tl.float32)
+    qv = as_dot(tl.load(q_ptr + qoff[:, None] + d[None, :].to(tl.int64) * sqd, mask=qmask, other=0.0), DOT)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -154,27 +149,15 @@ def _quantized_attention_kernel(
         bias = tl.load(bias_ptr + base, mask=tmask, other=float("-inf"))
         k = _load_side(kc_ptr, ks_ptr, kz_ptr, kf_ptr, krow, kgrp, tmask, d, KPW, KC, KBITS, KGCOL, D, KFMAX, KOUT)
         v = _load_side(vc_ptr, vs_ptr, vz_ptr, vf_ptr, vrow, vgrp, tmask, d, VPW, VC, VBITS, VGCOL, D, VFMAX, VOUT)
-        # q·k on the matrix units: the dequantized keys are exact in the cache dtype, so with a query of that
-        # dtype the products are exact and only the float32 summation order differs from the reference
-        if DOT == 0:  # noqa: SIM108 (a compile-time branch)
-            qk = tl.dot(qv, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(qv, tl.trans(k.to(qv.dtype)))
+        # products on the matrix units (kvcodec.kernels.triton_dot: cache dtype or IEEE float32)
+        qk = qk_dot(qv, k, DOT)
         logits = qk * scale + bias[None, :]
         m_new = tl.maximum(m_i, tl.max(logits, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(logits - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT == 0:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            # p split into a high and a low part in the cache dtype: two products keep ~2x its mantissa bits
-            # (float16: ~2^-22 relative), where one cast of p would round it to 2^-11 (bfloat16: 2^-8)
-            vd = v.to(qv.dtype)
-            p_hi = p.to(qv.dtype)
-            p_lo = (p - p_hi.to(tl.float32)).to(qv.dtype)
-            pv = tl.dot(p_hi, vd) + tl.dot(p_lo, vd)
+        pv = pv_dot(p, v, DOT)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     seen = l_i > 0
@@ -212,7 +195,7 @@ def _full_or_dummy(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous() if t.shape[0] else torch.zeros(1, t.shape[1], dtype=t.dtype, device=t.device)
 
 
-_OUT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_OUT = DOT_CODE  # the cache dtype's rounding code
 
 
 def _params(side) -> tuple:
@@ -287,15 +270,7 @@ def quantized_attention_triton(
     lsep = torch.empty(B * H, nsplit, M, dtype=torch.float32, device=query.device)
     kc, ks, kz, kf, kpw, kC, kg, (kfmax, kout) = _params(segment.keys)
     vc, vs, vz, vf, vpw, vC, vg, (vfmax, vout) = _params(segment.values)
-    low = _OUT.get(query.dtype, 0)
-    can = low != 0 and kout == low and vout == low
-    if tensor_cores is None:
-        tensor_cores = can and query.is_cuda
-    elif tensor_cores and not can:
-        raise ValueError(
-            "tensor_cores=True needs the query and both cache sides in one dtype, float16 or bfloat16; got query "
-            f"{query.dtype}, keys {segment.keys.full.dtype}, values {segment.values.full.dtype}"
-        )
+    dot = dot_mode(query, (segment.keys.full.dtype, segment.values.full.dtype), tensor_cores)
     _quantized_attention_kernel[(B * H, nsplit)](
         query,
         outp,
@@ -336,7 +311,7 @@ def quantized_attention_triton(
         KOUT=kout,
         VFMAX=vfmax,
         VOUT=vout,
-        DOT=low if tensor_cores else 0,
+        DOT=dot,
         num_warps=num_warps,
         enable_fp_fusion=False,  # dequantize bit-exactly like the unpack + dequantize kernel
     )

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kv_hex.kernels.triton_dequant import _OUT, _nonempty, _side_tile, side_args
+from kvcodec.kernels.triton_dot import as_dot, dot_mode, pv_dot, qk_dot
 
 __all__ = ["part_attention_triton"]
 
@@ -47,13 +48,7 @@ def _part_attention(
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     qmask = mmask[:, None] & dmask[None, :]
-    q = tl.load(Q + (s * R + m[:, None]) * D + d[None, :], mask=qmask, other=0.0)
-    if DOT == 1:
-        q = q.to(tl.float16)
-    elif DOT == 2:
-        q = q.to(tl.bfloat16)
-    else:
-        q = q.to(tl.float32)
+    q = as_dot(tl.load(Q + (s * R + m[:, None]) * D + d[None, :], mask=qmask, other=0.0), DOT)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -66,12 +61,7 @@ def _part_attention(
                        H, D, BITS, True, W, OUT)  # fmt: skip
         v = _side_tile(VIDX, VCODES, VROWS, VSCALE, VZERO, VGRP, VOVER, VOOFF, HCOLS, e, tmask, slot, h, d, VPW,
                        H, D, BITS, VPC, W, OUT)  # fmt: skip
-        # q·k on the matrix units: in the cache dtype the dequantized keys are exact, so the products are exact and
-        # only the float32 summation order differs from the reference; else IEEE float32
-        if DOT == 0:  # noqa: SIM108 (a compile-time branch)
-            logits = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            logits = tl.dot(q, tl.trans(k.to(q.dtype)))
+        logits = qk_dot(q, k, DOT)  # on the matrix units (kvcodec.kernels.triton_dot)
         logits = logits * scale
         logits = tl.where(tmask[None, :], logits, float("-inf"))
         if WRITE_LOGITS:
@@ -81,12 +71,7 @@ def _part_attention(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(logits - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT == 0:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:  # p split into a high and a low part of the cache dtype: ~2x its mantissa bits
-            vd = v.to(q.dtype)
-            p_hi = p.to(q.dtype)
-            pv = tl.dot(p_hi, vd) + tl.dot((p - p_hi.to(tl.float32)).to(q.dtype), vd)
+        pv = pv_dot(p, v, DOT)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     seen = l_i > 0
@@ -113,15 +98,7 @@ def part_attention_triton(
     the cache dtype on the matrix units (the query and the part both float16 or both bfloat16; default: on CUDA
     when they are), else IEEE float32 (the interpreter's path: its bfloat16 ``tl.dot`` is wrong)."""
     block_t = max(16, triton.next_power_of_2(block_t))
-    low = _OUT.get(query.dtype, 0)
-    can = low != 0 and _OUT[part.dtype] == low
-    if tensor_cores is None:
-        tensor_cores = can and query.is_cuda
-    elif tensor_cores and not can:
-        raise ValueError(
-            "tensor_cores=True needs the query and the cache in one dtype, float16 or bfloat16; got query "
-            f"{query.dtype}, cache {part.dtype}"
-        )
+    dot = dot_mode(query, (part.dtype,), tensor_cores)
     B, Hq, Q, D = query.shape
     H, S, T, N = part.H, part.B * part.H, part.T, part.num_entries
     G = Hq // H
@@ -135,7 +112,7 @@ def part_attention_triton(
     nsplit = triton.cdiv(T, nblk * block_t)
     outp = torch.empty(S, nsplit, R, D, device=device, dtype=torch.float32)
     lsep = torch.empty(S, nsplit, R, device=device, dtype=torch.float32)
-    q = (query if tensor_cores else query.float()).reshape(B, H, G, Q, D).reshape(S, R, D).contiguous()
+    q = (query if dot else query.float()).reshape(B, H, G, Q, D).reshape(S, R, D).contiguous()
     kargs, kpw = side_args(part.k, D)
     vargs, vpw = side_args(part.v, D)
     _part_attention[(S, nsplit)](
@@ -143,7 +120,7 @@ def part_attention_triton(
         _nonempty(part.slot, (1,)), _nonempty(part.hcols, (1,)), *kargs, *vargs, kpw, vpw, float(scale),
         H=H, D=D, R=R, BITS=part.bits, W=part.hcols.shape[-1], OUT=_OUT[part.dtype], VPC=part.v.per_channel,
         NUM_T_BLOCKS=nblk, BLOCK_T=block_t, BLOCK_M=max(16, triton.next_power_of_2(R)),
-        BLOCK_D=max(16, triton.next_power_of_2(D)), WRITE_LOGITS=logits, DOT=low if tensor_cores else 0,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), WRITE_LOGITS=logits, DOT=dot,
         num_warps=num_warps,
         enable_fp_fusion=False,  # keys and values dequantize bit-exactly as in read()
     )  # fmt: skip

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from kv_hqekv.kernels.tiered import TieredSide
 from kv_hqekv.kernels.triton_tiles import OUT_CODE, _side_tile, side_args
+from kvcodec.kernels.triton_dot import as_dot, dot_mode, pv_dot, qk_dot
 
 
 @triton.jit
@@ -37,40 +38,6 @@ def _load_query(q_ptr, b, h, sqb, sqh, sqq, sqd, Q, GROUP: tl.constexpr, D: tl.c
     off = b.to(tl.int64) * sqb + hq.to(tl.int64) * sqh + qi.to(tl.int64) * sqq
     qv = tl.load(q_ptr + off[:, None] + d[None, :].to(tl.int64) * sqd, mask=mmask[:, None] & dmask[None, :], other=0.0)
     return qv, m, mmask, hq, qi, d, dmask
-
-
-@triton.jit
-def _as_dot(x, DOT: tl.constexpr):
-    """``x`` in the dtype the products run in: float32 (DOT 0), float16 (1) or bfloat16 (2)."""
-    if DOT == 1:
-        return x.to(tl.float16)
-    elif DOT == 2:
-        return x.to(tl.bfloat16)
-    else:
-        return x.to(tl.float32)
-
-
-@triton.jit
-def _logits(qv, k, DOT: tl.constexpr):
-    """``q · kᵀ`` on the matrix units: in the cache dtype (keys dequantize exactly to it, so the products are exact
-    and only the float32 summation order differs) or in IEEE float32."""
-    if DOT == 0:
-        return tl.dot(qv, tl.trans(k), input_precision="ieee")
-    else:
-        return tl.dot(qv, tl.trans(_as_dot(k, DOT)))
-
-
-@triton.jit
-def _weighted_values(p, v, DOT: tl.constexpr):
-    """``p · v``: in the cache dtype with ``p`` split into a high and a low part (~2x its mantissa bits), or in
-    IEEE float32."""
-    if DOT == 0:
-        return tl.dot(p, v, input_precision="ieee")
-    else:
-        vd = _as_dot(v, DOT)
-        p_hi = _as_dot(p, DOT)
-        p_lo = _as_dot(p - p_hi.to(tl.float32), DOT)
-        return tl.dot(p_hi, vd) + tl.dot(p_lo, vd)
 
 
 @triton.jit
@@ -91,7 +58,7 @@ def _tiered_attention_kernel(
     b = pid // H
     h = pid % H
     qv, m, mmask, _hq, _qi, d, dmask = _load_query(q_ptr, b, h, sqb, sqh, sqq, sqd, Q, GROUP, D, BLOCK_M, BLOCK_D)
-    qv = _as_dot(qv, DOT)
+    qv = as_dot(qv, DOT)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -110,14 +77,14 @@ def _tiered_attention_kernel(
             VHAS4, VHAS2, VHAS1, VCB4, VCB2, VCB1, FMAX, OUT,
         )  # fmt: skip
         held = tmask & (ktier != 0)
-        logits = _logits(qv, k, DOT) * scale
+        logits = qk_dot(qv, k, DOT) * scale
         logits = tl.where(held[None, :], logits, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(logits - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _weighted_values(p, v, DOT)
+        acc = acc * alpha[:, None] + pv_dot(p, v, DOT)
         m_i = m_new
     part = (pid.to(tl.int64) * NSPLIT + sp) * (GROUP * Q) + m
     tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=mmask[:, None] & dmask[None, :])
@@ -140,7 +107,7 @@ def _tiered_row_kernel(
     b = pid // H
     h = pid % H
     qv, _m, mmask, hq, qi, d, dmask = _load_query(q_ptr, b, h, sqb, sqh, sqq, sqd, Q, GROUP, D, BLOCK_M, BLOCK_D)
-    qv = _as_dot(qv, DOT)
+    qv = as_dot(qv, DOT)
     lse = tl.load(lse_ptr + (b * (H * GROUP) + hq).to(tl.int64) * Q + qi, mask=mmask, other=float("-inf"))
     seen = lse != float("-inf")
     lse = tl.where(seen, lse, 0.0)
@@ -154,7 +121,7 @@ def _tiered_row_kernel(
             KHAS4, KHAS2, KHAS1, KCB4, KCB2, KCB1, FMAX, OUT,
         )  # fmt: skip
         held = tmask & (ktier != 0)
-        logits = _logits(qv, k, DOT) * scale
+        logits = qk_dot(qv, k, DOT) * scale
         p = tl.exp(logits - lse[:, None])
         p = tl.where(seen[:, None] & held[None, :], p, 0.0)
         tl.store(row_ptr + base, tl.sum(p, axis=0), mask=tmask)
@@ -162,21 +129,6 @@ def _tiered_row_kernel(
 
 def _pow2(n: int) -> int:
     return max(1, 1 << (max(n, 1) - 1).bit_length())
-
-
-def _dot_mode(query: torch.Tensor, dtypes, tensor_cores: bool | None) -> int:
-    """The kernels' DOT code: the cache dtype's (float16 1, bfloat16 2) on the matrix units when the query and every
-    side share it (default: on CUDA), else 0 (IEEE float32; the interpreter's bfloat16 ``tl.dot`` is wrong)."""
-    low = OUT_CODE.get(query.dtype, 0)
-    can = low != 0 and all(OUT_CODE[dt] == low for dt in dtypes)
-    if tensor_cores is None:
-        tensor_cores = can and query.is_cuda
-    elif tensor_cores and not can:
-        raise ValueError(
-            "tensor_cores=True needs the query and the cache in one dtype, float16 or bfloat16; got query "
-            f"{query.dtype}, cache {sorted({str(dt) for dt in dtypes})}"
-        )
-    return low if tensor_cores else 0
 
 
 def _common(query: torch.Tensor, keys: TieredSide, block_t: int | None, tiles: int | None):
@@ -217,9 +169,9 @@ def tiered_attention_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`~kv_hqekv.kernels.reference.tiered_attention_ref` (same arguments, same results up to float32
     summation order); ``block_t`` entries per tile (at least 16), ``tiles`` tiles per program; ``tensor_cores``
-    as in :func:`_dot_mode`."""
+    as in :func:`kvcodec.kernels.triton_dot.dot_mode`."""
     B, H, T, Hq, Q, D, group, nsplit, meta = _common(query, keys, block_t, tiles)
-    meta["DOT"] = _dot_mode(query, (keys.dtype, values.dtype), tensor_cores)
+    meta["DOT"] = dot_mode(query, (keys.dtype, values.dtype), tensor_cores)
     out = torch.zeros(B, Hq, Q, D, dtype=torch.float32, device=query.device)
     lse = torch.full((B, Hq, Q), float("-inf"), dtype=torch.float32, device=query.device)
     S, M = B * H, group * Q
@@ -259,7 +211,7 @@ def tiered_attention_row_triton(
     """Triton :func:`~kv_hqekv.kernels.reference.tiered_attention_row_ref` (same arguments, same results up to
     float32 summation order)."""
     B, H, T, _Hq, Q, D, _group, nsplit, meta = _common(query, keys, block_t, tiles)
-    meta["DOT"] = _dot_mode(query, (keys.dtype,), tensor_cores)
+    meta["DOT"] = dot_mode(query, (keys.dtype,), tensor_cores)
     row = torch.zeros(B, H, T, dtype=torch.float32, device=query.device)
     if B * H == 0 or Q == 0 or D == 0 or T == 0:
         return row

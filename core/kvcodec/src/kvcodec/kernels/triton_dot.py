@@ -1,0 +1,78 @@
+"""Matrix-unit products shared by the fused decode-attention kernels (kvcodec's, and the method packages').
+
+A decode-attention tile computes ``q · kᵀ`` (query rows × entries) and ``p · v`` (probabilities × values). On the
+matrix units (``tl.dot``) both run in one of two modes, picked at compile time by ``DOT``:
+
+* ``DOT = 1`` / ``2`` -- float16 / bfloat16, the cache dtype, when the query and the cache share it: dequantized keys
+  and values are exact in the cache dtype, so ``q · kᵀ`` is exact up to the float32 summation order; the
+  probabilities ``p`` are split into a high and a low part of the cache dtype and multiplied twice, which keeps about
+  twice its mantissa (float16: ~2^-22 relative, where one cast of ``p`` would round to 2^-11; bfloat16 2^-16 vs 2^-8);
+* ``DOT = 0`` -- IEEE float32 (``input_precision="ieee"``, never TF32): other dtypes, and Triton's interpreter, whose
+  bfloat16 ``tl.dot`` is wrong.
+
+Operands need at least 16 rows and columns (pad query rows and tiles to 16). :func:`dot_mode` picks the mode on the
+host. This module needs ``triton``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["DOT_CODE", "as_dot", "dot_mode", "pv_dot", "qk_dot"]
+
+DOT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+"""``DOT`` code of a cache dtype (0 = IEEE float32 products)."""
+
+
+def dot_mode(query: torch.Tensor, cache_dtypes, tensor_cores: bool | None) -> int:
+    """The kernels' ``DOT`` for a query and the cache dtypes it attends to.
+
+    ``tensor_cores=None`` (default): the cache dtype's mode on CUDA when the query and every cache dtype share
+    float16 or bfloat16, else 0. ``True`` insists (``ValueError`` when the dtypes do not allow it); ``False`` forces
+    IEEE float32.
+    """
+    low = DOT_CODE.get(query.dtype, 0)
+    can = low != 0 and all(DOT_CODE.get(dt, 0) == low for dt in cache_dtypes)
+    if tensor_cores is None:
+        tensor_cores = can and query.is_cuda
+    elif tensor_cores and not can:
+        raise ValueError(
+            "tensor_cores=True needs the query and the cache in one dtype, float16 or bfloat16; got query "
+            f"{query.dtype}, cache {sorted({str(dt) for dt in cache_dtypes})}"
+        )
+    return low if tensor_cores else 0
+
+
+@triton.jit
+def as_dot(x, DOT: tl.constexpr):
+    """``x`` in the dtype the products run in: float32 (``DOT`` 0), float16 (1) or bfloat16 (2)."""
+    if DOT == 1:
+        return x.to(tl.float16)
+    elif DOT == 2:
+        return x.to(tl.bfloat16)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def qk_dot(q, k, DOT: tl.constexpr):
+    """``q · kᵀ`` in float32: ``q`` ``[M, D]`` already :func:`as_dot`, ``k`` ``[N, D]`` float32 holding values exact in
+    the cache dtype."""
+    if DOT == 0:
+        return tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        return tl.dot(q, tl.trans(as_dot(k, DOT)))
+
+
+@triton.jit
+def pv_dot(p, v, DOT: tl.constexpr):
+    """``p · v`` in float32: ``p`` ``[M, N]`` float32 probabilities (split in two cache-dtype parts on the matrix
+    units), ``v`` ``[N, D]`` float32 holding values exact in the cache dtype."""
+    if DOT == 0:
+        return tl.dot(p, v, input_precision="ieee")
+    else:
+        vd = as_dot(v, DOT)
+        p_hi = as_dot(p, DOT)
+        return tl.dot(p_hi, vd) + tl.dot(as_dot(p - p_hi.to(tl.float32), DOT), vd)
