@@ -26,7 +26,9 @@ sys.path.insert(0, str(ROOT / "packages/kv-hqekv/tests"))
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--float32", action="store_true", help="the IEEE float32 path instead of the matrix-unit one")
-    tc = not ap.parse_args().float32
+    ap.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16", help="cache and query dtype")
+    args = ap.parse_args()
+    tc, dtype = not args.float32, getattr(torch, args.dtype)
     from test_kernels import _plan  # HqeKV's random block-aligned tier plan
 
     from kv_hex import HEXConfig, HEXStore, hex_tiers
@@ -40,8 +42,8 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(0)
     B, H, T, D = 1, 8, 16384, 128
-    k, v = torch.randn(B, H, T, D, generator=g).half(), torch.randn(B, H, T, D, generator=g).half()
-    q = torch.randn(B, 32, 1, D).half()
+    k, v = torch.randn(B, H, T, D, generator=g).to(dtype), torch.randn(B, H, T, D, generator=g).to(dtype)
+    q = torch.randn(B, 32, 1, D).to(dtype)
     seg = QuantizedSegment.from_dense(
         UniformQuantizer(2, "channel", 32).quantize(k), UniformQuantizer(2, "token", 32).quantize(v)
     )
@@ -64,7 +66,8 @@ def main() -> None:
     prot[..., :4] = True
     bn = _default_block_n(n, 8, 36 * 4, torch.device("cuda"))
     refine_triton_config(scores, 0.95, prot, HubKVConfig(), block_n=bn, num_warps=8, check="deferred")
-    print(f"sm_90, Triton {sm90.triton.__version__}, {'matrix units (float16)' if tc else 'IEEE float32'} products")
+    what = f"matrix units ({args.dtype})" if tc else "IEEE float32"
+    print(f"sm_90, Triton {sm90.triton.__version__}, {what} products")
     for key, result in sm90.REPORT.items():
         print(f"{key.split(' ')[0].rsplit('.', 1)[-1]:32s} {result}")
 

@@ -28,11 +28,12 @@ KERNELS = {
 }
 
 
-def test_decode_attention_kernels_compile_for_sm90_without_spills():
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_decode_attention_kernels_compile_for_sm90_without_spills(dtype):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]))
     env.pop("TRITON_INTERPRET", None)
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "sm90_resources.py")],
+        [sys.executable, str(ROOT / "benchmarks" / "sm90_resources.py"), "--dtype", dtype],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]

@@ -11,8 +11,8 @@ the kernel at every decode step. Each entry's key and value are read through the
 ``zero + code * scale`` in float32 and rounded to the cache dtype (``CodeRows.full.dtype``) exactly as the unpack +
 dequantize kernel of :mod:`kvcodec.kernels.triton_quant` does (no FMA contraction), or a full-precision row.
 Products run on the matrix units (``tl.dot``; the query rows padded to 16): in the cache dtype when the query and
-cache are float16 or bfloat16 (the keys are exact in it; the probabilities are split into a high and a low part so
-the value product keeps ~2x its mantissa bits), else in IEEE float32 (the interpreter's path: its bfloat16
+cache are float16 or bfloat16 (the keys are exact in it; the probabilities are split into two float16 or three
+bfloat16 parts, :mod:`kvcodec.kernels.triton_dot`), else in IEEE float32 (the interpreter's path: its bfloat16
 ``tl.dot`` is wrong). A broadcast-and-sum formulation needed 255 registers and ~2 KB of spills per thread at
 64-entry tiles and ran at ~1% of an H200's bandwidth; this one compiles (Triton 3.6, sm_90) to 128 registers and no
 spills at the default 32-entry tiles and 8 warps.

@@ -5,8 +5,9 @@ matrix units (``tl.dot``) both run in one of two modes, picked at compile time b
 
 * ``DOT = 1`` / ``2`` -- float16 / bfloat16, the cache dtype, when the query and the cache share it: dequantized keys
   and values are exact in the cache dtype, so ``q · kᵀ`` is exact up to the float32 summation order; the
-  probabilities ``p`` are split into a high and a low part of the cache dtype and multiplied twice, which keeps about
-  twice its mantissa (float16: ~2^-22 relative, where one cast of ``p`` would round to 2^-11; bfloat16 2^-16 vs 2^-8);
+  probabilities ``p`` are split into parts of the cache dtype and multiplied once per part: two float16 parts
+  (~2^-22 relative, where one cast of ``p`` would round to 2^-11), three bfloat16 parts (~2^-24, float32's
+  precision, where one cast rounds to 2^-8 and two to 2^-16);
 * ``DOT = 0`` -- IEEE float32 (``input_precision="ieee"``, never TF32): other dtypes, and Triton's interpreter, whose
   bfloat16 ``tl.dot`` is wrong.
 
@@ -68,11 +69,15 @@ def qk_dot(q, k, DOT: tl.constexpr):
 
 @triton.jit
 def pv_dot(p, v, DOT: tl.constexpr):
-    """``p · v`` in float32: ``p`` ``[M, N]`` float32 probabilities (split in two cache-dtype parts on the matrix
-    units), ``v`` ``[N, D]`` float32 holding values exact in the cache dtype."""
+    """``p · v`` in float32: ``p`` ``[M, N]`` float32 probabilities (split in two float16 or three bfloat16 parts on
+    the matrix units), ``v`` ``[N, D]`` float32 holding values exact in the cache dtype."""
     if DOT == 0:
         return tl.dot(p, v, input_precision="ieee")
-    else:
-        vd = as_dot(v, DOT)
-        p_hi = as_dot(p, DOT)
-        return tl.dot(p_hi, vd) + tl.dot(as_dot(p - p_hi.to(tl.float32), DOT), vd)
+    vd = as_dot(v, DOT)
+    p_hi = as_dot(p, DOT)
+    rest = p - p_hi.to(tl.float32)
+    p_mid = as_dot(rest, DOT)
+    out = tl.dot(p_hi, vd) + tl.dot(p_mid, vd)
+    if DOT == 2:  # bfloat16 keeps 8 bits per part: a third part brings p to float32's 24
+        out += tl.dot(as_dot(rest - p_mid.to(tl.float32), DOT), vd)
+    return out

@@ -9,9 +9,9 @@ they are), so the dequantized cache never exists in memory. Each split returns i
 log-sum-exp, merged on the host; with ``logits=True`` it also writes every entry's scaled logits, from which the
 store derives the attention each entry received (HEX §3.3's heavy-hitter accumulator) once every part's
 log-sum-exp is known. Products run on the matrix units (``tl.dot``, query rows padded to 16): in the cache dtype
-when the query shares it (the probabilities split into a high and a low part), else IEEE float32 (the
-interpreter's path: its bfloat16 ``tl.dot`` is wrong). GPU speed after this change is unmeasured; with
-broadcast-and-sum products HEX-3 decoded at 0.11x DynamicCache's steps/s through kv-hf on an H200.
+when the query shares it (the probabilities split into parts of that dtype, :mod:`kvcodec.kernels.triton_dot`),
+else IEEE float32 (the interpreter's path: its bfloat16 ``tl.dot`` is wrong). GPU speed after this change is
+unmeasured; with broadcast-and-sum products HEX-3 decoded at 0.11x DynamicCache's steps/s through kv-hf on an H200.
 
 This module needs ``triton``; :mod:`kv_hex.kernels.dispatch` imports it lazily.
 """

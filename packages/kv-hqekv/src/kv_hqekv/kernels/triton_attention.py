@@ -8,8 +8,9 @@ softmax (Dao et al. 2022, "FlashAttention", §3.1). The partial ``(acc, max, sum
 the host, so the compiled kernel does not depend on the context length (no recompilation as decoding grows it,
 loop bounds are compile-time constants as the interpreter needs). Products run on the matrix units (``tl.dot``, the
 query rows padded to 16): in the cache dtype when the query shares it (float16 or bfloat16; the probabilities split
-into a high and a low part), else in IEEE float32 (the interpreter's path). Broadcast-and-sum products compiled to
-255 registers and 520 bytes of spills per thread for sm_90 (Triton 3.6) at 32-entry tiles.
+into parts of that dtype, :mod:`kvcodec.kernels.triton_dot`), else in IEEE float32 (the interpreter's path).
+Broadcast-and-sum products compiled to 255 registers and 520 bytes of spills per thread for sm_90 (Triton 3.6) at
+32-entry tiles; these compile without spills at the default 16-entry tiles in float16 and bfloat16.
 
 The row kernel recomputes the logits of every held entry and sums ``exp(logit - lse)`` over the group's query
 rows: the reduced attention row the importance window of HqeKV (§3.2) collects while decoding.
@@ -136,7 +137,7 @@ def _common(query: torch.Tensor, keys: TieredSide, block_t: int | None, tiles: i
     Hq, Q = query.shape[1], query.shape[2]
     D = keys.head_dim
     group = Hq // H
-    bt = max(16, _pow2(block_t if block_t is not None else 32))  # tl.dot needs >= 16
+    bt = max(16, _pow2(block_t if block_t is not None else 16))  # tl.dot needs >= 16; 32 spills in bfloat16
     tl_ = tiles if tiles is not None else 4
     nsplit = max(1, triton.cdiv(T, bt * tl_))
     meta = dict(
