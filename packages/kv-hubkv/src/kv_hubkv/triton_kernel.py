@@ -24,9 +24,10 @@ grid**, each program holding one ``[BLOCK_H, BLOCK_N]`` tile (``BLOCK_H = next_p
    entries of every row. With scores below ``1 / β_max``-ish (attention weights) that path never runs.
 
 History, measured on GPUs (docs/benchmarks.md): three launches over this grid with a host synchronisation (the
-per-call cost dominated), then one launch of one program per row (no synchronisation, but 36-144 programs walking
-their rows' chunks in turn: 2-6x slower kernels at Table 5 shapes on an H200). Scratch (partials, row maxima,
-counter, flag) lives in a reusable :class:`~kv_hubkv.workspace.RefineWorkspace`; :class:`kv_hubkv.Refiner` adds
+per-call cost dominated, H100), then one launch of one program per row and then this grid with a serial last pass
+(the last program rewrote every protected score whenever a refined score reached 1): 0.1-3.0 ms kernels at Table 5
+shapes on an H200, the same whatever the grid. Scratch (partials, head factors, counters, the call's maximum, flag)
+lives in a reusable :class:`~kv_hubkv.workspace.RefineWorkspace`; :class:`kv_hubkv.Refiner` adds
 deferred checks and CUDA graphs. No loop in the kernels has a run-time bound (chunk and row counts are
 compile-time constants), which keeps them runnable in Triton 3.6's interpreter with NumPy >= 2.5.
 
