@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcore import KVView, merge_attention, reference_attention
+from kvcore import KVView, merge_attention, merge_split_attention, reference_attention
 
 FAST = settings(max_examples=25, deadline=None)
 
@@ -97,6 +97,23 @@ def test_merge_of_parts_that_see_nothing():
     out, lse = merge_attention([(torch.zeros(2, 3, 4), lse_a), (out_a, lse_b)])  # the empty part adds nothing
     torch.testing.assert_close(lse, lse_b)
     torch.testing.assert_close(out, torch.where(torch.isneginf(lse_b)[..., None], 0.0, out_a))
+
+
+@pytest.mark.parametrize("dim", [0, 1, -3])
+def test_merge_of_stacked_splits_equals_the_merge_of_the_list(dim):
+    """merge_split_attention over splits stacked along any dim = merge_attention of the splits as a list,
+    including a split that saw nothing and a row that no split saw (out 0, lse -inf)."""
+    g = torch.Generator().manual_seed(3)
+    outs, lses = torch.randn(4, 2, 3, 5, generator=g), torch.randn(4, 2, 3, generator=g)
+    lses[1] = float("-inf")  # a split that sees nothing
+    lses[:, 0, 2] = float("-inf")  # a row no split sees
+    outs[:, 0, 2] = 0.0  # what a kernel writes there
+    want = merge_attention(list(zip(outs.unbind(0), lses.unbind(0))))
+    d = dim % 3  # dim indexes lse's dims; out has the trailing D
+    got = merge_split_attention(outs.movedim(0, d), lses.movedim(0, d), dim)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1])
+    assert bool(torch.isneginf(got[1][0, 2])) and bool((got[0][0, 2] == 0).all())
 
 
 def test_merge_needs_a_part():

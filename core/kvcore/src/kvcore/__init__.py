@@ -7,7 +7,7 @@ Conformance suites live in ``kvcore.testing`` (needs pytest and hypothesis: ``pi
 """
 
 from kvcore import checks, registry
-from kvcore.attention import merge_attention, reference_attention
+from kvcore.attention import merge_attention, merge_split_attention, reference_attention
 from kvcore.budget import Budget
 from kvcore.compressor import Compressor, ShortInputWarning
 from kvcore.context import ScoringContext
@@ -52,6 +52,7 @@ __all__ = [
     "check_retier_plan",
     "checks",
     "merge_attention",
+    "merge_split_attention",
     "packed_width",
     "reachable_bytes",
     "reachable_tensors",

@@ -75,3 +75,18 @@ def merge_attention(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple
     safe = torch.where(torch.isfinite(lse), lse, 0.0)
     out = sum(torch.exp(l - safe)[..., None] * o.float() for (o, _), l in zip(parts, lses))
     return out, lse
+
+
+def merge_split_attention(out: torch.Tensor, lse: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_attention` of parts stacked along ``dim``: ``out [..., S, ..., D]`` / ``lse [..., S, ...]``
+    (``dim`` indexes ``lse``'s dimensions; ``out`` has the trailing ``D``).
+
+    What a split (Flash-Decoding) kernel returns: one normalized output and log-sum-exp per split of the keys. A
+    split that saw nothing (``lse = -inf``) contributes nothing; a row no split saw gets ``out = 0``,
+    ``lse = -inf``. Computed in float32, one pass over the stack.
+    """
+    lse = lse.float()
+    d = dim % lse.dim()
+    total = torch.logsumexp(lse, dim=d)
+    w = torch.exp(lse - torch.where(torch.isfinite(total), total, 0.0).unsqueeze(d)).nan_to_num_(0.0)
+    return (w.unsqueeze(-1) * out.float()).sum(d), total

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kv_hex.kernels.triton_dequant import _OUT, _nonempty, _side_tile, side_args
 from kvcodec.kernels.triton_dot import as_dot, dot_mode, pv_dot, qk_dot
+from kvcore import merge_split_attention
 
 __all__ = ["part_attention_triton"]
 
@@ -124,7 +125,5 @@ def part_attention_triton(
         num_warps=num_warps,
         enable_fp_fusion=False,  # keys and values dequantize bit-exactly as in read()
     )  # fmt: skip
-    lse = torch.logsumexp(lsep, dim=1)  # [S, R]
-    w = torch.exp(lsep - torch.where(torch.isfinite(lse), lse, 0.0)[:, None]).nan_to_num_(0.0)
-    out = (w[..., None] * outp).sum(1)
+    out, lse = merge_split_attention(outp, lsep, dim=1)  # [S, R, D], [S, R]
     return out.reshape(B, Hq, Q, D), lse.reshape(B, Hq, Q), lg

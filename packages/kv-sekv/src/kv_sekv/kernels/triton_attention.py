@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from kvcore import merge_split_attention
+
 try:
     import triton
     import triton.language as tl
@@ -192,9 +194,7 @@ def biased_attention_triton(
     outp = outp[..., :D]
     if nsplit == 1:
         return outp[:, 0].reshape(B, Hq, Q, D), lsep[:, 0].reshape(B, Hq, Q)
-    lse = torch.logsumexp(lsep, dim=1)  # -inf where no split saw an entry
-    w = torch.exp(lsep - torch.where(torch.isfinite(lse), lse, 0.0)[:, None]).nan_to_num_(0.0)
-    out = (w[..., None] * outp).sum(1)
+    out, lse = merge_split_attention(outp, lsep, dim=1)  # lse -inf where no split saw an entry
     return out.reshape(B, Hq, Q, D), lse.reshape(B, Hq, Q)
 
 
