@@ -17,11 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcodec.kernels.triton_dot import DOT_CODE
 from kvcodec.kernels.triton_quant import _bf16_rtne
 
 __all__ = ["dequantize_part_triton", "side_args"]
 
-_OUT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_OUT = DOT_CODE  # the cache dtype's rounding code, as kvcodec's kernels use it
 
 
 @triton.jit
