@@ -243,3 +243,80 @@ def test_reference_attention_names_mismatched_queries():
 
 def test_protection_is_unchanged_by_the_checks():
     assert Protection(sinks=2, recent=3).mask(torch.ones(1, 8, dtype=torch.bool)).sum() == 5
+
+
+# -- value checks on accelerators (kvcore.checks, "Value checks on accelerators") --------------------------------
+def test_value_checks_default_on_for_cpu_tensors_and_switchable():
+    from kvcore import DenseStore, value_checks
+    from kvcore.checks import values_checked
+
+    kv = torch.zeros(1, 2, 3, 4)
+    assert values_checked(kv)
+    with value_checks(False):
+        assert not values_checked(kv)
+        with value_checks(True):
+            assert values_checked(kv)
+        assert not values_checked(kv)
+    assert values_checked(kv)
+    assert not values_checked(torch.zeros(1, device="meta"))  # an accelerator-like device: off by default
+    with value_checks(True):
+        assert values_checked(torch.zeros(1, device="meta"))
+    with pytest.raises(TypeError, match="enabled must be a bool"), value_checks(1):
+        pass
+
+    store = DenseStore()
+    store.append(kv, kv, torch.tensor([[0, 1, 2]]))
+    nan = torch.full((1, 2, 1, 4), float("nan"))
+    with pytest.raises(ValueError, match="keys must be finite"):
+        store.append(nan, kv[:, :, :1], torch.tensor([[3]]))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        store.append(kv[:, :, :1], kv[:, :, :1], torch.tensor([[2]]))
+    assert store.seq_lengths().tolist() == [[3, 3]]
+    with value_checks(False):  # values are not read; shapes and dtypes still are
+        store.append(nan, kv[:, :, :1], torch.tensor([[3]]))
+        with pytest.raises(TypeError, match="positions must be an int"):
+            store.append(kv[:, :, :1], kv[:, :, :1], torch.tensor([[4.0]]))
+        with pytest.raises(ValueError, match=r"positions must have shape \[B=1, T=1\]"):
+            store.append(kv[:, :, :1], kv[:, :, :1], torch.tensor([[4, 5]]))
+    assert store.seq_lengths().tolist() == [[4, 4]]
+    assert bool(store.read().keys[0, :, 3].isnan().all())
+
+
+def test_value_checks_from_the_environment(monkeypatch):
+    from kvcore.checks import values_checked
+
+    meta = torch.zeros(1, device="meta")
+    monkeypatch.setenv("KVCORE_VALUE_CHECKS", "1")
+    assert values_checked(meta)
+    monkeypatch.setenv("KVCORE_VALUE_CHECKS", "0")
+    assert not values_checked(meta)
+
+
+def test_host_reads_counts_what_syncs_and_nothing_else():
+    from kvcore.testing.host_reads import HostReads
+
+    x = torch.arange(6.0)
+    with HostReads(sites=True) as reads:
+        y = (x * 2).sum() + x.amax()  # device work only
+        _ = x.view(2, 3).t().contiguous()
+    assert reads.total == 0 and y.shape == ()
+    with HostReads(sites=True) as reads:
+        int(x[0])
+        bool(x.any())
+        x.tolist()
+        x[x > 2]
+        torch.nonzero(x)
+        x.to("cpu")
+        x.to(x.device)  # device-generic: not counted
+        x.repeat_interleave(2)  # int repeats: no read
+        x.repeat_interleave(torch.ones(6, dtype=torch.long))  # tensor repeats, no output_size: a read
+    assert reads.total == 7, dict(reads.by_site)
+    ops = {op for (_site, op) in reads.by_site}
+    assert ops == {"__int__", "__bool__", "tolist", "bool-mask index", "torch.nonzero", "to cpu", "repeat_interleave"}
+    assert all("test_bad_input" in site for (site, _op) in reads.by_site)
+    with HostReads() as outer:  # nested counters both count; leaving restores torch
+        with HostReads() as inner:
+            x[0].item()
+        x[1].item()
+    assert (inner.total, outer.total) == (1, 2)
+    assert torch.Tensor.item.__name__ == "item" and not hasattr(torch.Tensor.item, "__wrapped__")

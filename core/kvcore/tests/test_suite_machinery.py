@@ -154,7 +154,8 @@ def test_walker_sees_what_dense_store_holds():
     assert reachable_bytes(store) == 0
     store.append(torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4), torch.arange(5)[None])
     store.append(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4), torch.tensor([[5]]))
-    assert reachable_bytes(store) == store.nbytes() == 2 * 2 * 9 * 4 * 4 + 2 * 9 * 4 + 3 * 2 * 8
+    # K and V [2 heads x 9 slots x 4] fp32, int32 positions, start/len/cap per head, the row's last position
+    assert reachable_bytes(store) == store.nbytes() == 2 * 2 * 9 * 4 * 4 + 2 * 9 * 4 + 3 * 2 * 8 + 1 * 8
 
 
 # -- the bit packer --------------------------------------------------------------------------------------

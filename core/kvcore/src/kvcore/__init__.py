@@ -9,6 +9,7 @@ Conformance suites live in ``kvcore.testing`` (needs pytest and hypothesis: ``pi
 from kvcore import checks, registry
 from kvcore.attention import merge_attention, merge_split_attention, reference_attention
 from kvcore.budget import Budget
+from kvcore.checks import value_checks
 from kvcore.compressor import Compressor, ShortInputWarning
 from kvcore.context import ScoringContext
 from kvcore.memory import reachable_bytes, reachable_tensors, storage_bytes
@@ -64,4 +65,5 @@ __all__ = [
     "solve_shares",
     "storage_bytes",
     "tier_counts",
+    "value_checks",
 ]

@@ -2,9 +2,22 @@
 
 Every check raises ``ValueError`` or ``TypeError`` naming the argument and what is allowed, so bad input
 never turns into NaN or a silently wrong shape further down the pipeline.
+
+**Value checks on accelerators.** A check that reads tensor *values* (finiteness, the order of positions) waits
+on a GPU for every kernel queued before it -- a host sync. Once per compression that is noise; once per layer per
+decode step it makes a small model's decode run at the launch latency of the whole model. So the per-step checks
+(:func:`check_append`, what ``Store.append`` runs) read values only where :func:`values_checked` says so: always
+for CPU tensors, and for accelerator tensors only inside :func:`value_checks` ``(True)`` or with the environment
+variable ``KVCORE_VALUE_CHECKS=1`` (the conformance suites turn them on). Shape, dtype and device checks always run,
+and ``write``/``retier`` always check values.
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
@@ -155,3 +168,62 @@ def check_positions(
             f"{name} of kept entries must be distinct and strictly increasing per head{where} (true token positions)"
         )
     return p
+
+
+_VALUE_CHECKS: ContextVar[bool | None] = ContextVar("kvcore_value_checks", default=None)
+
+
+def values_checked(x: torch.Tensor) -> bool:
+    """Whether the per-step value checks run for tensors on ``x``'s device (module doc): as set by
+    :func:`value_checks`, else always on the CPU and with ``KVCORE_VALUE_CHECKS=1`` elsewhere."""
+    forced = _VALUE_CHECKS.get()
+    if forced is not None:
+        return forced
+    return x.device.type == "cpu" or os.environ.get("KVCORE_VALUE_CHECKS") == "1"
+
+
+@contextmanager
+def value_checks(enabled: bool = True) -> Iterator[None]:
+    """Run (``True``) or skip (``False``) the per-step value checks on every device inside the block.
+
+    Examples
+    --------
+    >>> import torch, kvcore
+    >>> store = kvcore.DenseStore()
+    >>> kv = torch.zeros(1, 1, 2, 4, device="cpu")
+    >>> store.append(kv, kv, torch.tensor([[0, 1]]))
+    >>> bad = torch.full((1, 1, 1, 4), float("nan"))
+    >>> with kvcore.value_checks(False):  # what a CUDA tensor gets by default: NaN is stored, no host sync
+    ...     store.append(bad, bad, torch.tensor([[2]]))
+    >>> store.append(bad, bad, torch.tensor([[3]]))  # CPU tensors are always checked
+    Traceback (most recent call last):
+    ...
+    ValueError: keys must be finite (found NaN or inf)
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    token = _VALUE_CHECKS.set(enabled)
+    try:
+        yield
+    finally:
+        _VALUE_CHECKS.reset(token)
+
+
+def check_append(
+    keys: torch.Tensor, values: torch.Tensor, positions: object, after: torch.Tensor | None
+) -> torch.Tensor:
+    """The checks of ``Store.append(keys, values, positions)`` after :func:`check_kv`: positions of shape
+    ``[B, n]`` (int32/int64) as int64 on the keys' device; where :func:`values_checked`, also finite keys and values
+    and positions in range, strictly increasing and beyond ``after`` ``[B]`` (the last position held per row)."""
+    B, _H, n, _D = keys.shape
+    if not values_checked(keys):
+        positions = check_integer_tensor("positions", positions, ndim=2)
+        if positions.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"positions must be an int32 or int64 tensor, got {positions.dtype}")
+        if tuple(positions.shape) != (B, n):
+            raise ValueError(f"positions must have shape [B={B}, T={n}], got {tuple(positions.shape)}")
+        return positions.to(device=keys.device, dtype=torch.long)
+    positions = check_positions("positions", positions, (B, n), after=after)
+    check_finite("keys", keys)
+    check_finite("values", values)
+    return positions.to(keys.device)

@@ -22,12 +22,17 @@ class KVView:
     logit_bias : Tensor
         ``[B, Hkv, T]`` float32 additive bias: 0 for ordinary entries, ``-inf`` for padding, ``log|S|`` for
         SEKV span summaries.
+    bias_free : bool
+        Set by a Store that knows, without reading it, that ``logit_bias`` is all zero (no padding, no summaries,
+        e.g. heads of equal length), so attention can skip the bias without a host read of its values (a host sync
+        on a GPU). ``False`` claims nothing.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor
     logit_bias: torch.Tensor
+    bias_free: bool = False
 
     @property
     def valid(self) -> torch.Tensor:

@@ -104,7 +104,7 @@ class CompressedLayer(CacheLayerMixin):
         self._since = 0
         self._step: Step | None = None
         self._batch: int | None = None
-        self._held: bool | None = None  # cached ``held()``; None = unknown (recomputed from the Store)
+        self._held: int | None = None  # the longest head's held entries (cached); None = unknown (read from the Store)
 
     def __repr__(self) -> str:
         store = type(self.store).__name__
@@ -201,22 +201,25 @@ class CompressedLayer(CacheLayerMixin):
         """Concatenate the stored view (read with ``query``), the pending raw entries and the step's new K/V."""
         ks, vs, bs = [], [], []
         dtype = step.keys.dtype
+        bias_free = True  # known on the host to be all zero (no read of the bias needed)
         if self.held():
             view = self.store.read(query)
             ks.append(view.keys.to(dtype))
             vs.append(view.values.to(dtype))
             bs.append(view.logit_bias.float())
+            bias_free = view.bias_free
         part = self.pending_part(dtype)
         if part is not None:
             ks.append(part[0])
             vs.append(part[1])
             bs.append(part[2])
+            bias_free = False
         if not ks:
             step.n_prefix, step.bias = 0, None
             return step.keys, step.values
-        bias = torch.cat(bs, -1)
+        bias = torch.cat(bs, -1) if len(bs) > 1 else bs[0]
         step.n_prefix = bias.shape[-1]
-        step.bias = None if not bool(bias.ne(0).any()) else bias
+        step.bias = None if bias_free or not bool(bias.ne(0).any()) else bias
         return torch.cat(ks + [step.keys], 2), torch.cat(vs + [step.values], 2)
 
     def commit(
@@ -252,7 +255,8 @@ class CompressedLayer(CacheLayerMixin):
             self.pending = new if self.pending is None else self.pending.extend(*new.tensors())
         else:
             self.store.append(step.keys, step.values, positions)  # raises before anything below changes
-            self._held = True
+            if self._held is not None:  # every head of every row gained the q tokens
+                self._held += q
             self._since += q
         self.seen += q
         self.next_positions = last if self.next_positions is None else torch.maximum(self.next_positions, last)
@@ -298,9 +302,14 @@ class CompressedLayer(CacheLayerMixin):
         """Whether the Store holds at least one entry (cached between updates: the layer's own Store mutations
         -- compress, append, re-compress, truncate, reorder, reset -- keep it current; call
         :meth:`forget_held` after changing ``layer.store`` directly)."""
+        return self.held_length() > 0
+
+    def held_length(self) -> int:
+        """Entries held by the longest head (cached like :meth:`held`: one host read after a change the layer
+        cannot count, none per decode step)."""
         if self._held is None:
             lengths = self.store.seq_lengths()
-            self._held = bool(lengths.numel()) and int(lengths.max()) > 0
+            self._held = int(lengths.max()) if lengths.numel() else 0
         return self._held
 
     def forget_held(self) -> None:
@@ -309,9 +318,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def _prefix_length(self) -> int:
         n = self.pending.length if self.pending is not None else 0
-        if self.held():
-            n += int(self.store.seq_lengths().max())
-        return n
+        return n + self.held_length()
 
     def context(
         self, extras: Mapping[str, Any] | None = None, protect_before: int | None = None

@@ -15,6 +15,7 @@ from kvcodec.narrow import narrow
 from kvcore import EVICT, FULL, KVView, Plan, Store, check_retier_plan, merge_attention, reachable_bytes
 from kvcore.attention import check_query, check_scale
 from kvcore.checks import (
+    check_append,
     check_finite,
     check_int,
     check_integer_tensor,
@@ -175,9 +176,7 @@ class HEXStore(Store):
         self._check_kv(keys, values, held=True)
         B, H, n, D = keys.shape
         last = None if self._shape is None else self._last_pos
-        positions = check_positions("positions", positions, (B, n), after=last).to(keys.device)
-        check_finite("keys", keys)
-        check_finite("values", values)
+        positions = check_append(keys, values, positions, last)
         S = B * H
         if self._shape is None:
             res = self._empty_residual(S, D, keys.dtype, keys.device)

@@ -10,6 +10,7 @@ from kvcodec.ragged import Entries, QuantUnits, Residual, compact_entries
 from kvcodec.segments import rank_in_segment
 from kvcore import EVICT, FULL, KVView, Plan, Store, check_retier_plan, reachable_bytes
 from kvcore.checks import (
+    check_append,
     check_finite,
     check_int,
     check_integer_tensor,
@@ -190,9 +191,7 @@ class HqeKVStore(Store):
         self._check_kv(keys, values, held=True)
         B, H, n, D = keys.shape
         last = None if self._shape is None else self._last_pos
-        positions = check_positions("positions", positions, (B, n), after=last).to(keys.device)
-        check_finite("keys", keys)
-        check_finite("values", values)
+        positions = check_append(keys, values, positions, last)
         parts = self._empty_parts(B, H, D, keys.dtype, keys.device) if self._shape is None else self._staged()
         S = B * H
         pos = positions[:, None, :].expand(B, H, n).reshape(S, n)

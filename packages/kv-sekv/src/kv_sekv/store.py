@@ -34,7 +34,7 @@ import torch
 
 from kvcore import EVICT, FULL, DenseStore, KVView, Plan, Store
 from kvcore.attention import check_query, check_scale, merge_attention
-from kvcore.checks import check_finite, check_int, check_integer_tensor, check_positions, check_tensor
+from kvcore.checks import check_finite, check_int, check_integer_tensor, check_positions, check_tensor, values_checked
 from kvcore.memory import storage_bytes
 
 from .bases import SpanBasis, truncated_svd
@@ -267,7 +267,7 @@ class SEKVStore(Store):
         if self._spans is not None:
             B = self._spans.length.shape[0]
             pos = check_integer_tensor("positions", positions, ndim=2)
-            if pos.shape[0] == B and pos.numel():
+            if pos.shape[0] == B and pos.numel() and values_checked(keys):
                 last = self._spans.last_pos.max(-1).values.to(pos.device)
                 if bool((pos.long().min(-1).values <= last).any()):
                     raise ValueError("positions of appended entries must come after every position held in their row")

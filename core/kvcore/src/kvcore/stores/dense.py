@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 
 from kvcore.checks import (
+    check_append,
     check_finite,
     check_int,
     check_integer_tensor,
     check_kv,
     check_positions,
+    values_checked,
 )
 from kvcore.memory import storage_bytes
 from kvcore.plan import EVICT, FULL, Plan
@@ -52,7 +54,14 @@ class DenseStore(Store):
         self._len: torch.Tensor | None = None
         self._cap: torch.Tensor | None = None
         self._shape: tuple[int, int] = (0, 0)
+        self._changed()
+
+    def _changed(self) -> None:
+        """Forget what is known on the host about the layout (after any change other than an append)."""
         self._uniform: bool | None = None  # every segment has the same length and capacity (None: not known)
+        self._T: int | None = None  # with _uniform: every segment's length and capacity, held on the host
+        self._C: int | None = None
+        self._last: torch.Tensor | None = None  # [B] largest position held per row (None: not known)
 
     def _check_kv(self, keys: torch.Tensor, values: torch.Tensor, *, held: bool) -> None:
         """Float ``[B, H, T, D]`` keys and values of one dtype and shape; with ``held``, matching the held cache."""
@@ -81,11 +90,14 @@ class DenseStore(Store):
         self._cap = self._len.clone()
         self._start = _exclusive_cumsum(self._cap)
         self._shape = (B, H)
-        self._uniform = None
+        self._changed()
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Add ``[B, H, n, D]`` entries after every held one (positions ``[B, n]`` beyond those held in their row);
-        validated first, so a rejected call changes nothing."""
+        validated first (:func:`kvcore.checks.check_append`), so a rejected call changes nothing.
+
+        When every head holds the same number of entries, the lengths and capacities are known on the host and the
+        entries are written into the reserved slots in place: no host sync unless values are checked."""
         self._check_kv(keys, values, held=True)
         B, H, n, D = keys.shape
         if self._k is None:
@@ -93,24 +105,44 @@ class DenseStore(Store):
                 keys, values, Plan.from_keep(torch.ones(B, H, n, dtype=torch.bool, device=keys.device)), positions
             )
             return
-        check_positions("positions", positions, (B, n), after=self._last_positions())
-        check_finite("keys", keys)
-        check_finite("values", values)
-        if bool((self._len + n > self._cap).any()):
-            self._relayout(torch.arange(B * H, device=keys.device), self._len + n + self.growth)
-        idx = ((self._start + self._len)[:, None] + torch.arange(n, device=keys.device)).flatten()
-        self._k[idx] = keys.reshape(-1, D)
-        self._v[idx] = values.reshape(-1, D)
-        self._pos[idx] = positions[:, None, :].expand(B, H, n).reshape(-1).to(torch.int32)
+        after = self._last_positions() if values_checked(keys) else None
+        positions = check_append(keys, values, positions, after)
+        if self._uniform is None:
+            self._learn_layout()
+        if self._uniform:
+            T, C = self._T, self._C
+            if T + n > C:  # every segment grows to the same capacity: still uniform
+                self._relayout(torch.arange(B * H, device=keys.device), self._len + n + self.growth)
+                C = T + n + self.growth
+                self._uniform, self._T, self._C = True, T, C
+            self._k.view(B, H, C, D)[:, :, T : T + n] = keys
+            self._v.view(B, H, C, D)[:, :, T : T + n] = values
+            self._pos.view(B, H, C)[:, :, T : T + n] = positions[:, None, :].to(torch.int32)
+            self._T = T + n
+        else:
+            if bool((self._len + n > self._cap).any()):
+                self._relayout(torch.arange(B * H, device=keys.device), self._len + n + self.growth)
+            idx = ((self._start + self._len)[:, None] + torch.arange(n, device=keys.device)).flatten()
+            self._k[idx] = keys.reshape(-1, D)
+            self._v[idx] = values.reshape(-1, D)
+            self._pos[idx] = positions[:, None, :].expand(B, H, n).reshape(-1).to(torch.int32)
         self._len = self._len + n
+        if n:
+            self._last = positions[:, -1].clone()  # its own storage (counted by nbytes), not the caller's
+
+    def _learn_layout(self) -> None:
+        """Read (one host sync) whether every segment has the same length and capacity, and if so which."""
+        n = self._len.numel()
+        self._uniform = bool(n) and bool((self._len == self._len[0]).all() & (self._cap == self._cap[0]).all())
+        if self._uniform:
+            self._T, self._C = int(self._len[0]), int(self._cap[0])
 
     def read(self, query: torch.Tensor | None = None) -> KVView:
         B, H = self._shape
         if self._k is None:
             raise ValueError("read() on an empty store: write() or append() first")
         if self._uniform is None:
-            n = self._len.numel()
-            self._uniform = bool(n) and bool((self._len == self._len[0]).all() & (self._cap == self._cap[0]).all())
+            self._learn_layout()
         if self._uniform:
             return self._read_uniform(B, H)
         T = int(self._len.max()) if self._len.numel() else 0
@@ -125,11 +157,11 @@ class DenseStore(Store):
 
     def _read_uniform(self, B: int, H: int) -> KVView:
         """Equal segments: segment ``i`` starts at ``i * cap``, so the buffers reshape to ``[B, H, cap, D]``."""
-        T, cap, D = int(self._len[0]), int(self._cap[0]), self._k.shape[-1]
+        T, cap, D = self._T, self._C, self._k.shape[-1]
         k = self._k.view(B, H, cap, D)[:, :, :T]
         v = self._v.view(B, H, cap, D)[:, :, :T]
         pos = self._pos.view(B, H, cap)[:, :, :T].long()
-        return KVView(k, v, pos, torch.zeros(B, H, T, device=k.device))
+        return KVView(k, v, pos, torch.zeros(B, H, T, device=k.device), bias_free=True)
 
     def tiers(self) -> Plan:
         """``FULL`` for every held entry, ``EVICT`` for padding, laid out like :meth:`read`."""
@@ -164,10 +196,10 @@ class DenseStore(Store):
         self._len = keep.sum(-1).flatten()
         self._cap = self._len.clone()
         self._start = _exclusive_cumsum(self._cap)
-        self._uniform = None
+        self._changed()
 
     def nbytes(self, device: torch.device | str | None = None) -> int:
-        return storage_bytes([self._k, self._v, self._pos, self._start, self._len, self._cap], device)
+        return storage_bytes([self._k, self._v, self._pos, self._start, self._len, self._cap, self._last], device)
 
     def seq_lengths(self) -> torch.Tensor:
         B, H = self._shape
@@ -177,6 +209,8 @@ class DenseStore(Store):
 
     def _last_positions(self) -> torch.Tensor:
         """``[B]`` the largest position held in each row (``-1`` for a row holding nothing)."""
+        if self._last is not None:
+            return self._last
         B, H = self._shape
         last = self._pos[(self._start + self._len - 1).clamp_min(0)].long() if self._pos.numel() else self._len * 0
         return torch.where(self._len > 0, last, -1).view(B, H).amax(-1)
@@ -187,7 +221,7 @@ class DenseStore(Store):
             return
         view = self.read()
         self._len = ((view.positions >= 0) & (view.positions < position)).sum(-1).flatten()
-        self._uniform = None
+        self._changed()
 
     def reorder(self, index: torch.Tensor) -> None:
         if self._k is None:
@@ -219,4 +253,4 @@ class DenseStore(Store):
             new[dst] = old[src]
             setattr(self, name, new)
         self._start, self._len, self._cap = new_start, lens.clone(), new_cap.clone()
-        self._uniform = None
+        self._changed()

@@ -28,6 +28,7 @@ import torch
 from hypothesis import strategies as st
 
 from kvcore.attention import reference_attention
+from kvcore.checks import value_checks
 from kvcore.plan import EVICT, FULL, Plan
 from kvcore.testing.base import StandardTests, forall, reachable_bytes
 from kvcore.testing.strategies import SEEDS, dtypes, fill, left_padded_masks
@@ -427,6 +428,10 @@ class StoreTests(StandardTests):
         the new state in locals (or on copies of the parts) and assign it in the last step, so a step that fails
         late (a quantizer refusing a range) leaves the old state in place. A store that can legitimately hold
         non-finite data must say so in its documentation and its suite, not silently accept it."""
+        with value_checks(True):  # on an accelerator the per-step value checks are otherwise skipped
+            self._rejects_bad_input_atomically(store_factory)
+
+    def _rejects_bad_input_atomically(self, store_factory) -> None:
         for dtype in (torch.float32, torch.float16):
             case = self.bad_retier_setup(store_factory, dtype)
             x = case[0]

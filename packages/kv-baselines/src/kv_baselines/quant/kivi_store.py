@@ -17,11 +17,13 @@ from kvcore import EVICT, FULL, KVView, Plan, Quantizer, Store, check_retier_pla
 from kvcore.attention import check_query, check_scale
 from kvcore.checks import (
     MAX_POSITION,
+    check_append,
     check_finite,
     check_int,
     check_integer_tensor,
     check_kv,
     check_positions,
+    values_checked,
 )
 
 
@@ -458,8 +460,11 @@ class KIVIStore(Store):
         self._check_kv(keys, values, held=True)
         B, H, n, D = keys.shape
         last = None if self._shape is None else self._last_pos
-        positions = _append_positions(positions, (B, n), last).to(keys.device)
-        _finite(keys, values)
+        if values_checked(keys):
+            positions = _append_positions(positions, (B, n), last).to(keys.device)
+            _finite(keys, values)
+        else:  # an accelerator's hot path: shapes and dtypes only (kvcore.checks, "Value checks on accelerators")
+            positions = check_append(keys, values, positions, last)
         S = B * H
         if self._shape is not None and not use_triton(keys):
             dec = self._dec
