@@ -137,7 +137,7 @@ def install() -> None:
 
 
 def tiny_llama(layers: int, seed: int = 0):
-    """A small random Llama (GQA 4:2, head_dim 16) in float32."""
+    """A small random Llama (GQA 4:2, head_dim 64 as in SmolLM2 and KIVI's group of 32 channels needs) in float32."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -147,7 +147,7 @@ def tiny_llama(layers: int, seed: int = 0):
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=64,
         max_position_embeddings=4096,
     )
     torch.manual_seed(seed)

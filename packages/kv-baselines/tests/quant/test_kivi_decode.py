@@ -12,20 +12,20 @@ from kv_baselines.quant import KIVIStore, UniformQuantizer, kivi_decode, kivi_st
 from kvcore import Plan, reference_attention
 
 
-def _written(seed, bits=2, B=1, H=3, T=40, D=16, G=4, R=8):
+def _written(seed, bits=2, B=1, H=3, T=40, D=16, G=4, R=8, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     store = KIVIStore(UniformQuantizer(bits, "channel", G), UniformQuantizer(bits, "token", G), residual=R)
     keep = torch.ones(B, H, T, dtype=torch.bool)
     plan = Plan(kivi_tiers(keep, bits, R, "keys"), kivi_tiers(keep, bits, R, "values"))
     k, v = torch.randn(B, H, T, D, generator=gen), torch.randn(B, H, T, D, generator=gen)
-    store.write(k, v, plan, torch.arange(T).expand(B, T))
+    store.write(k.to(dtype), v.to(dtype), plan, torch.arange(T).expand(B, T))
     return store, gen
 
 
 def _append(store, gen, n, start):
     B, H, D = store._shape
     k, v = torch.randn(B, H, n, D, generator=gen), torch.randn(B, H, n, D, generator=gen)
-    store.append(k, v, torch.arange(start, start + n).expand(B, n))
+    store.append(k.to(store._dtype), v.to(store._dtype), torch.arange(start, start + n).expand(B, n))
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -34,14 +34,15 @@ def _append(store, gen, n, start):
     bits=st.sampled_from([1, 2, 4, 8]),
     sizes=st.lists(st.integers(1, 11), min_size=1, max_size=8),
     B=st.integers(1, 2),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
 )
-def test_decode_layout_holds_the_flat_layouts_entries_bit_for_bit(seed, bits, sizes, B, monkeypatch_flat):
+def test_decode_layout_holds_the_flat_layouts_entries_bit_for_bit(seed, bits, sizes, B, dtype, monkeypatch_flat):
     """Invariant: appends through the decode layout (single tokens, several at once, key blocks flushed, the value
     FIFO turning) leave exactly the codes, scales, zeros, full-precision rows and positions the flat layout builds:
-    read(), tiers(), entry counts and every tensor of the flat sides are identical."""
-    fast, gen_f = _written(seed, bits, B=B)
+    read(), tiers(), entry counts and every tensor of the flat sides are identical, in every cache dtype."""
+    fast, gen_f = _written(seed, bits, B=B, dtype=dtype)
     with monkeypatch_flat():
-        flat, gen_s = _written(seed, bits, B=B)
+        flat, gen_s = _written(seed, bits, B=B, dtype=dtype)
     start = 40
     for n in sizes:
         _append(fast, gen_f, n, start)
@@ -71,21 +72,25 @@ def test_decode_layout_holds_the_flat_layouts_entries_bit_for_bit(seed, bits, si
     bits=st.sampled_from([2, 4]),
     steps=st.integers(1, 20),
     Q=st.integers(1, 2),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
 )
-def test_attend_over_the_decode_layout_equals_reference_over_read(seed, bits, steps, Q):
+def test_attend_over_the_decode_layout_equals_reference_over_read(seed, bits, steps, Q, dtype):
     """Invariant: attend() over the decode layout (lane-shifted unpack, in-place key dequantization, value scales
     folded into the attention weights, the FIFO ring rotated) equals reference attention over the dequantized
-    read(), at KIVI's shapes (d 64, G 32) and small ones."""
+    read(), at KIVI's shapes (d 64, G 32) and small ones. Half-precision caches: the decode layout computes in
+    float32 from the codes, ``read()`` rounds every dequantized entry to the cache dtype first, so the tolerance is
+    that rounding's (a relative 2^-8 for bfloat16, 2^-11 for float16, on entries of magnitude ~3)."""
+    tol = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 4e-2}[dtype]
     for D, G, R in ((64, 32, 32), (16, 4, 8)):
-        store, gen = _written(seed, bits, T=3 * R + 5, D=D, G=G, R=R)
+        store, gen = _written(seed, bits, T=3 * R + 5, D=D, G=G, R=R, dtype=dtype)
         for i in range(steps):
             _append(store, gen, 1, 3 * R + 5 + i)
         assert store._dec is not None
         q = torch.randn(1, 6, Q, D, generator=gen)
         out, lse = store.attend(q, 0.2)
         ref_out, ref_lse = reference_attention(store.read(), q, 0.2)
-        assert torch.allclose(out, ref_out, atol=1e-4, rtol=1e-4)
-        assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
+        assert torch.allclose(out, ref_out, atol=tol, rtol=tol)
+        assert torch.allclose(lse, ref_lse, atol=tol, rtol=tol)
 
 
 def test_the_reserve_is_bounded_and_counted():
@@ -151,3 +156,29 @@ def monkeypatch_flat(monkeypatch):
             yield
 
     return flat
+
+
+def test_appends_without_value_checks_read_nothing_on_the_host():
+    """With the per-step value checks off (an accelerator's default) a decode-layout append reads nothing on the
+    host but the value flush's scale rounding, which reads only on the CPU (kv_baselines.quant.token_quant._scale),
+    and, once per ``R`` appends, the key-block quantizer's own checks (``UniformQuantizer.quantize``); the positions
+    are then held in int32, and read() is unchanged otherwise."""
+    from kvcore import value_checks
+    from kvcore.testing.host_reads import HostReads
+
+    checked, unchecked = _written(5, 2, T=80, D=64, G=32, R=32), _written(5, 2, T=80, D=64, G=32, R=32)
+    for store, gen in (checked, unchecked):
+        _append(store, gen, 1, 80)
+        assert store._dec is not None
+    with value_checks(False), HostReads(sites=True) as reads:
+        for i in range(40):  # the value FIFO turns and a key block is flushed
+            _append(*unchecked, 1, 81 + i)
+    for i in range(40):
+        _append(*checked, 1, 81 + i)
+    per_step = sum(n for (site, _), n in reads.by_site.items() if "token_quant" in site and "_scale" in site)
+    assert per_step == 40, dict(reads.by_site)  # one per value flush, on the CPU only
+    assert reads.total - per_step <= 2 * (40 // 32 + 1), dict(reads.by_site)  # key blocks: finite, scales finite
+    assert unchecked[0]._dec.pos.dtype == torch.int32 and checked[0]._dec.pos.dtype == torch.int16
+    a, b = checked[0].read(), unchecked[0].read()
+    for x, y in zip((a.keys, a.values, a.positions), (b.keys, b.values, b.positions)):
+        assert torch.equal(x, y)

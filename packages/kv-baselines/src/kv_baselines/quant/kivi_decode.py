@@ -41,6 +41,7 @@ from kv_baselines.quant.token_quant import quantize_tokens
 from kvcodec import UniformQuantizer
 from kvcodec.narrow import narrow_int
 from kvcodec.scratch import scratch
+from kvcore.checks import MAX_POSITION, values_checked
 
 KEY_RESERVE = 8
 """Key residual rows reserved past the rows held."""
@@ -102,10 +103,10 @@ def _tokens_inner(codes: torch.Tensor, S: int, n: int) -> torch.Tensor:
 
 
 def eligible(sides: dict[str, Side], pos: Positions, B: int, H: int, residual: int) -> bool:
-    """Whether a flat state can be held as a :class:`DecodeState`: float32 CPU :class:`kvcodec.UniformQuantizer`
-    sides of 1/2/4/8 bits with whole bytes of codes per row, per-channel keys in whole groups, per-token values in
-    whole channel groups, no permanent full-precision entries, every head holding the same entries (positions shared
-    by the heads of a row) and quantized entries on both sides."""
+    """Whether a flat state can be held as a :class:`DecodeState`: :class:`kvcodec.UniformQuantizer` sides (float32,
+    float16 or bfloat16, any device) of 1/2/4/8 bits with whole bytes of codes per row, per-channel keys in whole
+    groups, per-token values in whole channel groups, no permanent full-precision entries, every head holding the
+    same entries (positions shared by the heads of a row) and quantized entries on both sides."""
     ks, vs = sides["k"], sides["v"]
     if B * H == 0:
         return False
@@ -116,11 +117,10 @@ def eligible(sides: dict[str, Side], pos: Positions, B: int, H: int, residual: i
             and q.axis == axis
             and 8 % q.bits == 0
             and side.D % (8 // q.bits) == 0
-            and side.dtype == torch.float32
+            and side.dtype in (torch.float32, torch.float16, torch.bfloat16)
             and side.meta is not None
             and side.codebook is None
             and side.zeros is not None
-            and side.codes.device.type == "cpu"
         ):
             return False
     if ks.D % vs.quantizer.group_size or ks.unit != ks.quantizer.group_size:
@@ -265,7 +265,13 @@ class DecodeState:
     # -- decode ----------------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Add ``[B, H, n, D]`` validated entries at validated ``positions [B, n]`` (KIVI's residual policy, see
-        :class:`~kv_baselines.quant.KIVIStore`). All-or-nothing: every quantization and allocation runs first."""
+        :class:`~kv_baselines.quant.KIVIStore`). All-or-nothing: every quantization and allocation runs first.
+
+        Where :func:`kvcore.checks.values_checked` is off (accelerators by default) nothing is read on the host:
+        the positions are held in int32 (no search for the narrowest dtype) and a value group whose range
+        overflows its scale dtype (a spread beyond the dtype's largest value, such as ±3e38 in float32) is not
+        detected, as non-finite input is not."""
+        checked = values_checked(keys)
         B, H, n, D = keys.shape
         S, R = B * H, self.R
         k_new, v_new = keys.reshape(S, n, D), values.reshape(S, n, D)
@@ -300,7 +306,7 @@ class DecodeState:
         if out:
             vq = self.vinfo[0]
             codes, scales, zeros = quantize_tokens(old.reshape(S * out, D), vq.bits, vq.group_size)
-            if not bool(torch.isfinite(scales).all()):
+            if checked and not bool(torch.isfinite(scales).all()):
                 raise ValueError(
                     f"x has a group range (max - min) too large for {scales.dtype} scales at bits={vq.bits}; "
                     "quantize it in float32"
@@ -311,8 +317,13 @@ class DecodeState:
         vs = _grow(self.vs, tv, tv + out, extra)
         vz = _grow(self.vz, tv, tv + out, extra)
         T = self.length
-        top = max(self.top, int(positions[:, -1].max()))
-        pos = _grow(self.pos, T, T + n, reserve(T + n), dtype=narrow_int(top))
+        if checked:  # the positions' dtype is the narrowest that holds the largest one
+            top = max(self.top, int(positions[:, -1].max()))
+            pdtype = narrow_int(top)
+        else:  # not read (a host sync on a GPU): int32 holds every position a store takes (kvcore MAX_POSITION)
+            top = MAX_POSITION
+            pdtype = torch.promote_types(self.pos.dtype, torch.int32)
+        pos = _grow(self.pos, T, T + n, reserve(T + n), dtype=pdtype)
         # -- writes (into reserve slots, invisible until the counts below change), then the commit ------------
         if f:
             kc[:, :, self.tk : self.tk + f * R] = _tokens_inner(q.codes.reshape(S * f * R, -1), S, f * R)
@@ -352,16 +363,16 @@ class DecodeState:
             nG = tk // G
             k.view(S, D, nG, G).mul_((self.ks[:, :, :nG] * lane_scale(bits, D, k.device)[:, None])[..., None])
             lk = torch.bmm(qs, k)  # q·(s·c), then + q·z once per group (not added to every code)
-            lk.view(S, M, nG, G).add_(torch.bmm(qs, self.kz[:, :, :nG])[..., None])
+            lk.view(S, M, nG, G).add_(torch.bmm(qs, self.kz[:, :, :nG].float())[..., None])
             parts.append(lk)
         if nr:
-            parts.append(torch.bmm(qs, self.kr[:, :nr].transpose(1, 2)))
+            parts.append(torch.bmm(qs, self.kr[:, :nr].transpose(1, 2).float()))
         logits = torch.cat(parts, -1) if len(parts) > 1 else parts[0]
         m = logits.amax(-1, keepdim=True)
         e = logits.sub_(m).exp_()
         total = e.sum(-1, keepdim=True)
         er = e[..., tv:]
-        out = torch.bmm(er.roll(self.head, -1) if self.head else er, self.ring[:, : self.nv])
+        out = torch.bmm(er.roll(self.head, -1) if self.head else er, self.ring[:, : self.nv].float())
         if tv:
             C = self.vs.shape[1]
             Gv = D // C
@@ -371,6 +382,6 @@ class DecodeState:
             # one flat batch of S * C matmuls (a 4-D broadcast matmul runs several times slower on CPU)
             oc = torch.bmm(ew.view(S * C, M, tv), v.view(S * C, Gv, tv).transpose(1, 2)).view(S, C, M, Gv)
             oc.mul_(lane_scale(self.vinfo[0].bits, D, v.device).view(C, 1, Gv))
-            oz = torch.bmm(eq, self.vz[:, :, :tv].transpose(1, 2))  # [S, M, C]
+            oz = torch.bmm(eq, self.vz[:, :, :tv].transpose(1, 2).float())  # [S, M, C]
             out += (oc.transpose(1, 2) + oz[..., None]).reshape(S, M, D)
         return out.div_(total), total.log_().add_(m)

@@ -371,7 +371,7 @@ class KIVIStore(Store):
         self._last_pos: torch.Tensor | None = None  # [B] largest position held per batch row (-1: none)
         self._fs: dict[str, Side] = {}  # the flat layout (kivi_layout), or
         self._fp: Positions | None = None
-        self._dec: DecodeState | None = None  # the decode layout (kivi_decode) while decoding on CPU
+        self._dec: DecodeState | None = None  # the decode layout (kivi_decode) while decoding
 
     def _empty(self, S: int, D: int, dtype: torch.dtype, device: torch.device) -> dict[str, Side]:
         return {
@@ -466,7 +466,7 @@ class KIVIStore(Store):
         else:  # an accelerator's hot path: shapes and dtypes only (kvcore.checks, "Value checks on accelerators")
             positions = check_append(keys, values, positions, last)
         S = B * H
-        if self._shape is not None and not use_triton(keys):
+        if self._shape is not None:
             dec = self._dec
             if dec is None and eligible(self._fs, self._fp, B, H, self.residual):
                 dec = DecodeState.of(self._fs, self._fp, B, H, self.residual)

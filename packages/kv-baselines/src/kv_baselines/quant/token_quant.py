@@ -26,13 +26,14 @@ def _shifts(bits: int, device: torch.device) -> torch.Tensor:
 
 
 def _scale(span: torch.Tensor, bits: int, sdt: torch.dtype) -> torch.Tensor:
-    """:func:`kvcodec.stats.minmax_scale` (the same values), skipping its one-ulp raises when no scale needs one
-    (a host read instead of two rounds of elementwise ops: cheaper for the few groups of a FIFO flush)."""
+    """:func:`kvcodec.stats.minmax_scale` (the same values). On the CPU its one-ulp raises are skipped when no scale
+    needs one (a host read instead of two rounds of elementwise ops: cheaper for the few groups of a FIFO flush);
+    elsewhere both rounds always run (a host read would be a host sync)."""
     levels = float((1 << bits) - 1)
     s = (span / levels).to(sdt).float().clamp_min_(scale_floor(sdt, bits))
     for _ in range(2):
         up = span / s >= levels + 0.5
-        if not bool(up.any()):
+        if span.device.type == "cpu" and not bool(up.any()):
             break
         s = torch.where(up, next_up(s, sdt), s)
     return s
