@@ -209,6 +209,33 @@ def decode_step(step: Step, query: torch.Tensor, position_ids: torch.Tensor | No
     return out.to(query.dtype).transpose(1, 2).contiguous()
 
 
+def read_step(
+    step: Step, query: torch.Tensor, position_ids: torch.Tensor | None, scaling: float, run: Callable[..., Any]
+) -> Any:
+    """One decode token over a Store without a fused ``attend``: append it first, then attend over ``read()``.
+
+    The Store then holds exactly what ``[view | new]`` would be, without concatenating the whole cache each step
+    (a copy of every held key and value per layer, which transformers' ``DynamicCache`` also makes): a Store whose
+    view is zero-copy (``DenseStore`` with heads of equal length) is attended in place. ``run(keys, values, mask)``
+    is the kernel; the mask is ``None`` when the view is ``bias_free``, else the view's per-head bias repeated to
+    the query heads. If reading or attention raises, the token is rolled back (``CompressedLayer.truncate``).
+    """
+    layer = step.layer
+    seen = layer.seen
+    layer.commit(step, query, position_ids, None, scaling)
+    try:
+        view = layer.store.read(None)
+        mask = None
+        if not view.bias_free:
+            dtype, group = query.dtype, query.shape[1] // view.keys.shape[1]
+            bias = view.logit_bias.to(dtype).clamp_min(torch.finfo(dtype).min)
+            mask = bias.repeat_interleave(group, dim=1)[:, :, None, :]
+        return run(view.keys.to(query.dtype), view.values.to(query.dtype), mask)
+    except BaseException:
+        layer.truncate(seen)
+        raise
+
+
 def _valid_new(new: torch.Tensor | None, B: int, q: int) -> torch.Tensor | None:
     """``[B, q]`` bool: which of the step's tokens are real (a token attends to itself unless it is padding)."""
     if new is None:
@@ -230,6 +257,19 @@ def _make(base: Callable[..., Any], eager: bool) -> Callable[..., Any]:
         if scaling is None:
             scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
         try:
+            if step.appended and _single_token_decode(step, _new_token_mask(attention_mask, query.shape[2])):
+                out = read_step(
+                    step,
+                    query,
+                    kwargs.get("position_ids"),
+                    scaling,
+                    lambda k, v, mask: base(module, query, k, v, mask, **kwargs),
+                )
+                if step.on_commit is not None:
+                    step.on_commit(layer)
+                return out
+            if step.appended:  # padding among the new tokens: the usual [view | new] path
+                step.deferred = True
             if step.fused:
                 new = _new_token_mask(attention_mask, query.shape[2])
                 if _single_token_decode(step, new):

@@ -39,4 +39,5 @@ class Step:
     bias: torch.Tensor | None = None  # [B, Hkv, n_prefix] float32 additive bias; None = all zero
     deferred: bool = False
     fused: bool = False  # attend to the Store with its fused ``attend`` and to [pending | new] separately
+    appended: bool = False  # a single decode token: appended to the Store first, then attention over its read()
     on_commit: Callable[[CompressedLayer], None] | None = None  # set by the cache: what to do after the commit
