@@ -110,7 +110,8 @@ class PartLayout:
 
     def seg(self) -> torch.Tensor:
         """int64 ``[N]``: the head ``b·H + h`` of every entry."""
-        return torch.repeat_interleave(torch.arange(self.count.numel(), device=self.count.device), self.count.long())
+        heads = torch.arange(self.count.numel(), device=self.count.device)
+        return torch.repeat_interleave(heads, self.count.long(), output_size=self.num_entries)  # no host read
 
 
 @functools.lru_cache(maxsize=64)

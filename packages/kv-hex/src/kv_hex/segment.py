@@ -101,7 +101,8 @@ class Segment:
         return bool(self.k_full.numel() or self.v_full.numel())
 
     def seg(self) -> torch.Tensor:
-        return torch.repeat_interleave(torch.arange(self.counts.numel(), device=self.pos.device), self.counts)
+        heads = torch.arange(self.counts.numel(), device=self.pos.device)
+        return torch.repeat_interleave(heads, self.counts, output_size=self.pos.numel())  # no host read
 
     def slots(self, seg: torch.Tensor | None = None) -> torch.Tensor:
         """Slot of every entry (its position's index in its row's ``slot_pos``)."""

@@ -85,13 +85,14 @@ class HEXStore(Store):
         }
 
     @staticmethod
-    def _seg_ids(counts: torch.Tensor) -> torch.Tensor:
-        return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+    def _seg_ids(counts: torch.Tensor, total: int) -> torch.Tensor:
+        """The head of each of ``total`` entries held ``counts [S]`` per head (``total`` known: no host read)."""
+        return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=total)
 
     def _parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(seg, pos)`` of each part's entries: the segments in order, then the residual."""
         out = [(s.seg(), s.pos.int()) for s in self._segments]  # int16 or int32 held, int32 here
-        out.append((self._seg_ids(self._res["counts"]), self._res["pos"].int()))
+        out.append((self._seg_ids(self._res["counts"], self._res["pos"].numel()), self._res["pos"].int()))
         return out
 
     def _order(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -183,7 +184,9 @@ class HEXStore(Store):
             segments: list[Segment] = []
         else:
             res, segments = dict(self._res), list(self._segments)
-        seg = torch.cat([self._seg_ids(res["counts"]), torch.arange(S, device=keys.device).repeat_interleave(n)])
+        seg = torch.cat(
+            [self._seg_ids(res["counts"], res["pos"].numel()), torch.arange(S, device=keys.device).repeat_interleave(n)]
+        )
         pos = narrow(torch.cat([res["pos"].int(), positions[:, None, :].expand(B, H, n).reshape(-1).int()]))
         order = torch.argsort((seg.long() << 32) | pos.long())
         new_acc = None
@@ -214,7 +217,7 @@ class HEXStore(Store):
         B, H, D = self._shape
         nb = self.config.block_size
         while True:
-            seg = self._seg_ids(res["counts"])
+            seg = self._seg_ids(res["counts"], res["pos"].numel())
             row = seg // H
             pos = res["pos"].long()
             first: list[torch.Tensor | None] = []
