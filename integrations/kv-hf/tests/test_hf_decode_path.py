@@ -76,3 +76,64 @@ def test_decode_queries_are_captured_only_for_scorers_that_need_them(needs_queri
     model(torch.tensor([[9]]), past_key_values=cache)
     assert torch.equal(layer.queries, after_prefill) is not needs_queries
     assert layer.queries.shape == after_prefill.shape
+
+
+class FlakyReadStore(DenseStore):
+    """A DenseStore (no fused attend) whose next read raises once ``fail`` is set (the rollback's own reads work)."""
+
+    fail = False
+
+    def read(self, query=None):
+        if FlakyReadStore.fail:
+            FlakyReadStore.fail = False
+            raise RuntimeError("read failed")
+        return super().read(query)
+
+
+@pytest.mark.parametrize("granularity", ["head", "layer"])  # equal heads (a zero-copy view) / ragged heads (padded)
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@torch.no_grad()
+def test_append_first_decode_equals_the_concatenating_path(granularity, attn, monkeypatch):
+    """A decode token over a Store without a fused attend is appended first and attended over read(): the logits
+    equal those of the [view | new] concatenation (the path taken for padded steps), over equal and ragged heads."""
+    model = tiny_model("llama", attn)
+    logits = {}
+    for append_first in (True, False):
+        if not append_first:
+            monkeypatch.setattr(kv_hf.layer.CompressedLayer, "_plain_decode", lambda self, k: False)
+        cache = kv_hf.compressed_cache(model, make(KnormScorer(), ratio=0.5, granularity=granularity))
+        tok = kv_hf.prefill(model, cache, prompt(16, seed=5)).argmax(-1)[:, None]
+        steps = []
+        for _ in range(4):
+            out = model(tok, past_key_values=cache)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            steps.append(out.logits[:, -1])
+        logits[append_first] = torch.stack(steps)
+        ragged = not bool((cache.layers[0].store.seq_lengths() == cache.layers[0].store.seq_lengths()[0, 0]).all())
+        assert ragged is (granularity == "layer")
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_a_failing_read_rolls_the_appended_token_back():
+    model = tiny_model("llama")
+    cache = kv_hf.compressed_cache(model, _with_store(make(KnormScorer(), ratio=0.5), FlakyReadStore))
+    model(prompt(12, seed=3), past_key_values=cache)
+    tok = torch.tensor([[7]])
+    model(tok, past_key_values=cache)
+    layer = cache.layers[0]
+    seen, lengths, nxt = layer.seen, layer.store.seq_lengths().clone(), layer.next_positions.clone()
+    FlakyReadStore.fail = True
+    try:
+        with pytest.raises(RuntimeError, match="read failed"):
+            model(tok, past_key_values=cache)
+    finally:
+        FlakyReadStore.fail = False
+    assert layer.seen == seen and layer._step is None
+    assert torch.equal(layer.store.seq_lengths(), lengths) and torch.equal(layer.next_positions, nxt)
+    ref = kv_hf.compressed_cache(model, _with_store(make(KnormScorer(), ratio=0.5), FlakyReadStore))
+    model(prompt(12, seed=3), past_key_values=ref)
+    model(tok, past_key_values=ref)
+    torch.testing.assert_close(
+        model(tok, past_key_values=cache).logits, model(tok, past_key_values=ref).logits, rtol=0, atol=0
+    )
