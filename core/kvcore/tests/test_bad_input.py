@@ -310,9 +310,14 @@ def test_host_reads_counts_what_syncs_and_nothing_else():
         x.to(x.device)  # device-generic: not counted
         x.repeat_interleave(2)  # int repeats: no read
         x.repeat_interleave(torch.ones(6, dtype=torch.long))  # tensor repeats, no output_size: a read
-    assert reads.total == 7, dict(reads.by_site)
+        torch.repeat_interleave(torch.ones(6, dtype=torch.long))  # the one-argument form: a read
+        torch.repeat_interleave(x, torch.ones(6, dtype=torch.long), output_size=6)  # size given: none
+    assert reads.total == 8, dict(reads.by_site)
     ops = {op for (_site, op) in reads.by_site}
-    assert ops == {"__int__", "__bool__", "tolist", "bool-mask index", "torch.nonzero", "to cpu", "repeat_interleave"}
+    assert ops == {
+        "__int__", "__bool__", "tolist", "bool-mask index", "torch.nonzero", "to cpu", "repeat_interleave",
+        "torch.repeat_interleave",
+    }  # fmt: skip
     assert all("test_bad_input" in site for (site, _op) in reads.by_site)
     with HostReads() as outer:  # nested counters both count; leaving restores torch
         with HostReads() as inner:

@@ -1,12 +1,12 @@
 """Count the host reads of tensor values a block of code makes: each one is a host sync on a GPU.
 
 ``item``, ``tolist``, ``int()`` / ``bool()`` / ``float()`` / ``operator.index`` of a tensor, ``nonzero``,
-``unique``, ``masked_select``, boolean-mask indexing and assignment, ``repeat_interleave`` with tensor repeats and
-no ``output_size``, ``.cpu()`` and ``.to("cpu")``: on a GPU each waits for every kernel queued before it, so a
-decode step that makes a few per layer runs at the launch latency of the whole model. The counter works on any
-device, so a CPU test can pin a hot path's reads down (``.to(device)`` with a device object is device-generic
-code and is not counted; on a CPU run every tensor is a CPU tensor, so a read of a tensor a GPU run would keep on
-the host is counted too: an upper bound).
+``unique``, ``masked_select``, boolean-mask indexing and assignment, ``repeat_interleave`` with tensor repeats (or
+the one-argument form) and no ``output_size``, ``.cpu()`` and ``.to("cpu")``: on a GPU each waits for every kernel
+queued before it, so a decode step that makes a few per layer runs at the launch latency of the whole model. The
+counter works on any device, so a CPU test can pin a hot path's reads down (``.to(device)`` with a device object
+is device-generic code and is not counted; on a CPU run every tensor is a CPU tensor, so a read of a tensor a GPU
+run would keep on the host is counted too: an upper bound).
 
 Examples
 --------
@@ -59,7 +59,9 @@ def _bool_index(index: object) -> bool:
 
 
 def _tensor_repeats(_x, repeats=None, *args, **kwargs) -> bool:
-    return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+    """Tensor repeats, or the one-argument form ``repeat_interleave(counts)``, without ``output_size``."""
+    one_argument = repeats is None and isinstance(_x, torch.Tensor)
+    return (one_argument or isinstance(repeats, torch.Tensor)) and kwargs.get("output_size") is None
 
 
 def _to_cpu(_x, *args, **kwargs) -> bool:
