@@ -64,10 +64,11 @@ def position_runs(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return narrow(shifted + exclusive_cumsum(lengths)), narrow(lengths)
 
 
-def expand_runs(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """int32 positions of runs ``(starts, lengths)`` (the inverse of :func:`position_runs`)."""
+def expand_runs(starts: torch.Tensor, lengths: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """int32 positions of runs ``(starts, lengths)`` (the inverse of :func:`position_runs`; ``total`` =
+    ``lengths.sum()`` when known, sparing a host read)."""
     lengths = lengths.long()
-    run = segment_ids(lengths)
+    run = segment_ids(lengths, total)
     return ((starts.long() - exclusive_cumsum(lengths))[run] + torch.arange(run.numel(), device=run.device)).int()
 
 
@@ -95,7 +96,7 @@ def compact_entries(x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> t
     """Entries of ``x [B, H, T, D]`` where ``mask [B, H, T]``, in (segment, T) order, and the counts ``[B*H]``."""
     rows, lengths = _kernels.compact(x, mask)
     counts = lengths.flatten()
-    seg = segment_ids(counts)
+    seg = segment_ids(counts, rows.shape[0])
     return (rows, seg, pos[mask].int()), counts
 
 
@@ -116,7 +117,7 @@ class FullRows:
         return copy.copy(self)
 
     def _seg(self) -> torch.Tensor:
-        return segment_ids(self.counts)
+        return segment_ids(self.counts, self.rows.shape[0])
 
     def entries(self) -> Entries:
         return self.rows, self._seg(), self.pos.int()
@@ -185,7 +186,7 @@ class Residual(FullRows):
         """Remove the ``k[s]`` oldest entries of every segment; returns them in (segment, age) order."""
         k = k.long().to(self.rows.device)
         seg = self._seg()
-        taken = offsets_in_segment(self.counts) < k[seg]
+        taken = offsets_in_segment(self.counts, self.rows.shape[0]) < k[seg]
         out = (self.rows[taken], seg[taken], self.pos[taken].int())
         self.rows, self.pos, self.counts = self.rows[~taken], self.pos[~taken], self.counts - k
         return out
@@ -241,14 +242,14 @@ class QuantUnits:
         """``[nu]`` int64 segment id of every unit in use (expanded from the run-length encoding)."""
         if self._seg_ids is None:
             return None
-        return self._seg_ids.long()[segment_ids(self._seg_lens)]
+        return self._seg_ids.long()[segment_ids(self._seg_lens, self.nu)]
 
     @property
     def pos(self) -> torch.Tensor | None:
         """``[nr]`` int32 position of every row in use (expanded from the runs)."""
         if self._pos_starts is None:
             return None
-        return expand_runs(self._pos_starts, self._pos_lens)
+        return expand_runs(self._pos_starts, self._pos_lens, self.nr)
 
     def _set_pos(self, pos: torch.Tensor) -> None:
         held = self._pos_starts
@@ -344,13 +345,15 @@ class QuantUnits:
         """``[nr]`` unit (group) index of every stored row."""
         if self.unit == 1:
             return torch.arange(self.nr, device=self.codes.device)
-        return segment_ids(self.rows[: self.nu])
+        return segment_ids(self.rows[: self.nu], self.nr)
 
     def dequantized(self) -> torch.Tensor:
         """``[nr, D]`` dequantized rows (through the quantizer, in its output dtype)."""
         bits, axis, group_size, D, dtype = self._meta
         nu, U = self.nu, self.unit
-        cell = self.row_unit() * U if U == 1 else self.row_unit() * U + offsets_in_segment(self.rows[: self.nu])
+        cell = self.row_unit() * U
+        if U != 1:
+            cell = cell + offsets_in_segment(self.rows[: self.nu], self.nr)
         codes = torch.zeros(nu * U, self.codes.shape[-1], dtype=torch.uint8, device=self.codes.device)
         codes[cell] = self.codes[: self.nr]
         q = QuantizedTensor(

@@ -14,19 +14,21 @@ def exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, 0) - x
 
 
-def segment_ids(counts: torch.Tensor) -> torch.Tensor:
+def segment_ids(counts: torch.Tensor, total: int | None = None) -> torch.Tensor:
     """``repeat_interleave(arange(S), counts)``: the segment of every item when items are sorted by segment.
 
     The stores call this several times per decode step; ``torch.repeat_interleave(counts)`` is the fastest way
     measured on CPU with torch 2.15 (4-8x faster than a ``searchsorted`` over the cumulative counts, which this
-    replaced: ``benchmarks/bench_codec_ops.py``).
+    replaced: ``benchmarks/bench_codec_ops.py``). ``total`` (``counts.sum()``, when the caller knows it from a
+    tensor's shape) spares the host read of the output size (a host sync on a GPU).
     """
-    return torch.repeat_interleave(counts.long())
+    return torch.repeat_interleave(counts.long(), output_size=total)
 
 
-def offsets_in_segment(counts: torch.Tensor) -> torch.Tensor:
-    """Rank of every item inside its segment, for items sorted by segment (``counts [S]``)."""
-    seg = segment_ids(counts)
+def offsets_in_segment(counts: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """Rank of every item inside its segment, for items sorted by segment (``counts [S]``; ``total`` as in
+    :func:`segment_ids`)."""
+    seg = segment_ids(counts, total)
     return torch.arange(seg.numel(), device=counts.device) - exclusive_cumsum(counts.long())[seg]
 
 

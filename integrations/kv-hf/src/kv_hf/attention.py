@@ -217,8 +217,9 @@ def read_step(
     The Store then holds exactly what ``[view | new]`` would be, without concatenating the whole cache each step
     (a copy of every held key and value per layer, which transformers' ``DynamicCache`` also makes): a Store whose
     view is zero-copy (``DenseStore`` with heads of equal length) is attended in place. ``run(keys, values, mask)``
-    is the kernel; the mask is ``None`` when the view is ``bias_free``, else the view's per-head bias repeated to
-    the query heads. If reading or attention raises, the token is rolled back (``CompressedLayer.truncate``).
+    is the kernel; the mask is ``None`` when the view is ``bias_free`` or its bias is all zero (one host read),
+    else the view's per-head bias repeated to the query heads. If reading or attention raises, the token is rolled
+    back (``CompressedLayer.truncate``).
     """
     layer = step.layer
     seen = layer.seen
@@ -226,7 +227,7 @@ def read_step(
     try:
         view = layer.store.read(None)
         mask = None
-        if not view.bias_free:
+        if not view.bias_free and bool(view.logit_bias.ne(0).any()):  # a zero bias runs the unmasked kernel
             dtype, group = query.dtype, query.shape[1] // view.keys.shape[1]
             bias = view.logit_bias.to(dtype).clamp_min(torch.finfo(dtype).min)
             mask = bias.repeat_interleave(group, dim=1)[:, :, None, :]
