@@ -1,6 +1,7 @@
-"""The single-token decode path over Stores with a fused ``attend``: the token is appended, then one ``attend`` sees
-everything; a failing ``attend`` leaves the layer as it was; queries are captured after compression only when a
-scorer needs them."""
+"""The single-token decode path: the token is appended first, then one fused ``attend`` (or, for a Store without
+one, attention over ``read()``) sees everything; a failing ``attend`` or ``read`` leaves the layer as it was; the
+append-first path equals the concatenating one; queries are captured after compression only when a scorer needs
+them."""
 
 from __future__ import annotations
 
@@ -24,6 +25,18 @@ class FlakyStore(DenseStore):
         return reference_attention(self.read(), query, scale)
 
 
+class FlakyReadStore(DenseStore):
+    """A DenseStore (no fused attend) whose next read raises once ``fail`` is set (the rollback's own reads work)."""
+
+    fail = False
+
+    def read(self, query=None):
+        if FlakyReadStore.fail:
+            FlakyReadStore.fail = False
+            raise RuntimeError("read failed")
+        return super().read(query)
+
+
 class QueryKnormScorer(KnormScorer):
     """The key-norm scorer declaring that it needs queries (as SnapKV does)."""
 
@@ -34,28 +47,35 @@ def _with_store(comp, store):
     return type(comp)(comp.scorer, comp.selector, store, comp.budget, comp.protect)
 
 
+@pytest.mark.parametrize(
+    "store, message",
+    [(FlakyStore, "attend failed"), (FlakyReadStore, "read failed")],
+    ids=["fused-attend", "append-first-read"],
+)
 @torch.no_grad()
-def test_a_failing_attend_rolls_the_decode_token_back():
+def test_a_failing_decode_step_rolls_the_token_back(store, message):
+    """The decode token is appended before attention (a fused attend, or attention over read() for a Store
+    without one); when the attend or the read raises, the token is rolled back and decoding goes on."""
     model = tiny_model("llama")
-    cache = kv_hf.compressed_cache(model, _with_store(make(KnormScorer(), ratio=0.5), FlakyStore))
+    cache = kv_hf.compressed_cache(model, _with_store(make(KnormScorer(), ratio=0.5), store))
     model(prompt(12, seed=3), past_key_values=cache)
     tok = torch.tensor([[7]])
     model(tok, past_key_values=cache)
     before = [(layer.seen, layer.store.seq_lengths().clone(), layer.next_positions.clone()) for layer in cache.layers]
-    FlakyStore.fail = True
+    store.fail = True
     try:
-        with pytest.raises(RuntimeError, match="attend failed"):
+        with pytest.raises(RuntimeError, match=message):
             model(tok, past_key_values=cache)
     finally:
-        FlakyStore.fail = False
-    layer = cache.layers[0]  # the first layer appended the token, then its attend raised
+        store.fail = False
+    layer = cache.layers[0]  # the first layer appended the token, then its attend (or read) raised
     seen, lengths, nxt = before[0]
     assert layer.seen == seen
     assert torch.equal(layer.store.seq_lengths(), lengths)
     assert torch.equal(layer.next_positions, nxt)
     assert layer._step is None
     # decoding goes on from where it was, with the same logits as a cache that never failed
-    ref = kv_hf.compressed_cache(model, _with_store(make(KnormScorer(), ratio=0.5), FlakyStore))
+    ref = kv_hf.compressed_cache(model, _with_store(make(KnormScorer(), ratio=0.5), store))
     model(prompt(12, seed=3), past_key_values=ref)
     model(tok, past_key_values=ref)
     torch.testing.assert_close(
@@ -76,18 +96,6 @@ def test_decode_queries_are_captured_only_for_scorers_that_need_them(needs_queri
     model(torch.tensor([[9]]), past_key_values=cache)
     assert torch.equal(layer.queries, after_prefill) is not needs_queries
     assert layer.queries.shape == after_prefill.shape
-
-
-class FlakyReadStore(DenseStore):
-    """A DenseStore (no fused attend) whose next read raises once ``fail`` is set (the rollback's own reads work)."""
-
-    fail = False
-
-    def read(self, query=None):
-        if FlakyReadStore.fail:
-            FlakyReadStore.fail = False
-            raise RuntimeError("read failed")
-        return super().read(query)
 
 
 @pytest.mark.parametrize("granularity", ["head", "layer"])  # equal heads (a zero-copy view) / ragged heads (padded)
@@ -112,28 +120,3 @@ def test_append_first_decode_equals_the_concatenating_path(granularity, attn, mo
         ragged = not bool((cache.layers[0].store.seq_lengths() == cache.layers[0].store.seq_lengths()[0, 0]).all())
         assert ragged is (granularity == "layer")
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
-
-
-@torch.no_grad()
-def test_a_failing_read_rolls_the_appended_token_back():
-    model = tiny_model("llama")
-    cache = kv_hf.compressed_cache(model, _with_store(make(KnormScorer(), ratio=0.5), FlakyReadStore))
-    model(prompt(12, seed=3), past_key_values=cache)
-    tok = torch.tensor([[7]])
-    model(tok, past_key_values=cache)
-    layer = cache.layers[0]
-    seen, lengths, nxt = layer.seen, layer.store.seq_lengths().clone(), layer.next_positions.clone()
-    FlakyReadStore.fail = True
-    try:
-        with pytest.raises(RuntimeError, match="read failed"):
-            model(tok, past_key_values=cache)
-    finally:
-        FlakyReadStore.fail = False
-    assert layer.seen == seen and layer._step is None
-    assert torch.equal(layer.store.seq_lengths(), lengths) and torch.equal(layer.next_positions, nxt)
-    ref = kv_hf.compressed_cache(model, _with_store(make(KnormScorer(), ratio=0.5), FlakyReadStore))
-    model(prompt(12, seed=3), past_key_values=ref)
-    model(tok, past_key_values=ref)
-    torch.testing.assert_close(
-        model(tok, past_key_values=cache).logits, model(tok, past_key_values=ref).logits, rtol=0, atol=0
-    )
