@@ -17,7 +17,7 @@ from hypothesis import assume
 from hypothesis import strategies as st
 
 from kvcore.budget import Budget
-from kvcore.plan import Plan
+from kvcore.plan import EVICT, Plan
 from kvcore.scores import Scores
 from kvcore.testing.base import StandardTests, forall
 from kvcore.testing.strategies import SEEDS, budgets, budgets_below_protected, fill, left_padded_masks, protections
@@ -171,6 +171,13 @@ class SelectorTests(StandardTests):
             assert torch.equal(again.key_bits, plan.key_bits), "the same input gave another plan"
 
         self.each(selector, check, kinds=("constant",))
+        if not self.tiered and "head" in self.supports_granularities:  # one case that always has a tie to break
+            scores, valid = torch.ones(1, 2, 8), torch.ones(1, 8, dtype=torch.bool)
+            plan = selector.select(Scores(scores), Budget(ratio=0.5, granularity="head"), None, valid)
+            kept = plan.key_bits != EVICT
+            assert torch.equal(kept, (torch.arange(8) < 4).expand(1, 2, 8)), (
+                f"equal scores must keep the lowest indices, kept {kept.int().tolist()}"
+            )
 
     def test_keeps_highest_scores(self, selector) -> None:
         """Among unprotected valid entries, a higher score never gets a lower tier.
