@@ -143,7 +143,7 @@ def _side(seg: Segment, kind: str, cfg: HEXConfig, segid, slot, hcols) -> SideLa
     idx = torch.where(full, -1 - rank_full, rank_code).to(torch.int32)
     zi = torch.zeros(N, dtype=torch.int32, device=device)
     rows = getattr(seg, f"{kind}_rows")
-    if bool(full.all()):
+    if getattr(seg, f"{kind}_full").numel() == 0:  # no flags held: every entry is full (no read of the flags)
         empty = torch.zeros(0, dtype=torch.float32, device=device)
         return SideLayout(idx, getattr(seg, f"{kind}_codes"), rows, empty, empty, zi, rows[:0, 0], zi, kind == "k")
     coded = ~full
@@ -174,10 +174,13 @@ def _side(seg: Segment, kind: str, cfg: HEXConfig, segid, slot, hcols) -> SideLa
     )
 
 
-def _starts(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _starts(counts: torch.Tensor, T: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(start, count, T)`` of per-head ``counts``: exclusive offsets, int32 counts and the longest head (``T``
+    read from ``counts`` unless the caller knows it)."""
     c = counts.long()
     start = torch.cumsum(c, 0) - c
-    T = int(c.max()) if c.numel() else 0
+    if T is None:
+        T = int(c.max()) if c.numel() else 0
     return start.to(torch.int32), c.to(torch.int32), T
 
 
@@ -191,7 +194,7 @@ def segment_layout(cfg: HEXConfig, seg: Segment) -> PartLayout:
     else:
         slot = torch.zeros_like(segid)
         hcols = torch.zeros(1, seg.H, 0, dtype=torch.int32, device=device)
-    start, count, T = _starts(seg.counts)
+    start, count, T = _starts(seg.counts, seg.longest_head)
     k = _side(seg, "k", cfg, segid, slot, hcols)
     v = _side(seg, "v", cfg, segid, slot, hcols)
     return PartLayout(

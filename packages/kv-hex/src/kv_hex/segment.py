@@ -82,11 +82,19 @@ class Segment:
     acc: torch.Tensor | None  # [N] float32 accumulated attention (full mode only)
 
     def copy(self) -> Segment:
-        return copy.copy(self)
+        new = copy.copy(self)
+        new.__dict__.pop("longest_head", None)  # derived from counts, which a copy is made to change
+        return new
 
     @property
     def num_entries(self) -> int:
         return int(self.pos.numel())
+
+    @functools.cached_property
+    def longest_head(self) -> int:
+        """Entries of the longest head, read once per segment (a segment's entries never change in place: crop and
+        eviction build new segments), so a decode step's layout reads nothing for it."""
+        return int(self.counts.max()) if self.counts.numel() else 0
 
     def full(self, kind: str) -> torch.Tensor:
         """``[N]`` bool: the entry's key (``"k"``) or value (``"v"``) is a full-precision row."""
@@ -109,13 +117,11 @@ class Segment:
         seg = self.seg() if seg is None else seg
         sp = self.slot_pos.long()
         filled = torch.cummax(sp, dim=-1).values  # -1 slots take the running max: non-decreasing rows
-        out = torch.zeros_like(seg)
-        row = seg // self.H
-        for b in range(sp.shape[0]):
-            sel = row == b
-            if bool(sel.any()):
-                out[sel] = torch.searchsorted(filled[b], self.pos.long()[sel])
-        return out
+        # every row shifted by row * 2^32 (positions are below 2^31): one sorted vector, one search, no host read
+        B, n = filled.shape
+        shift = torch.arange(B, device=sp.device)[:, None] << 32
+        row = seg.long() // self.H
+        return torch.searchsorted((filled + shift).flatten(), self.pos.long() + (row << 32)) - row * n
 
     def element_mask(self, cfg: HEXConfig, seg: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """``[N, D]`` bool overlay mask of every entry (whether coded or not)."""
