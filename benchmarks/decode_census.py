@@ -1,4 +1,5 @@
-"""Census of a decode: the Triton kernel variants a GPU would compile, and the host reads of tensor values.
+"""Census of a decode: the Triton kernel variants a GPU would compile, the host reads of tensor values, and the
+aten operations that do work (views excluded; each is a kernel launch or more on a GPU), per decode step.
 
 **Launch variants.**
 A Triton kernel is compiled once per *variant*: its constexprs, launch options, argument dtypes and the
@@ -19,8 +20,9 @@ as it decodes; a bounded set that is complete after the first steps is compiled 
 step with a few per layer runs at the launch latency of the whole model. The census counts them per decode step
 and names the call site (the first frame in a kv* package, else the library that made the call). On this CPU
 every tensor is a CPU tensor, so a read of a tensor that a GPU run would also keep on the host is counted too:
-the figures are an upper bound on the GPU's syncs, and the sites are where to look. The decode runs with the
-per-step value checks off, as on a GPU (:func:`kvcore.value_checks`; ``--value-checks`` turns them on).
+the figures are an upper bound on the GPU's syncs, and the sites are where to look (code that reads only on the
+CPU, such as KIVI's value-flush scale rounding, is counted here too). The decode runs with the per-step value
+checks off, as on a GPU (:func:`kvcore.value_checks`; ``--value-checks`` turns them on).
 
 Usage::
 
