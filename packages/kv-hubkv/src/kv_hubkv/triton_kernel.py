@@ -74,6 +74,40 @@ if HAS_TRITON:
         return tl.where(k >= 0, k, k ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _chunk_tile(
+        s_ptr,
+        p_ptr,
+        row,
+        c,
+        H,
+        N,
+        s_sr,
+        s_sh,
+        s_sn,
+        p_sr,
+        p_sh,
+        p_sn,
+        HAS_PROT: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        # chunk c of row `row`, every head: the head and entry offsets, the in-range mask, the heads' score and
+        # protection base pointers, the scores (float32, 0 out of range) and the unprotected in-range mask
+        offs_h = tl.arange(0, BLOCK_H)
+        hmask = offs_h < H
+        offs_n = c * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = hmask[:, None] & (offs_n[None, :] < N)
+        s_base = s_ptr + row * s_sr + offs_h[:, None] * s_sh
+        p_base = p_ptr + row * p_sr + offs_h[:, None] * p_sh
+        x = tl.load(s_base + offs_n[None, :] * s_sn, mask=valid, other=0.0).to(tl.float32)
+        if HAS_PROT:
+            pr = tl.load(p_base + offs_n[None, :] * p_sn, mask=valid, other=1)
+            u = valid & (pr == 0)
+        else:
+            u = valid
+        return offs_h, hmask, offs_n, valid, s_base, p_base, x, u
+
+    @triton.jit
     def _hubkv_stats_kernel(
         s_ptr,
         p_ptr,
@@ -109,17 +143,9 @@ if HAS_TRITON:
         # to finish merges them into the row's head factors -> fac[row, 0:2, :]
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
-        offs_h = tl.arange(0, BLOCK_H)
-        hmask = offs_h < H
-        offs_n = c * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = hmask[:, None] & (offs_n[None, :] < N)
-        x = tl.load(s_ptr + row * s_sr + offs_h[:, None] * s_sh + offs_n[None, :] * s_sn, mask=valid, other=0.0)
-        x = x.to(tl.float32)
-        if HAS_PROT:
-            pr = tl.load(p_ptr + row * p_sr + offs_h[:, None] * p_sh + offs_n[None, :] * p_sn, mask=valid, other=1)
-            u = valid & (pr == 0)
-        else:
-            u = valid
+        offs_h, hmask, _offs_n, valid, _s_base, _p_base, x, u = _chunk_tile(
+            s_ptr, p_ptr, row, c, H, N, s_sr, s_sh, s_sn, p_sr, p_sh, p_sn, HAS_PROT, BLOCK_H, BLOCK_N
+        )
         nb = tl.sum(u.to(tl.float32), axis=1)
         mb = tl.sum(tl.where(u, x, 0.0), axis=1) / tl.maximum(nb, 1.0)
         d = tl.where(u, x - mb[:, None], 0.0)
@@ -201,22 +227,13 @@ if HAS_TRITON:
         # next float above the call's largest z when that reached 1
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
-        offs_h = tl.arange(0, BLOCK_H)
-        hmask = offs_h < H
+        offs_h, hmask, offs_n, valid, s_base, p_base, x, u = _chunk_tile(
+            s_ptr, p_ptr, row, c, H, N, s_sr, s_sh, s_sn, p_sr, p_sh, p_sn, HAS_PROT, BLOCK_H, BLOCK_N
+        )
         fac_hub = tl.load(fac_ptr + row * 2 * BLOCK_H + offs_h)
         fac_non = tl.load(fac_ptr + (row * 2 + 1) * BLOCK_H + offs_h)
         zmax = _from_order_key(tl.load(zmax_ptr))
         ceiling = tl.where(zmax >= 1.0, _next_up(tl.maximum(zmax, 1.0)), 1.0)
-        s_base = s_ptr + row * s_sr + offs_h[:, None] * s_sh
-        p_base = p_ptr + row * p_sr + offs_h[:, None] * p_sh
-        offs_n = c * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = hmask[:, None] & (offs_n[None, :] < N)
-        x = tl.load(s_base + offs_n[None, :] * s_sn, mask=valid, other=0.0).to(tl.float32)
-        if HAS_PROT:
-            pr = tl.load(p_base + offs_n[None, :] * p_sn, mask=valid, other=1)
-            u = valid & (pr == 0)
-        else:
-            u = valid
         left = tl.full((BLOCK_H, BLOCK_N), float("-inf"), tl.float32)
         right = tl.full((BLOCK_H, BLOCK_N), float("-inf"), tl.float32)
         for j in tl.static_range(1, K + 1):
