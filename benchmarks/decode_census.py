@@ -48,6 +48,7 @@ from transformers import DynamicCache
 from triton.runtime.interpreter import InterpretedFunction
 
 import kv_hf
+from kv_hf.testing import tiny_model
 from kvbench.budgets import parse_budget
 from kvcore import registry, value_checks
 from kvcore.testing.host_reads import HostReads, call_site
@@ -139,21 +140,11 @@ def install() -> None:
 
 
 def tiny_llama(layers: int, seed: int = 0):
-    """A small random Llama (GQA 4:2, head_dim 64 as in SmolLM2 and KIVI's group of 32 channels needs) in float32."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=4096,
+    """kv_hf's tiny random Llama (GQA 4:2) in float32 with head_dim 64 (SmolLM2's; KIVI's 32-channel value groups
+    need it), a 512-token vocabulary and ``layers`` layers."""
+    return tiny_model(
+        "llama", seed=seed, head_dim=64, vocab_size=512, num_hidden_layers=layers, max_position_embeddings=4096
     )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
 
 
 # aten operations that only make a view or read metadata: no kernel on a GPU
