@@ -134,6 +134,7 @@ def check_positions(
     *,
     keep: torch.Tensor | None = None,
     after: torch.Tensor | None = None,
+    values: bool = True,
 ) -> torch.Tensor:
     """True positions of the entries a ``Store`` receives, returned as int64.
 
@@ -142,7 +143,7 @@ def check_positions(
     ``[0, MAX_POSITION]`` and strictly increasing along ``T`` in every head (so a head's entries are identified and
     ordered by position), and when ``after`` ``[B]`` (the last position held per batch row, ``-1`` for none) is
     given, beyond it (appends come after what is held). Entries that are not kept (left padding, evicted tokens)
-    may hold any position.
+    may hold any position. With ``values=False`` only the dtype and shape are checked (nothing is read on the host).
     """
     positions = check_tensor(name, positions, ndim=2)
     if positions.dtype not in (torch.int32, torch.int64):
@@ -151,6 +152,8 @@ def check_positions(
         raise ValueError(f"{name} must have shape [B={shape[0]}, T={shape[1]}], got {tuple(positions.shape)}")
     B, T = shape
     p = positions.long()
+    if not values:
+        return p
     if keep is None:
         keep = torch.ones(B, 1, T, dtype=torch.bool, device=p.device)
     keep = keep.to(p.device)
@@ -216,14 +219,9 @@ def check_append(
     ``[B, n]`` (int32/int64) as int64 on the keys' device; where :func:`values_checked`, also finite keys and values
     and positions in range, strictly increasing and beyond ``after`` ``[B]`` (the last position held per row)."""
     B, _H, n, _D = keys.shape
-    if not values_checked(keys):
-        positions = check_integer_tensor("positions", positions, ndim=2)
-        if positions.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"positions must be an int32 or int64 tensor, got {positions.dtype}")
-        if tuple(positions.shape) != (B, n):
-            raise ValueError(f"positions must have shape [B={B}, T={n}], got {tuple(positions.shape)}")
-        return positions.to(device=keys.device, dtype=torch.long)
-    positions = check_positions("positions", positions, (B, n), after=after)
-    check_finite("keys", keys)
-    check_finite("values", values)
+    checked = values_checked(keys)
+    positions = check_positions("positions", positions, (B, n), after=after, values=checked)
+    if checked:
+        check_finite("keys", keys)
+        check_finite("values", values)
     return positions.to(keys.device)
