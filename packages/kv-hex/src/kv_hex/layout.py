@@ -19,6 +19,7 @@ import torch
 from kv_hex.config import HEXConfig
 from kv_hex.kernels import dispatch
 from kv_hex.segment import Segment, segment_mask
+from kvcodec.segments import segment_ids
 
 __all__ = [
     "PartLayout",
@@ -110,8 +111,7 @@ class PartLayout:
 
     def seg(self) -> torch.Tensor:
         """int64 ``[N]``: the head ``b·H + h`` of every entry."""
-        heads = torch.arange(self.count.numel(), device=self.count.device)
-        return torch.repeat_interleave(heads, self.count.long(), output_size=self.num_entries)  # no host read
+        return segment_ids(self.count, self.num_entries)  # the total from a shape: no host read
 
 
 @functools.lru_cache(maxsize=64)

@@ -25,6 +25,7 @@ from kv_hex.expander import dense_mask, mask_table
 from kv_hex.kernels import dispatch
 from kvcodec.narrow import narrow
 from kvcodec.packing import pack_unchecked, unpack_unchecked
+from kvcodec.segments import segment_ids
 from kvcore import packed_width
 
 __all__ = ["Segment", "compress_segment", "segment_mask"]
@@ -109,8 +110,7 @@ class Segment:
         return bool(self.k_full.numel() or self.v_full.numel())
 
     def seg(self) -> torch.Tensor:
-        heads = torch.arange(self.counts.numel(), device=self.pos.device)
-        return torch.repeat_interleave(heads, self.counts, output_size=self.pos.numel())  # no host read
+        return segment_ids(self.counts, self.pos.numel())  # the total from a shape: no host read
 
     def slots(self, seg: torch.Tensor | None = None) -> torch.Tensor:
         """Slot of every entry (its position's index in its row's ``slot_pos``)."""

@@ -12,6 +12,7 @@ from kv_hex.layout import PartLayout, concat_layouts, decode_segment, residual_l
 from kv_hex.segment import Segment, compress_segment
 from kv_hex.selector import hex_tiers
 from kvcodec.narrow import narrow
+from kvcodec.segments import segment_ids
 from kvcore import EVICT, FULL, KVView, Plan, Store, check_retier_plan, merge_attention, reachable_bytes
 from kvcore.attention import check_query, check_scale
 from kvcore.checks import (
@@ -84,15 +85,10 @@ class HEXStore(Store):
             "acc": None,
         }
 
-    @staticmethod
-    def _seg_ids(counts: torch.Tensor, total: int) -> torch.Tensor:
-        """The head of each of ``total`` entries held ``counts [S]`` per head (``total`` known: no host read)."""
-        return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=total)
-
     def _parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(seg, pos)`` of each part's entries: the segments in order, then the residual."""
         out = [(s.seg(), s.pos.int()) for s in self._segments]  # int16 or int32 held, int32 here
-        out.append((self._seg_ids(self._res["counts"], self._res["pos"].numel()), self._res["pos"].int()))
+        out.append((segment_ids(self._res["counts"], self._res["pos"].numel()), self._res["pos"].int()))
         return out
 
     def _order(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -185,7 +181,7 @@ class HEXStore(Store):
         else:
             res, segments = dict(self._res), list(self._segments)
         seg = torch.cat(
-            [self._seg_ids(res["counts"], res["pos"].numel()), torch.arange(S, device=keys.device).repeat_interleave(n)]
+            [segment_ids(res["counts"], res["pos"].numel()), torch.arange(S, device=keys.device).repeat_interleave(n)]
         )
         pos = narrow(torch.cat([res["pos"].int(), positions[:, None, :].expand(B, H, n).reshape(-1).int()]))
         order = torch.argsort((seg.long() << 32) | pos.long())
@@ -217,7 +213,7 @@ class HEXStore(Store):
         B, H, D = self._shape
         nb = self.config.block_size
         while True:
-            seg = self._seg_ids(res["counts"], res["pos"].numel())
+            seg = segment_ids(res["counts"], res["pos"].numel())
             row = seg // H
             pos = res["pos"].long()
             first: list[torch.Tensor | None] = []
