@@ -108,7 +108,7 @@ def test_append_first_decode_equals_the_concatenating_path(granularity, attn, mo
     logits = {}
     for append_first in (True, False):
         if not append_first:
-            monkeypatch.setattr(kv_hf.layer.CompressedLayer, "_plain_decode", lambda self, k: False)
+            monkeypatch.setattr(kv_hf.layer.CompressedLayer, "plain_decode", lambda self, k: False)
         cache = kv_hf.compressed_cache(model, make(KnormScorer(), ratio=0.5, granularity=granularity))
         tok = kv_hf.prefill(model, cache, prompt(16, seed=5)).argmax(-1)[:, None]
         steps = []

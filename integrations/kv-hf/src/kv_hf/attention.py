@@ -37,7 +37,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
-from kv_hf.step import STEP_ATTR, STORE, Step
+from kv_hf.step import STEP_ATTR, Step
 from kvcore import merge_attention
 
 if TYPE_CHECKING:
@@ -180,15 +180,24 @@ def fused_step(step: Step, query: torch.Tensor, new: torch.Tensor | None, scalin
 
 
 def _single_token_decode(step: Step, new: torch.Tensor | None) -> bool:
-    """One real new token per row, nothing pending, a Store that keeps it: :func:`decode_step` applies."""
+    """One real new token per row, nothing pending, a Store that keeps it: :func:`decode_step` /
+    :func:`read_step` apply."""
+    return step.layer.plain_decode(step.keys) and (new is None or bool(new.all()))
 
+
+def _append_then(
+    step: Step, query: torch.Tensor, position_ids: torch.Tensor | None, scaling: float, attend: Callable[[], Any]
+) -> Any:
+    """Append the step's token to the Store, then ``attend()``; if that raises, the token is rolled back
+    (``CompressedLayer.truncate``) before the error propagates."""
     layer = step.layer
-    return (
-        step.keys.shape[2] == 1
-        and layer.mode == STORE
-        and (layer.pending is None or not layer.pending.length)
-        and (new is None or bool(new.all()))
-    )
+    seen = layer.seen
+    layer.commit(step, query, position_ids, None, scaling)
+    try:
+        return attend()
+    except BaseException:
+        layer.truncate(seen)
+        raise
 
 
 def decode_step(step: Step, query: torch.Tensor, position_ids: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -196,16 +205,9 @@ def decode_step(step: Step, query: torch.Tensor, position_ids: torch.Tensor | No
 
     The token attends to every stored entry and to itself, exactly what the Store holds once it is appended, so
     the separate attention over the new token and the ``merge_attention`` of :func:`fused_step` are not needed.
-    If ``attend`` raises, the token is rolled back (``CompressedLayer.truncate``) before the error propagates.
+    If ``attend`` raises, the token is rolled back before the error propagates.
     """
-    layer = step.layer
-    seen = layer.seen
-    layer.commit(step, query, position_ids, None, scaling)
-    try:
-        out, _ = layer.store.attend(query, scaling)
-    except BaseException:
-        layer.truncate(seen)
-        raise
+    out, _ = _append_then(step, query, position_ids, scaling, lambda: step.layer.store.attend(query, scaling))
     return out.to(query.dtype).transpose(1, 2).contiguous()
 
 
@@ -221,20 +223,17 @@ def read_step(
     else the view's per-head bias repeated to the query heads. If reading or attention raises, the token is rolled
     back (``CompressedLayer.truncate``).
     """
-    layer = step.layer
-    seen = layer.seen
-    layer.commit(step, query, position_ids, None, scaling)
-    try:
-        view = layer.store.read(None)
+
+    def attend() -> Any:
+        view = step.layer.store.read(None)
         mask = None
         if not view.bias_free and bool(view.logit_bias.ne(0).any()):  # a zero bias runs the unmasked kernel
             dtype, group = query.dtype, query.shape[1] // view.keys.shape[1]
             bias = view.logit_bias.to(dtype).clamp_min(torch.finfo(dtype).min)
             mask = bias.repeat_interleave(group, dim=1)[:, :, None, :]
         return run(view.keys.to(query.dtype), view.values.to(query.dtype), mask)
-    except BaseException:
-        layer.truncate(seen)
-        raise
+
+    return _append_then(step, query, position_ids, scaling, attend)
 
 
 def _valid_new(new: torch.Tensor | None, B: int, q: int) -> torch.Tensor | None:

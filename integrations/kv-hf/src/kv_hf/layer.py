@@ -142,7 +142,7 @@ class CompressedLayer(CacheLayerMixin):
             step.deferred = True
             setattr(key_states, STEP_ATTR, step)
             return key_states, value_states
-        if held and self._plain_decode(key_states):
+        if held and self.plain_decode(key_states):
             step.appended = True  # no [view | new] concatenation: the attention function appends, then reads
             setattr(key_states, STEP_ATTR, step)
             return key_states, value_states
@@ -150,7 +150,7 @@ class CompressedLayer(CacheLayerMixin):
         setattr(keys, STEP_ATTR, step)
         return keys, values
 
-    def _plain_decode(self, key_states: torch.Tensor) -> bool:
+    def plain_decode(self, key_states: torch.Tensor) -> bool:
         """One token per row into the Store with nothing pending: it can be appended before attention runs."""
         return key_states.shape[2] == 1 and self.mode == STORE and (self.pending is None or not self.pending.length)
 
