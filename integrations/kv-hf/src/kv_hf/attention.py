@@ -23,7 +23,9 @@ function attends to the Store with its fused ``attend(query, scale) -> (out, lse
 lse-returning reference (causal among the new tokens, padding masked), and combines the two with
 ``kvcore.merge_attention`` (the online-softmax identity of FlashAttention, Dao et al. 2022, §3.1). A single real
 new token with nothing pending (plain decode) is appended to the Store first and attended with one ``attend`` call
-(:func:`decode_step`), which needs no separate attention over the new token and no merge.
+(:func:`decode_step`), which needs no separate attention over the new token and no merge. Over a Store without
+``attend`` such a token is also appended first and the kernel runs over ``read()`` (:func:`read_step`), so the
+cache is not concatenated with the new token every step.
 """
 
 from __future__ import annotations
