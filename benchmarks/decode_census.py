@@ -58,6 +58,7 @@ DISPATCH = (
     ("kvcodec.kernels.dispatch", "use_triton"),
     ("kvcodec.attention", "use_triton"),
     ("kv_baselines.quant.kivi_store", "use_triton"),
+    ("kv_baselines.quant.kivi_decode", "use_triton"),
     ("kv_hqekv.kernels.dispatch", "use_triton"),
     ("kv_hqekv.attention", "use_triton"),
     ("kv_hqekv.importance", "use_triton"),
@@ -82,8 +83,9 @@ def force_triton() -> list[str]:
     return patched
 
 
-def variant_key(fn, args: tuple, kwargs: dict) -> tuple:
-    """What a GPU compile is keyed on: constexprs, options, dtypes and Triton's integer/pointer specialisations."""
+def variant_key(fn, args: tuple, kwargs: dict, unspecialised=()) -> tuple:
+    """What a GPU compile is keyed on: constexprs, options, dtypes and Triton's integer/pointer specialisations
+    (none for the integers named in the kernel's ``do_not_specialize``, ``unspecialised``)."""
     names = list(inspect.signature(fn).parameters)
     bound = dict(zip(names, args))
     bound.update(kwargs)
@@ -94,6 +96,8 @@ def variant_key(fn, args: tuple, kwargs: dict) -> tuple:
             key.append((name, str(value.dtype), value.data_ptr() % 16 == 0))
         elif isinstance(value, bool) or not isinstance(value, int):
             key.append((name, repr(value)))  # constexprs and floats: a float argument is typed, not valued
+        elif name in unspecialised:
+            key.append((name, "int"))
         else:
             key.append((name, "1" if value == 1 else ("16k" if value % 16 == 0 else "int")))
     key += [(k, repr(kwargs[k])) for k in _OPTIONS if k in kwargs]
@@ -111,11 +115,11 @@ class Census:
         self.op_sites: Counter | None = None  # (site, op) -> count, with --ops
         self.reads = HostReads(sites=True)  # entered for the decode only
 
-    def record(self, fn, args: tuple, kwargs: dict) -> None:
+    def record(self, fn, args: tuple, kwargs: dict, unspecialised=()) -> None:
         kw = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
         name = f"{fn.__module__.split('.')[0]}.{fn.__name__}"
         self.launches[name] += 1
-        self.seen[name].setdefault(variant_key(fn, args, kw), (self.phase, self.step))
+        self.seen[name].setdefault(variant_key(fn, args, kw, unspecialised), (self.phase, self.step))
 
 
 CURRENT: list[Census] = []
@@ -129,7 +133,8 @@ def install() -> None:
         if not CURRENT:
             return original(self, *args, **kwargs)
         census = CURRENT[-1]
-        census.record(self.fn, args, kwargs)
+        names = [p if isinstance(p, str) else self.arg_names[p] for p in self.kwargs.get("do_not_specialize") or ()]
+        census.record(self.fn, args, kwargs, names)
         census.in_kernel = census.reads.paused = True  # the interpreter's own reads are not the caller's
         try:
             return original(self, *args, **kwargs)

@@ -1,8 +1,8 @@
 """Registers, spills and shared memory of the decode-attention kernels at a serving shape, compiled for sm_90
-without a GPU (see :mod:`sm90_compile_plugin`): kvcodec's KIVI attention, HqeKV's mixed-tier attention and HEX's
-part attention, Llama-3-8B's attention shape (32 query heads, 8 KV heads, head dim 128), float16, one query per
-head, 16,384 cached tokens, at each kernel's defaults (matrix-unit products) and, with ``--float32``, on the IEEE
-float32 path; and HubKV's two score-refinement kernels at Table 5's largest shape.
+without a GPU (see :mod:`sm90_compile_plugin`): kvcodec's KIVI attention, KIVI's decode-layout attention,
+HqeKV's mixed-tier attention and HEX's part attention, Llama-3-8B's attention shape (32 query heads, 8 KV heads,
+head dim 128), float16, one query per head, 16,384 cached tokens, at each kernel's defaults (matrix-unit products)
+and, with ``--float32``, on the IEEE float32 path; and HubKV's two score-refinement kernels at Table 5's largest shape.
 
 Usage (Triton 3.6, as on the device machines)::
 
@@ -48,6 +48,16 @@ def main() -> None:
         UniformQuantizer(2, "channel", 32).quantize(k), UniformQuantizer(2, "token", 32).quantize(v)
     )
     quantized_attention_triton(q, seg, 0.1, tensor_cores=tc)
+    # KIVI's decode layout (KIVIStore while decoding: 2-bit, G 32, residual 128)
+    from kv_baselines.quant import KIVIStore, kivi_tiers
+    from kv_baselines.quant.kivi_decode_triton import decode_attention_triton
+
+    kv = KIVIStore(UniformQuantizer(2, "channel", 32), UniformQuantizer(2, "token", 32), residual=128)
+    every = torch.ones(B, H, T, dtype=torch.bool)
+    kv.write(k, v, Plan(kivi_tiers(every, 2, 128, "keys"), kivi_tiers(every, 2, 128, "values")),
+             torch.arange(T).expand(B, T))  # fmt: skip
+    kv.append(k[:, :, :1], v[:, :, :1], torch.full((B, 1), T))
+    decode_attention_triton(kv._dec, q.view(B * H, 4, D), 0.1, tensor_cores=tc)
     hq = HqeKVStore(block=32)
     hq.write(k, v, _plan(g, B, H, T, 32), torch.arange(T).expand(B, T))
     tiered_attention_triton(q, *tiered_sides(hq), 0.1, tensor_cores=tc)

@@ -34,15 +34,16 @@ def _append(store, gen, n, start):
     bits=st.sampled_from([1, 2, 4, 8]),
     sizes=st.lists(st.integers(1, 11), min_size=1, max_size=8),
     B=st.integers(1, 2),
+    H=st.sampled_from([1, 3]),
     dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
 )
-def test_decode_layout_holds_the_flat_layouts_entries_bit_for_bit(seed, bits, sizes, B, dtype, monkeypatch_flat):
+def test_decode_layout_holds_the_flat_layouts_entries_bit_for_bit(seed, bits, sizes, B, H, dtype, monkeypatch_flat):
     """Invariant: appends through the decode layout (single tokens, several at once, key blocks flushed, the value
     FIFO turning) leave exactly the codes, scales, zeros, full-precision rows and positions the flat layout builds:
     read(), tiers(), entry counts and every tensor of the flat sides are identical, in every cache dtype."""
-    fast, gen_f = _written(seed, bits, B=B, dtype=dtype)
+    fast, gen_f = _written(seed, bits, B=B, H=H, dtype=dtype)
     with monkeypatch_flat():
-        flat, gen_s = _written(seed, bits, B=B, dtype=dtype)
+        flat, gen_s = _written(seed, bits, B=B, H=H, dtype=dtype)
     start = 40
     for n in sizes:
         _append(fast, gen_f, n, start)
@@ -63,6 +64,7 @@ def test_decode_layout_holds_the_flat_layouts_entries_bit_for_bit(seed, bits, si
         for name in ("codes", "scales", "zeros", "usize", "ucount", "qcount", "resid", "rcount"):
             u, w = getattr(x, name), getattr(y, name)
             assert (u is None and w is None) or (torch.equal(u, w) and u.dtype == w.dtype), (kind, name)
+            assert u is None or u.is_contiguous(), (kind, name)  # the flat layout's kernels take contiguous rows
     assert fast._pos.pos.dtype == flat._pos.pos.dtype and torch.equal(fast._pos.pos, flat._pos.pos)
 
 

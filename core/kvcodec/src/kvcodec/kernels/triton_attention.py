@@ -26,8 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcodec.kernels.triton_dot import DOT_CODE, as_dot, dot_mode, pv_dot, qk_dot
-from kvcodec.kernels.triton_quant import _bf16_rtne
+from kvcodec.kernels.triton_dot import DOT_CODE, as_dot, cache_round, dot_mode, pv_dot, qk_dot
 
 
 @triton.jit
@@ -68,10 +67,7 @@ def _load_side(
     z = tl.load(zeros_ptr + g[:, None] * C + col[None, :], mask=m2, other=0.0).to(tl.float32)
     deq = z + code.to(tl.float32) * s
     deq = tl.minimum(tl.maximum(deq, -FMAX), FMAX)
-    if OUT == 1:
-        deq = deq.to(tl.float16).to(tl.float32)
-    elif OUT == 2:
-        deq = _bf16_rtne(deq).to(tl.float32)
+    deq = cache_round(deq, OUT)
     fv = tl.load(full_ptr + f[:, None] * D + d[None, :], mask=isfull[:, None] & dmask[None, :], other=0.0)
     return tl.where(quant[:, None], deq, fv.to(tl.float32))
 

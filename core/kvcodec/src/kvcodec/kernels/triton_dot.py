@@ -21,7 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["DOT_CODE", "as_dot", "dot_mode", "pv_dot", "qk_dot"]
+from kvcodec.kernels.triton_quant import _bf16_rtne
+
+__all__ = ["DOT_CODE", "as_dot", "cache_round", "dot_mode", "pv_dot", "qk_dot"]
 
 DOT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 """``DOT`` code of a cache dtype (0 = IEEE float32 products)."""
@@ -55,6 +57,19 @@ def as_dot(x, DOT: tl.constexpr):
         return x.to(tl.bfloat16)
     else:
         return x.to(tl.float32)
+
+
+@triton.jit
+def cache_round(x, OUT: tl.constexpr):
+    """float32 ``x`` rounded to the cache dtype (``OUT`` as :data:`DOT_CODE`: 0 float32, 1 float16, 2 bfloat16;
+    round-to-nearest-even, also under the interpreter, whose own bfloat16 cast truncates), back as float32: a
+    dequantized entry exactly as the unpack + dequantize kernels hand it to the cache dtype. Finite inputs within
+    the dtype's range (callers clamp)."""
+    if OUT == 1:
+        x = x.to(tl.float16).to(tl.float32)
+    elif OUT == 2:
+        x = _bf16_rtne(x).to(tl.float32)
+    return x
 
 
 @triton.jit

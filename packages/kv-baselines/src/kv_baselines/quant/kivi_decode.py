@@ -39,6 +39,7 @@ import torch
 from kv_baselines.quant.kivi_layout import Positions, Side, uniform
 from kv_baselines.quant.token_quant import quantize_tokens
 from kvcodec import UniformQuantizer
+from kvcodec.kernels.dispatch import use_triton
 from kvcodec.narrow import narrow_int
 from kvcodec.scratch import scratch
 from kvcore.checks import MAX_POSITION, values_checked
@@ -197,11 +198,12 @@ class DecodeState:
         vq, vu, vdt, vmeta = self.vinfo
         nG = self.tk // ku
 
+        # contiguous copies (with S = 1 a reshape of the transposed buffer is a strided view of it)
         def rows(packed: torch.Tensor, n: int) -> torch.Tensor:
-            return packed[:, :, :n].transpose(1, 2).reshape(S * n, packed.shape[1])
+            return packed[:, :, :n].transpose(1, 2).reshape(S * n, packed.shape[1]).contiguous()
 
         def params(t: torch.Tensor, n: int) -> torch.Tensor:
-            return t[:, :, :n].transpose(1, 2).reshape(S * n, 1, t.shape[1])
+            return t[:, :, :n].transpose(1, 2).reshape(S * n, 1, t.shape[1]).contiguous()
 
         def full(n: int) -> torch.Tensor:
             return torch.full((S,), n, dtype=torch.long, device=dev)
@@ -347,41 +349,54 @@ class DecodeState:
         self.ring, self.head, self.nv = ring, head, nv + n - out
         self.tk, self.nr, self.tv, self.top = self.tk + f * R, nr, tv + out, top
 
-    def attend(self, qf: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out [S, M, D], lse [S, M, 1])`` of float32 queries ``qf [S, M, D]`` (the queries of each KV head).
+    def attend(self, query: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out float32 [S, M, D], lse float32 [S, M, 1])`` of ``query [S, M, D]`` (the ``M`` query rows of each
+        KV head): the Triton kernel (:mod:`kv_baselines.quant.kivi_decode_triton`) for CUDA caches, else
+        :func:`decode_attention_ref`."""
+        if use_triton(self.kc):
+            from kv_baselines.quant.kivi_decode_triton import decode_attention_triton
 
-        The softmax is left unnormalised (``e = exp(logits - max)``) and the small output is divided by ``sum(e)``
-        instead of the weights."""
-        S, M, D = qf.shape
-        tk, nr, tv = self.tk, self.nr, self.tv
-        G = self.kinfo[1]
-        qs = qf * scale
-        parts = []
-        if tk:
-            bits = self.kinfo[0].bits
-            k = unpack_tokens(self.kc, tk, bits)  # [S, D, tk], lane-shifted codes
-            nG = tk // G
-            k.view(S, D, nG, G).mul_((self.ks[:, :, :nG] * lane_scale(bits, D, k.device)[:, None])[..., None])
-            lk = torch.bmm(qs, k)  # q·(s·c), then + q·z once per group (not added to every code)
-            lk.view(S, M, nG, G).add_(torch.bmm(qs, self.kz[:, :, :nG].float())[..., None])
-            parts.append(lk)
-        if nr:
-            parts.append(torch.bmm(qs, self.kr[:, :nr].transpose(1, 2).float()))
-        logits = torch.cat(parts, -1) if len(parts) > 1 else parts[0]
-        m = logits.amax(-1, keepdim=True)
-        e = logits.sub_(m).exp_()
-        total = e.sum(-1, keepdim=True)
-        er = e[..., tv:]
-        out = torch.bmm(er.roll(self.head, -1) if self.head else er, self.ring[:, : self.nv].float())
-        if tv:
-            C = self.vs.shape[1]
-            Gv = D // C
-            v = unpack_tokens(self.vc, tv, self.vinfo[0].bits)  # [S, D, tv] = [S, C, Gv, tv], lane-shifted
-            eq = e[..., :tv]
-            ew = eq[:, None] * self.vs[:, :, None, :tv]  # [S, C, M, tv]
-            # one flat batch of S * C matmuls (a 4-D broadcast matmul runs several times slower on CPU)
-            oc = torch.bmm(ew.view(S * C, M, tv), v.view(S * C, Gv, tv).transpose(1, 2)).view(S, C, M, Gv)
-            oc.mul_(lane_scale(self.vinfo[0].bits, D, v.device).view(C, 1, Gv))
-            oz = torch.bmm(eq, self.vz[:, :, :tv].transpose(1, 2).float())  # [S, M, C]
-            out += (oc.transpose(1, 2) + oz[..., None]).reshape(S, M, D)
-        return out.div_(total), total.log_().add_(m)
+            return decode_attention_triton(self, query, scale)
+        return decode_attention_ref(self, query, scale)
+
+
+def decode_attention_ref(state: DecodeState, query: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out float32 [S, M, D], lse float32 [S, M, 1])`` of ``query [S, M, D]`` over ``state``, from the codes
+    (module docstring): PyTorch, any device; the reference of the Triton kernel, same signature.
+
+    The softmax is left unnormalised (``e = exp(logits - max)``) and the small output is divided by ``sum(e)``
+    instead of the weights. Dequantized entries are not rounded to the cache dtype (``read()`` rounds them)."""
+    qf = query.float()
+    S, M, D = qf.shape
+    tk, nr, tv = state.tk, state.nr, state.tv
+    G = state.kinfo[1]
+    qs = qf * scale
+    parts = []
+    if tk:
+        bits = state.kinfo[0].bits
+        k = unpack_tokens(state.kc, tk, bits)  # [S, D, tk], lane-shifted codes
+        nG = tk // G
+        k.view(S, D, nG, G).mul_((state.ks[:, :, :nG] * lane_scale(bits, D, k.device)[:, None])[..., None])
+        lk = torch.bmm(qs, k)  # q·(s·c), then + q·z once per group (not added to every code)
+        lk.view(S, M, nG, G).add_(torch.bmm(qs, state.kz[:, :, :nG].float())[..., None])
+        parts.append(lk)
+    if nr:
+        parts.append(torch.bmm(qs, state.kr[:, :nr].transpose(1, 2).float()))
+    logits = torch.cat(parts, -1) if len(parts) > 1 else parts[0]
+    m = logits.amax(-1, keepdim=True)
+    e = logits.sub_(m).exp_()
+    total = e.sum(-1, keepdim=True)
+    er = e[..., tv:]
+    out = torch.bmm(er.roll(state.head, -1) if state.head else er, state.ring[:, : state.nv].float())
+    if tv:
+        C = state.vs.shape[1]
+        Gv = D // C
+        v = unpack_tokens(state.vc, tv, state.vinfo[0].bits)  # [S, D, tv] = [S, C, Gv, tv], lane-shifted
+        eq = e[..., :tv]
+        ew = eq[:, None] * state.vs[:, :, None, :tv]  # [S, C, M, tv]
+        # one flat batch of S * C matmuls (a 4-D broadcast matmul runs several times slower on CPU)
+        oc = torch.bmm(ew.view(S * C, M, tv), v.view(S * C, Gv, tv).transpose(1, 2)).view(S, C, M, Gv)
+        oc.mul_(lane_scale(state.vinfo[0].bits, D, v.device).view(C, 1, Gv))
+        oz = torch.bmm(eq, state.vz[:, :, :tv].transpose(1, 2).float())  # [S, M, C]
+        out += (oc.transpose(1, 2) + oz[..., None]).reshape(S, M, D)
+    return out.div_(total), total.log_().add_(m)

@@ -333,8 +333,8 @@ class KIVIStore(Store):
         scale = check_scale(scale, D)
         if self._dec is not None:
             Hq, Q = q.shape[1], q.shape[2]
-            qf = q.to(self._dec.kc.device).float().reshape(B, H, Hq // H * Q, D).reshape(B * H, -1, D)
-            out, lse = self._dec.attend(qf, scale)
+            qd = q.to(self._dec.kc.device).reshape(B, H, Hq // H * Q, D).reshape(B * H, -1, D)
+            out, lse = self._dec.attend(qd, scale)
             return out.view(B, Hq, Q, D), lse.view(B, Hq, Q)
         ks, vs = self._sides["k"], self._sides["v"]
         if not (isinstance(ks.quantizer, UniformQuantizer) and isinstance(vs.quantizer, UniformQuantizer)):

@@ -17,8 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcodec.kernels.triton_dot import DOT_CODE
-from kvcodec.kernels.triton_quant import _bf16_rtne
+from kvcodec.kernels.triton_dot import DOT_CODE, cache_round
 
 __all__ = ["dequantize_part_triton", "side_args"]
 
@@ -55,10 +54,7 @@ def _side_tile(
         s = tl.load(SCALE + g, mask=quant, other=0.0).to(tl.float32)[:, None]
         z = tl.load(ZERO + g, mask=quant, other=0.0).to(tl.float32)[:, None]
     deq = code * s + z
-    if OUT == 1:
-        deq = deq.to(tl.float16).to(tl.float32)
-    elif OUT == 2:
-        deq = _bf16_rtne(deq).to(tl.float32)
+    deq = cache_round(deq, OUT)
     if W > 0:
         off = tl.load(OOFF + e, mask=quant, other=0).to(tl.int64)
         hc = (slot.to(tl.int64) * H + h) * W

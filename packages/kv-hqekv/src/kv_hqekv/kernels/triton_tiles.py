@@ -16,20 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcodec.kernels.triton_dot import DOT_CODE
-from kvcodec.kernels.triton_quant import _bf16_rtne
+from kvcodec.kernels.triton_dot import DOT_CODE, cache_round
 
 OUT_CODE = DOT_CODE  # the cache dtype's rounding code, as kvcodec's kernels use it
-
-
-@triton.jit
-def _round_out(y, OUT: tl.constexpr):
-    """Round float32 ``y`` to the cache dtype (0 fp32, 1 fp16, 2 bf16, round-to-nearest-even), back as float32."""
-    if OUT == 1:
-        y = y.to(tl.float16).to(tl.float32)
-    elif OUT == 2:
-        y = _bf16_rtne(y).to(tl.float32)
-    return y
 
 
 @triton.jit
@@ -125,7 +114,7 @@ def _side_tile(
         y = tl.where(
             (tier == 1)[:, None], _tier_dequant(c1, s1, z1, k1, row, grp, tier == 1, d, dmask, PW1, C, 1, GCOL, CB1), y
         )
-    y = _round_out(tl.minimum(tl.maximum(y, -FMAX), FMAX), OUT)
+    y = cache_round(tl.minimum(tl.maximum(y, -FMAX), FMAX), OUT)
     full = tier == 16
     f = tl.where(full, row, 0).to(tl.int64)
     fv = tl.load(full_ptr + f[:, None] * D + d[None, :], mask=full[:, None] & dmask[None, :], other=0.0)

@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from kv_hqekv.kernels.tiered import TieredSide
-from kv_hqekv.kernels.triton_tiles import OUT_CODE, _round_out, _side_tile, side_args
+from kv_hqekv.kernels.triton_tiles import OUT_CODE, _side_tile, side_args
+from kvcodec.kernels.triton_dot import cache_round
 from kvcodec.kernels.triton_quant import _SDT, _codes, _minmax_scale, _pack_store
 from kvcodec.stats import scale_dtype_for, scale_floor
 from kvcore import QuantizedTensor, packed_width
@@ -46,8 +47,8 @@ def _quantize_groups(x, valid, count, bounds_ptr, BITS: tl.constexpr, NORMAL: tl
         dev = tl.where(valid, x - tl.expand_dims(mean, AXIS), 0.0)
         var = tl.math.div_rn(tl.sum(dev * dev, axis=AXIS), tl.maximum(n - 1.0, 1.0))
         std = tl.where(const, 0.0, tl.math.sqrt_rn(var))
-        zero = _round_out(mean, OUT)
-        scale = _round_out(std, OUT)
+        zero = cache_round(mean, OUT)
+        scale = cache_round(std, OUT)
         s = tl.expand_dims(scale, AXIS)
         pos = s > 0
         z = tl.where(pos, tl.math.div_rn(x - tl.expand_dims(zero, AXIS), tl.where(pos, s, 1.0)), 0.0)

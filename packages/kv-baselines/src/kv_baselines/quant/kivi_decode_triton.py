@@ -1,0 +1,187 @@
+"""Triton kernel: decode attention over KIVI's decode layout (:class:`~kv_baselines.quant.kivi_decode.DecodeState`).
+
+The decode layout keeps each part of a KIVI cache (Liu et al. 2024, "KIVI", §3.3-3.4) as a strided buffer written in
+place: token-inner packed key codes ``uint8 [S, P, capacity]`` with per-channel scales/zeros ``[S, D, groups]``, the
+key residual ``[S, rows, D]``, token-inner value codes with per-token scales/zeros ``[S, D / G, capacity]`` and the
+value FIFO as a ring of rows. Entry ``t`` of a head is a quantized key for ``t < tk`` (residual row ``t - tk``
+after) and a quantized value for ``t < tv`` (ring slot ``(t - tv + head) mod nv`` after), so the kernel needs no
+per-entry index maps: a tile of entries reads its code bytes, scales and zeros (or full-precision rows) by address
+arithmetic, dequantizes them in registers (``zero + code * scale`` in float32, rounded to the cache dtype exactly as
+``read()`` hands them out) and never writes a dequantized cache.
+
+Like :mod:`kvcodec.kernels.triton_attention` (FlashAttention's online softmax, Dao et al. 2022, §3.1; the
+Flash-Decoding split over programs with a log-sum-exp merge): one program per (KV head, split) owns the head's
+``M`` query rows (GQA without repeating K/V), walks ``TILES`` (compile-time) tiles of ``BLOCK_T`` entries; the
+counts ``tk, nr, tv, nv`` and the ring's head are run-time arguments, so a growing cache compiles one variant.
+Products run on the matrix units (:mod:`kvcodec.kernels.triton_dot`: the cache dtype for float16/bfloat16 queries
+and caches on CUDA, IEEE float32 otherwise and under the interpreter).
+
+This module needs ``triton``; :meth:`KIVIStore.attend <kv_baselines.quant.KIVIStore.attend>` imports it lazily for
+CUDA caches. The PyTorch reference of the same signature is
+:func:`kv_baselines.quant.kivi_decode.decode_attention_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcodec.kernels.triton_attention import _merge_splits_kernel, split_plan
+from kvcodec.kernels.triton_dot import DOT_CODE, as_dot, cache_round, dot_mode, pv_dot, qk_dot
+
+
+@triton.jit
+def _codes_tile(
+    codes_ptr, scales_ptr, zeros_ptr, s64, t, ok, d, dmask, s_cs, s_cp, s_ps, s_pc,
+    BITS: tl.constexpr, GT: tl.constexpr, GD: tl.constexpr, FMAX: tl.constexpr, OUT: tl.constexpr,
+):  # fmt: skip
+    """float32 ``[BLOCK_T, BLOCK_D]`` dequantized entries ``t`` (where ``ok``) of token-inner codes: byte
+    ``d // (8 // BITS)`` of token ``t``, lane ``d % (8 // BITS)``; scale and zero at ``[d // GD, t // GT]`` (keys:
+    ``GD = 1``, ``GT = G`` over ``[S, D, groups]``; values: ``GD = G``, ``GT = 1`` over ``[S, D / G, capacity]``)."""
+    L: tl.constexpr = 8 // BITS
+    m2 = ok[:, None] & dmask[None, :]
+    tt = tl.maximum(t, 0).to(tl.int64)
+    byte = tl.load(codes_ptr + s64 * s_cs + (d // L)[None, :].to(tl.int64) * s_cp + tt[:, None], mask=m2, other=0)
+    code = (byte.to(tl.int32) >> ((d % L) * BITS)[None, :]) & ((1 << BITS) - 1)
+    par = s64 * s_ps + (d // GD)[None, :].to(tl.int64) * s_pc + (tt // GT)[:, None]
+    sc = tl.load(scales_ptr + par, mask=m2, other=0.0).to(tl.float32)
+    zr = tl.load(zeros_ptr + par, mask=m2, other=0.0).to(tl.float32)
+    deq = zr + code.to(tl.float32) * sc
+    return cache_round(tl.minimum(tl.maximum(deq, -FMAX), FMAX), OUT)
+
+
+@triton.jit
+def _rows_tile(rows_ptr, s64, r, ok, d, dmask, s_rs, s_rr):
+    """float32 ``[BLOCK_T, BLOCK_D]`` full-precision rows ``r`` (where ``ok``) of ``[S, rows, D]``."""
+    rr = tl.maximum(r, 0).to(tl.int64)
+    x = tl.load(rows_ptr + s64 * s_rs + rr[:, None] * s_rr + d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
+    return x.to(tl.float32)
+
+
+# the counts and the ring's head change every step and the capacity strides as buffers grow: not specialised (an
+# integer equal to 1 or divisible by 16 would otherwise compile a variant of its own)
+_RUNTIME = ["tk", "nr", "tv", "nv", "head", "s_kcs", "s_kcp", "s_kps", "s_kpc", "s_krs", "s_vcs", "s_vcp", "s_vps"]
+_RUNTIME += ["s_vpc", "s_rgs"]
+
+
+@triton.jit(do_not_specialize=_RUNTIME)
+def _kivi_decode_attention_kernel(
+    q_ptr, outp_ptr, lsep_ptr,
+    kc_ptr, ks_ptr, kz_ptr, kr_ptr, vc_ptr, vs_ptr, vz_ptr, ring_ptr,
+    s_kcs, s_kcp, s_kps, s_kpc, s_krs, s_krr, s_vcs, s_vcp, s_vps, s_vpc, s_rgs, s_rgr,
+    M, tk, nr, tv, nv, head, scale,
+    D: tl.constexpr, G: tl.constexpr, GV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr, TILES: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, FMAX: tl.constexpr,
+    OUT: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    s = tl.program_id(0)
+    sp = tl.program_id(1)
+    s64 = s.to(tl.int64)
+    m = tl.arange(0, BLOCK_M)
+    mmask = m < M
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    qmask = mmask[:, None] & dmask[None, :]
+    qrow = s64 * M + m
+    qv = as_dot(tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=qmask, other=0.0), DOT)
+    T = tk + nr
+    ring = tl.maximum(nv, 1)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for blk in range(TILES):
+        t = (sp * TILES + blk) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tmask = t < T
+        kq = tmask & (t < tk)
+        vq = tmask & (t < tv)
+        k = tl.where(
+            kq[:, None],
+            _codes_tile(kc_ptr, ks_ptr, kz_ptr, s64, t, kq, d, dmask, s_kcs, s_kcp, s_kps, s_kpc, KBITS, G, 1, FMAX,
+                        OUT),
+            _rows_tile(kr_ptr, s64, t - tk, tmask & (t >= tk), d, dmask, s_krs, s_krr),
+        )  # fmt: skip
+        v = tl.where(
+            vq[:, None],
+            _codes_tile(vc_ptr, vs_ptr, vz_ptr, s64, t, vq, d, dmask, s_vcs, s_vcp, s_vps, s_vpc, VBITS, 1, GV, FMAX,
+                        OUT),
+            _rows_tile(ring_ptr, s64, (tl.maximum(t - tv, 0) + head) % ring, tmask & (t >= tv), d, dmask, s_rgs,
+                       s_rgr),
+        )  # fmt: skip
+        logits = qk_dot(qv, k, DOT) * scale
+        logits = tl.where(tmask[None, :], logits, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(logits - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + pv_dot(p, v, DOT)
+        m_i = m_new
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    row = (s64 * tl.num_programs(1) + sp) * M + m
+    tl.store(outp_ptr + row[:, None] * D + d[None, :], out, mask=qmask)
+    tl.store(lsep_ptr + row, lse, mask=mmask)
+
+
+def _pow2(n: int) -> int:
+    return max(1, 1 << (max(n, 1) - 1).bit_length())
+
+
+def decode_attention_triton(
+    state,
+    query: torch.Tensor,
+    scale: float,
+    *,
+    block_t: int | None = None,
+    tiles: int | None = None,
+    num_warps: int = 8,
+    tensor_cores: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton :func:`~kv_baselines.quant.kivi_decode.decode_attention_ref`: ``(out float32 [S, M, D], lse float32
+    [S, M, 1])`` of ``query [S, M, D]`` (the ``M`` query rows of each of the ``S = B * H`` KV heads, any float
+    dtype) over a :class:`~kv_baselines.quant.kivi_decode.DecodeState`, equal to the reference up to float32
+    summation order and the rounding of dequantized entries to the cache dtype (which ``read()`` also applies).
+
+    ``block_t`` entries per tile and ``tiles`` tiles per program default to :func:`kvcodec.kernels.triton_attention.
+    split_plan`; ``tensor_cores`` as :func:`kvcodec.kernels.triton_dot.dot_mode` (default: the cache dtype's matrix
+    units on CUDA when the query and the cache share float16 or bfloat16)."""
+    S, M, D = query.shape
+    dev = query.device
+    T = state.length
+    if S == 0 or M == 0 or T == 0:
+        out = torch.zeros(S, M, D, dtype=torch.float32, device=dev)
+        return out, torch.full((S, M, 1), float("-inf"), dtype=torch.float32, device=dev)
+    kq, G = state.kinfo[0], state.kinfo[1]
+    vq, cache_dtype = state.vinfo[0], state.kinfo[2]
+    bt, tiles, nsplit = split_plan(T, S, block_t, tiles)
+    q = query.contiguous()
+    outp = torch.empty(S, nsplit, M, D, dtype=torch.float32, device=dev)
+    lsep = torch.empty(S, nsplit, M, dtype=torch.float32, device=dev)
+    kc, ks, kz, kr, vc, vs, vz, ring = (
+        state.kc, state.ks, state.kz, state.kr, state.vc, state.vs, state.vz, state.ring,
+    )  # fmt: skip
+    for name, t in (("kc", kc), ("ks", ks), ("kz", kz), ("kr", kr), ("vc", vc), ("vs", vs), ("vz", vz)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"the decode layout's {name} must be contiguous in its last dimension")
+    if ring.stride(-1) != 1:
+        raise ValueError("the decode layout's ring must be contiguous in its last dimension")
+    _kivi_decode_attention_kernel[(S, nsplit)](
+        q, outp, lsep, kc, ks, kz, kr, vc, vs, vz, ring,
+        kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), kr.stride(0), kr.stride(1),
+        vc.stride(0), vc.stride(1), vs.stride(0), vs.stride(1), ring.stride(0), ring.stride(1),
+        M, state.tk, state.nr, state.tv, state.nv, state.head, float(scale),
+        D=D, G=G, GV=vq.group_size, BLOCK_M=max(16, _pow2(M)), BLOCK_T=bt, BLOCK_D=max(16, _pow2(D)), TILES=tiles,
+        KBITS=kq.bits, VBITS=vq.bits, FMAX=float(torch.finfo(cache_dtype).max), OUT=DOT_CODE[cache_dtype],
+        DOT=dot_mode(q, (cache_dtype,), tensor_cores), num_warps=num_warps,
+        enable_fp_fusion=False,  # dequantize bit-exactly like read()
+    )  # fmt: skip
+    if nsplit == 1:
+        return outp.view(S, M, D), lsep.view(S, M, 1)
+    out = torch.empty(S, M, D, dtype=torch.float32, device=dev)
+    lse = torch.empty(S, M, dtype=torch.float32, device=dev)
+    _merge_splits_kernel[(S * M,)](
+        outp, lsep, out, lse, nsplit, M, D=D, BLOCK_S=_pow2(nsplit), BLOCK_D=_pow2(D), num_warps=num_warps
+    )
+    return out, lse.view(S, M, 1)

@@ -1,0 +1,105 @@
+"""The Triton kernel over KIVI's decode layout (kv_baselines.quant.kivi_decode_triton), run by Triton's interpreter on
+CPU (the package's conftest sets TRITON_INTERPRET): equal to reference attention over read() and to the PyTorch
+reference of the same signature, over every part of the layout (quantized keys and values, key residual, the value
+FIFO before and after its ring turns), any split of the entries over programs, and through KIVIStore.attend."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_baselines.quant import KIVIStore, UniformQuantizer, kivi_decode, kivi_tiers
+from kv_baselines.quant.kivi_decode import decode_attention_ref
+from kv_baselines.quant.kivi_decode_triton import decode_attention_triton
+from kvcore import Plan, reference_attention
+
+pytest.importorskip("triton")
+
+
+def _decoding(seed, bits, B, H, T, D, G, R, steps, dtype, value_group=None):
+    gen = torch.Generator().manual_seed(seed)
+    vq = UniformQuantizer(bits, "token", value_group or G)
+    store = KIVIStore(UniformQuantizer(bits, "channel", G), vq, residual=R)
+    keep = torch.ones(B, H, T, dtype=torch.bool)
+    plan = Plan(kivi_tiers(keep, bits, R, "keys"), kivi_tiers(keep, bits, R, "values"))
+    k, v = torch.randn(B, H, T, D, generator=gen) * 2, torch.randn(B, H, T, D, generator=gen)
+    store.write(k.to(dtype), v.to(dtype), plan, torch.arange(T).expand(B, T))
+    for i in range(steps):
+        nk, nv = torch.randn(B, H, 1, D, generator=gen) * 2, torch.randn(B, H, 1, D, generator=gen)
+        store.append(nk.to(dtype), nv.to(dtype), torch.full((B, 1), T + i))
+    assert store._dec is not None
+    return store, gen
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    bits=st.sampled_from([1, 2, 4, 8]),
+    steps=st.integers(1, 20),
+    shape=st.sampled_from([(1, 2, 3, 16, 4, 8, 4), (2, 3, 1, 64, 32, 32, 32), (1, 1, 4, 32, 8, 8, 16)]),
+    split=st.sampled_from([(16, 1), (16, 3), (32, 2), (None, None)]),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+)
+def test_kernel_equals_reference_attention_over_read(seed, bits, steps, shape, split, dtype):
+    """Invariant: the kernel's output and log-sum-exp equal reference attention over ``read()`` (whose entries are
+    dequantized and rounded to the cache dtype exactly as the kernel does in registers) up to float32 summation
+    order, whatever the split of the entries over programs; the PyTorch reference of the same signature (which does
+    not round to the cache dtype) agrees within that rounding."""
+    B, H, group, D, G, R, value_group = shape
+    store, gen = _decoding(seed, bits, B, H, 2 * R + 3, D, G, R, steps, dtype, value_group)
+    q = torch.randn(B * H, group, D, generator=gen).to(dtype)
+    block_t, tiles = split
+    out, lse = decode_attention_triton(store._dec, q, 0.3, block_t=block_t, tiles=tiles)
+    ref_out, ref_lse = reference_attention(store.read(), q.view(B, H * group, 1, D), 0.3)
+    assert torch.allclose(out.view(B, H * group, 1, D), ref_out, atol=2e-5, rtol=1e-5)
+    assert torch.allclose(lse.view(B, H * group, 1), ref_lse, atol=2e-5, rtol=1e-5)
+    store, gen = _decoding(seed, bits, B, H, 2 * R + 3, D, G, R, steps, dtype, value_group)  # read() left the layout
+    r_out, r_lse = decode_attention_ref(store._dec, q, 0.3)
+    tol = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 4e-2}[dtype]
+    assert torch.allclose(out, r_out, atol=tol, rtol=tol) and torch.allclose(lse, r_lse, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("steps", [0, 5, 8, 13])
+def test_the_value_fifo_is_read_in_ring_order(steps):
+    # the ring before it fills (head 0) and after it turns (head != 0): the newest token gets a key that takes all
+    # the attention and a planted value in its ring slot, so the output is that value only if the kernel pairs
+    # entry t with ring slot (t - tv + head) mod nv
+    store, _ = _decoding(7, 2, 1, 1, 19, 16, 4, 8, steps + 1, torch.float32)
+    dec = store._dec
+    assert dec.nr > 0  # the newest key is a residual row
+    newest = (dec.head + dec.nv - 1) % dec.nv  # the ring slot of the newest token's value
+    dec.kr[:, dec.nr - 1] = 0.0
+    dec.kr[:, dec.nr - 1, 0] = 50.0
+    dec.ring[:, newest] = 100.0
+    q = torch.zeros(1, 1, 16)
+    q[..., 0] = 1.0
+    out, _ = decode_attention_triton(dec, q, 1.0, block_t=16, tiles=1)
+    ref, _ = decode_attention_ref(dec, q, 1.0)
+    assert torch.allclose(out, ref, atol=1e-4)
+    assert torch.allclose(out, torch.full_like(out, 100.0), atol=1e-3)
+
+
+def test_store_attend_takes_the_kernel_where_triton_is_used(monkeypatch):
+    # KIVIStore.attend over its decode layout dispatches on the cache's device: forced here onto the kernel, it is
+    # called and gives reference attention over read()
+    store, gen = _decoding(3, 4, 1, 2, 40, 32, 8, 8, 3, torch.float16)
+    calls = []
+    real = decode_attention_triton
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kivi_decode, "use_triton", lambda t: True)
+    monkeypatch.setattr("kv_baselines.quant.kivi_decode_triton.decode_attention_triton", spy)
+    q = torch.randn(1, 4, 2, 32, generator=gen).half()
+    out, lse = store.attend(q, 0.25)
+    assert calls == [torch.Size([2, 4, 32])]
+    ref_out, ref_lse = reference_attention(store.read(), q, 0.25)
+    assert torch.allclose(out, ref_out, atol=2e-5) and torch.allclose(lse, ref_lse, atol=2e-5)
+
+
+def test_an_empty_query_gives_empty_results():
+    store, _ = _decoding(0, 2, 1, 1, 19, 16, 4, 8, 1, torch.float32)
+    out, lse = decode_attention_triton(store._dec, torch.zeros(1, 0, 16), 1.0)
+    assert out.shape == (1, 0, 16) and lse.shape == (1, 0, 1)
