@@ -9,11 +9,15 @@ head dim 128), float16. Three ways to compute it, side by side in one run:
   splits merged by a second small kernel);
 * ``deq+mm``  -- the KIVI authors' approach written out here: dequantize K and V to float16 (kvcodec's
   unpack + dequantize kernel), then ``softmax(q K^T) V`` as batched matrix products (GEMV for one query);
-* ``sdpa``    -- ``torch.nn.functional.scaled_dot_product_attention`` over the float16 cache (no compression).
+* ``sdpa``    -- ``torch.nn.functional.scaled_dot_product_attention`` over the float16 cache (no compression);
+* ``layout``  -- what kv-hf decodes through: a ``KIVIStore`` (residual 128) holding the same cache in its decode
+  layout, one token appended, attended by :meth:`DecodeState.attend` (on CUDA the Triton kernel of
+  :mod:`kv_baselines.quant.kivi_decode_triton`: no per-entry index maps, address arithmetic only).
 
 Reported per case: the median time of a call (``triton.testing.do_bench``, which clears the L2 cache before each
 run, so the bytes come from device memory), the bytes the fused kernel must read (codes, scales, zeros, the
-per-entry index maps and bias, the query) and the rate that makes, as GB/s and as a share of the device-to-device
+per-entry index maps and bias, the query; for ``layout`` its codes, parameters and full-precision rows) and the
+rate that makes, as GB/s and as a share of the device-to-device
 copy rate measured in the same run; the float16 cache's bytes and SDPA's rate; speed-ups of ``fused`` over the
 other two; and the fused output's relative error against float32 attention over the dequantized cache.
 
@@ -43,9 +47,11 @@ try:
     import kvcodec  # noqa: F401
 except ImportError:  # running from a checkout without the workspace installed
     root = Path(__file__).resolve().parents[1]
-    sys.path[:0] = [str(root / "core/kvcodec/src"), str(root / "core/kvcore/src")]
+    sys.path[:0] = [str(root / p) for p in ("core/kvcodec/src", "core/kvcore/src", "packages/kv-baselines/src")]
 
+from kv_baselines.quant import KIVIStore, kivi_tiers
 from kvcodec import QuantizedSegment, UniformQuantizer, quantized_attention
+from kvcore import Plan
 
 HQ, HKV, D, GROUP = 32, 8, 128, 32
 
@@ -98,6 +104,27 @@ def deq_mm(q: torch.Tensor, kq, vq, kquant: UniformQuantizer, vquant: UniformQua
     return (p @ v).view(B, Hq, Qn, Dh)
 
 
+def layout_store(k: torch.Tensor, v: torch.Tensor, bits: int) -> KIVIStore:
+    """A KIVIStore (G 32, residual 128) holding ``k``/``v`` in its decode layout (one token appended)."""
+    B, _, T, _ = k.shape
+    store = KIVIStore(UniformQuantizer(bits, "channel", GROUP), UniformQuantizer(bits, "token", GROUP), residual=128)
+    every = torch.ones(B, HKV, T - 1, dtype=torch.bool, device=k.device)
+    plan = Plan(kivi_tiers(every, bits, 128, "keys"), kivi_tiers(every, bits, 128, "values"))
+    pos = torch.arange(T, device=k.device).expand(B, T)
+    store.write(k[:, :, :-1], v[:, :, :-1], plan, pos[:, :-1])
+    store.append(k[:, :, -1:], v[:, :, -1:], pos[:, -1:])
+    assert store._dec is not None, "the store did not enter its decode layout"
+    return store
+
+
+def layout_bytes(dec) -> int:
+    """Bytes the decode-layout attention reads: the used part of every buffer."""
+    nG = dec.tk // dec.kinfo[1]
+    return nbytes(dec.kc[..., : dec.tk], dec.ks[..., :nG], dec.kz[..., :nG], dec.kr[:, : dec.nr]) + nbytes(
+        dec.vc[..., : dec.tv], dec.vs[..., : dec.tv], dec.vz[..., : dec.tv], dec.ring[:, : dec.nv]
+    )
+
+
 def case(B: int, T: int, bits: int, device: torch.device, dtype: torch.dtype, bench, sweep: bool) -> dict:
     gen = torch.Generator(device=device).manual_seed(T * 31 + bits * 7 + B)
     k = torch.randn(B, HKV, T, D, device=device, generator=gen).to(dtype)
@@ -118,6 +145,18 @@ def case(B: int, T: int, bits: int, device: torch.device, dtype: torch.dtype, be
     row["fused"] = bench(lambda: quantized_attention(q, seg, scale))
     row["deq+mm"] = bench(lambda: deq_mm(q, kq, vq, kquant, vquant, scale))
     row["sdpa"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True))
+    store = layout_store(k, v, bits)
+    dec, qd = store._dec, q.view(B * HKV, HQ // HKV, D)
+    lout, _ = dec.attend(qd, scale)
+    view = store.read()
+    kd, vd = view.keys.float(), view.values.float()
+    lref = F.scaled_dot_product_attention(q.float(), kd, vd, scale=scale, enable_gqa=True)
+    row["layout err"] = float((lout.view_as(lref) - lref).norm() / lref.norm())
+    del view, kd, vd, lref
+    store = layout_store(k, v, bits)  # read() left the decode layout
+    dec = store._dec
+    row["layout"] = bench(lambda: dec.attend(qd, scale))
+    row["layout bytes"] = layout_bytes(dec) + nbytes(q)
     row["bytes"] = segment_bytes(seg) + nbytes(q)
     row["fp16 bytes"] = nbytes(k, v, q)
     if sweep and device.type == "cuda":
@@ -160,12 +199,14 @@ def main() -> None:
     print(f"shape: Hq={HQ} Hkv={HKV} D={D} G={GROUP}, one query per head, {str(dtype)[6:]}; median ms per call\n")
     cols = ["B", "T", "bits", "fused ms", "deq+mm ms", "sdpa ms", "fused/deq+mm", "fused/sdpa"]
     cols += ["fused MB", "fused GB/s", "% copy", "sdpa GB/s", "rel err"]
+    cols += ["layout ms", "layout/sdpa", "layout MB", "layout GB/s", "layout % copy", "layout err"]
     rows = []
     for B in batches:
         for T in lengths:
             for bits in [int(b) for b in args.bits.split(",")]:
                 r = case(B, T, bits, device, dtype, bench, args.sweep)
                 gbs = r["bytes"] / r["fused"] / 1e6
+                lgbs = r["layout bytes"] / r["layout"] / 1e6
                 rows.append(
                     [
                         B,
@@ -181,6 +222,12 @@ def main() -> None:
                         f"{100 * gbs / copy:.0f}%",
                         f"{r['fp16 bytes'] / r['sdpa'] / 1e6:.0f}",
                         f"{r['err']:.1e}",
+                        f"{r['layout']:.4f}",
+                        f"{r['sdpa'] / r['layout']:.2f}x",
+                        f"{r['layout bytes'] / 1e6:.1f}",
+                        f"{lgbs:.0f}",
+                        f"{100 * lgbs / copy:.0f}%",
+                        f"{r['layout err']:.1e}",
                     ]
                 )
                 if "best" in r:

@@ -1,7 +1,8 @@
 """The Triton kernel over KIVI's decode layout (kv_baselines.quant.kivi_decode_triton), run by Triton's interpreter on
 CPU (the package's conftest sets TRITON_INTERPRET): equal to reference attention over read() and to the PyTorch
 reference of the same signature, over every part of the layout (quantized keys and values, key residual, the value
-FIFO before and after its ring turns), any split of the entries over programs, and through KIVIStore.attend."""
+FIFO before and after its ring turns), any split of the entries over programs, and through KIVIStore.attend. On a
+machine with a GPU the stores live on it (compiled kernels)."""
 
 import pytest
 import torch
@@ -15,18 +16,20 @@ from kvcore import Plan, reference_attention
 
 pytest.importorskip("triton")
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 
 def _decoding(seed, bits, B, H, T, D, G, R, steps, dtype, value_group=None):
     gen = torch.Generator().manual_seed(seed)
     vq = UniformQuantizer(bits, "token", value_group or G)
     store = KIVIStore(UniformQuantizer(bits, "channel", G), vq, residual=R)
-    keep = torch.ones(B, H, T, dtype=torch.bool)
+    keep = torch.ones(B, H, T, dtype=torch.bool, device=DEVICE)
     plan = Plan(kivi_tiers(keep, bits, R, "keys"), kivi_tiers(keep, bits, R, "values"))
     k, v = torch.randn(B, H, T, D, generator=gen) * 2, torch.randn(B, H, T, D, generator=gen)
-    store.write(k.to(dtype), v.to(dtype), plan, torch.arange(T).expand(B, T))
+    store.write(k.to(DEVICE, dtype), v.to(DEVICE, dtype), plan, torch.arange(T, device=DEVICE).expand(B, T))
     for i in range(steps):
         nk, nv = torch.randn(B, H, 1, D, generator=gen) * 2, torch.randn(B, H, 1, D, generator=gen)
-        store.append(nk.to(dtype), nv.to(dtype), torch.full((B, 1), T + i))
+        store.append(nk.to(DEVICE, dtype), nv.to(DEVICE, dtype), torch.full((B, 1), T + i, device=DEVICE))
     assert store._dec is not None
     return store, gen
 
@@ -47,7 +50,7 @@ def test_kernel_equals_reference_attention_over_read(seed, bits, steps, shape, s
     not round to the cache dtype) agrees within that rounding."""
     B, H, group, D, G, R, value_group = shape
     store, gen = _decoding(seed, bits, B, H, 2 * R + 3, D, G, R, steps, dtype, value_group)
-    q = torch.randn(B * H, group, D, generator=gen).to(dtype)
+    q = torch.randn(B * H, group, D, generator=gen).to(DEVICE, dtype)
     block_t, tiles = split
     out, lse = decode_attention_triton(store._dec, q, 0.3, block_t=block_t, tiles=tiles)
     ref_out, ref_lse = reference_attention(store.read(), q.view(B, H * group, 1, D), 0.3)
@@ -71,7 +74,7 @@ def test_the_value_fifo_is_read_in_ring_order(steps):
     dec.kr[:, dec.nr - 1] = 0.0
     dec.kr[:, dec.nr - 1, 0] = 50.0
     dec.ring[:, newest] = 100.0
-    q = torch.zeros(1, 1, 16)
+    q = torch.zeros(1, 1, 16, device=DEVICE)
     q[..., 0] = 1.0
     out, _ = decode_attention_triton(dec, q, 1.0, block_t=16, tiles=1)
     ref, _ = decode_attention_ref(dec, q, 1.0)
@@ -92,7 +95,7 @@ def test_store_attend_takes_the_kernel_where_triton_is_used(monkeypatch):
 
     monkeypatch.setattr(kivi_decode, "use_triton", lambda t: True)
     monkeypatch.setattr("kv_baselines.quant.kivi_decode_triton.decode_attention_triton", spy)
-    q = torch.randn(1, 4, 2, 32, generator=gen).half()
+    q = torch.randn(1, 4, 2, 32, generator=gen).to(DEVICE, torch.float16)
     out, lse = store.attend(q, 0.25)
     assert calls == [torch.Size([2, 4, 32])]
     ref_out, ref_lse = reference_attention(store.read(), q, 0.25)
@@ -101,5 +104,17 @@ def test_store_attend_takes_the_kernel_where_triton_is_used(monkeypatch):
 
 def test_an_empty_query_gives_empty_results():
     store, _ = _decoding(0, 2, 1, 1, 19, 16, 4, 8, 1, torch.float32)
-    out, lse = decode_attention_triton(store._dec, torch.zeros(1, 0, 16), 1.0)
+    out, lse = decode_attention_triton(store._dec, torch.zeros(1, 0, 16, device=DEVICE), 1.0)
     assert out.shape == (1, 0, 16) and lse.shape == (1, 0, 1)
+
+
+def test_shapes_the_kernel_does_not_take_attend_through_the_reference(monkeypatch):
+    # a head dim that is not a power of two: the kernel refuses it by name, the store attends through the reference
+    store, gen = _decoding(2, 2, 1, 1, 40, 48, 8, 8, 2, torch.float32, 16)
+    q = torch.randn(1, 2, 48, generator=gen).to(DEVICE)
+    with pytest.raises(ValueError, match="power-of-two head dim"):
+        decode_attention_triton(store._dec, q, 1.0)
+    monkeypatch.setattr(kivi_decode, "use_triton", lambda t: True)
+    out, lse = store._dec.attend(q, 1.0)
+    ref_out, ref_lse = decode_attention_ref(store._dec, q, 1.0)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)

@@ -351,12 +351,13 @@ class DecodeState:
 
     def attend(self, query: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out float32 [S, M, D], lse float32 [S, M, 1])`` of ``query [S, M, D]`` (the ``M`` query rows of each
-        KV head): the Triton kernel (:mod:`kv_baselines.quant.kivi_decode_triton`) for CUDA caches, else
-        :func:`decode_attention_ref`."""
+        KV head): the Triton kernel (:mod:`kv_baselines.quant.kivi_decode_triton`) for CUDA caches of the shapes
+        it takes (power-of-two head dims and value groups), else :func:`decode_attention_ref`."""
         if use_triton(self.kc):
-            from kv_baselines.quant.kivi_decode_triton import decode_attention_triton
+            from kv_baselines.quant import kivi_decode_triton as kernel
 
-            return decode_attention_triton(self, query, scale)
+            if kernel.supported(self):
+                return kernel.decode_attention_triton(self, query, scale)
         return decode_attention_ref(self, query, scale)
 
 

@@ -33,46 +33,68 @@ from kvcodec.kernels.triton_dot import DOT_CODE, as_dot, cache_round, dot_mode, 
 
 @triton.jit
 def _codes_tile(
-    codes_ptr, scales_ptr, zeros_ptr, s64, t, ok, d, dmask, s_cs, s_cp, s_ps, s_pc,
-    BITS: tl.constexpr, GT: tl.constexpr, GD: tl.constexpr, FMAX: tl.constexpr, OUT: tl.constexpr,
+    codes_ptr, scales_ptr, zeros_ptr, s64, t, t0, ok, s_cs, s_cp, s_ps, s_pc,
+    BITS: tl.constexpr, GT: tl.constexpr, GD: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+    FMAX: tl.constexpr, OUT: tl.constexpr,
 ):  # fmt: skip
-    """float32 ``[BLOCK_T, BLOCK_D]`` dequantized entries ``t`` (where ``ok``) of token-inner codes: byte
-    ``d // (8 // BITS)`` of token ``t``, lane ``d % (8 // BITS)``; scale and zero at ``[d // GD, t // GT]`` (keys:
-    ``GD = 1``, ``GT = G`` over ``[S, D, groups]``; values: ``GD = G``, ``GT = 1`` over ``[S, D / G, capacity]``)."""
+    """float32 ``[BLOCK_T, D]`` dequantized entries ``t`` (0 where not ``ok``) of token-inner codes ``[S, D / L,
+    capacity]`` (``L = 8 // BITS`` lanes per byte, channel ``p * L + lane``), scales and zeros at ``[d // GD,
+    t // GT]``: keys ``GD = 1``, ``GT = G`` over ``[S, D, groups]``; values ``GD = G``, ``GT = 1`` over
+    ``[S, D / G, capacity]``. ``D`` is a power of two: each byte is loaded once and split into its lanes, each
+    parameter once per (token, group) -- or, for keys whose group spans the tile (``G % BLOCK_T == 0``, the tile
+    starting at ``t0``), once per channel -- and broadcast, so the tile holds few addresses. Offsets within a head
+    are int32 (a head's buffers hold far fewer than 2^31 elements)."""
     L: tl.constexpr = 8 // BITS
-    m2 = ok[:, None] & dmask[None, :]
-    tt = tl.maximum(t, 0).to(tl.int64)
-    byte = tl.load(codes_ptr + s64 * s_cs + (d // L)[None, :].to(tl.int64) * s_cp + tt[:, None], mask=m2, other=0)
-    code = (byte.to(tl.int32) >> ((d % L) * BITS)[None, :]) & ((1 << BITS) - 1)
-    par = s64 * s_ps + (d // GD)[None, :].to(tl.int64) * s_pc + (tt // GT)[:, None]
-    sc = tl.load(scales_ptr + par, mask=m2, other=0.0).to(tl.float32)
-    zr = tl.load(zeros_ptr + par, mask=m2, other=0.0).to(tl.float32)
-    deq = zr + code.to(tl.float32) * sc
+    P: tl.constexpr = D // L
+    C: tl.constexpr = D // GD
+    tt = tl.maximum(t, 0)
+    p = tl.arange(0, P)
+    byte = tl.load(codes_ptr + s64 * s_cs + (p * s_cp)[None, :] + tt[:, None], mask=ok[:, None], other=0)
+    shift = tl.arange(0, L) * BITS
+    code = (byte.to(tl.int32)[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1)
+    code = tl.reshape(code, (BLOCK_T, D)).to(tl.float32)
+    base = s64 * s_ps
+    if GT % BLOCK_T == 0:  # one parameter per channel for the whole tile
+        c = tl.arange(0, C)
+        g = t0 // GT
+        sc = tl.load(scales_ptr + base + c * s_pc + g).to(tl.float32)
+        zr = tl.load(zeros_ptr + base + c * s_pc + g).to(tl.float32)
+        sc = tl.reshape(tl.broadcast_to(sc[:, None], (C, GD)), (D,))[None, :]
+        zr = tl.reshape(tl.broadcast_to(zr[:, None], (C, GD)), (D,))[None, :]
+    else:  # one per (token, channel group)
+        c = tl.arange(0, C)
+        par = (c * s_pc)[None, :] + (tt // GT)[:, None]
+        sc = tl.load(scales_ptr + base + par, mask=ok[:, None], other=0.0).to(tl.float32)
+        zr = tl.load(zeros_ptr + base + par, mask=ok[:, None], other=0.0).to(tl.float32)
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_T, C, GD)), (BLOCK_T, D))
+        zr = tl.reshape(tl.broadcast_to(zr[:, :, None], (BLOCK_T, C, GD)), (BLOCK_T, D))
+    deq = tl.where(ok[:, None], zr + code * sc, 0.0)
     return cache_round(tl.minimum(tl.maximum(deq, -FMAX), FMAX), OUT)
 
 
 @triton.jit
-def _rows_tile(rows_ptr, s64, r, ok, d, dmask, s_rs, s_rr):
-    """float32 ``[BLOCK_T, BLOCK_D]`` full-precision rows ``r`` (where ``ok``) of ``[S, rows, D]``."""
-    rr = tl.maximum(r, 0).to(tl.int64)
-    x = tl.load(rows_ptr + s64 * s_rs + rr[:, None] * s_rr + d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
+def _rows_tile(rows_ptr, s64, r, ok, d, s_rs, D: tl.constexpr):
+    """float32 ``[BLOCK_T, D]`` full-precision rows ``r`` (0 where not ``ok``) of ``[S, rows, D]`` (rows
+    contiguous)."""
+    rr = tl.maximum(r, 0)
+    x = tl.load(rows_ptr + s64 * s_rs + (rr * D)[:, None] + d[None, :], mask=ok[:, None], other=0.0)
     return x.to(tl.float32)
 
 
 # the counts and the ring's head change every step and the capacity strides as buffers grow: not specialised (an
-# integer equal to 1 or divisible by 16 would otherwise compile a variant of its own)
-_RUNTIME = ["tk", "nr", "tv", "nv", "head", "s_kcs", "s_kcp", "s_kps", "s_kpc", "s_krs", "s_vcs", "s_vcp", "s_vps"]
-_RUNTIME += ["s_vpc", "s_rgs"]
+# integer equal to 1 or divisible by 16 would otherwise compile a variant of its own). The strides that are whole
+# multiples of D (a power of two >= 16) stay specialised: always divisible by 16, they let rows load as vectors.
+_RUNTIME = ["tk", "nr", "tv", "nv", "head", "s_kcs", "s_kcp", "s_kpc", "s_vcs", "s_vcp", "s_vps", "s_vpc"]
 
 
 @triton.jit(do_not_specialize=_RUNTIME)
 def _kivi_decode_attention_kernel(
     q_ptr, outp_ptr, lsep_ptr,
     kc_ptr, ks_ptr, kz_ptr, kr_ptr, vc_ptr, vs_ptr, vz_ptr, ring_ptr,
-    s_kcs, s_kcp, s_kps, s_kpc, s_krs, s_krr, s_vcs, s_vcp, s_vps, s_vpc, s_rgs, s_rgr,
+    s_kcs, s_kcp, s_kps, s_kpc, s_krs, s_vcs, s_vcp, s_vps, s_vpc, s_rgs,
     M, tk, nr, tv, nv, head, scale,
     D: tl.constexpr, G: tl.constexpr, GV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr, TILES: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, FMAX: tl.constexpr,
+    TILES: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, FMAX: tl.constexpr,
     OUT: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     s = tl.program_id(0)
@@ -80,33 +102,32 @@ def _kivi_decode_attention_kernel(
     s64 = s.to(tl.int64)
     m = tl.arange(0, BLOCK_M)
     mmask = m < M
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    qmask = mmask[:, None] & dmask[None, :]
+    d = tl.arange(0, D)
+    qmask = mmask[:, None]
     qrow = s64 * M + m
     qv = as_dot(tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=qmask, other=0.0), DOT)
     T = tk + nr
     ring = tl.maximum(nv, 1)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
     for blk in range(TILES):
-        t = (sp * TILES + blk) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t0 = (sp * TILES + blk) * BLOCK_T
+        t = t0 + tl.arange(0, BLOCK_T)
         tmask = t < T
         kq = tmask & (t < tk)
         vq = tmask & (t < tv)
-        k = tl.where(
-            kq[:, None],
-            _codes_tile(kc_ptr, ks_ptr, kz_ptr, s64, t, kq, d, dmask, s_kcs, s_kcp, s_kps, s_kpc, KBITS, G, 1, FMAX,
-                        OUT),
-            _rows_tile(kr_ptr, s64, t - tk, tmask & (t >= tk), d, dmask, s_krs, s_krr),
+        # the two parts' masks are disjoint and each is 0 outside its own: a sum, not a select
+        k = (
+            _codes_tile(kc_ptr, ks_ptr, kz_ptr, s64, t, t0, kq, s_kcs, s_kcp, s_kps, s_kpc, KBITS, G, 1, D, BLOCK_T,
+                        FMAX, OUT)
+            + _rows_tile(kr_ptr, s64, t - tk, tmask & (t >= tk), d, s_krs, D)
         )  # fmt: skip
-        v = tl.where(
-            vq[:, None],
-            _codes_tile(vc_ptr, vs_ptr, vz_ptr, s64, t, vq, d, dmask, s_vcs, s_vcp, s_vps, s_vpc, VBITS, 1, GV, FMAX,
-                        OUT),
-            _rows_tile(ring_ptr, s64, (tl.maximum(t - tv, 0) + head) % ring, tmask & (t >= tv), d, dmask, s_rgs,
-                       s_rgr),
+        v = (
+            _codes_tile(vc_ptr, vs_ptr, vz_ptr, s64, t, t0, vq, s_vcs, s_vcp, s_vps, s_vpc, VBITS, 1, GV, D, BLOCK_T,
+                        FMAX, OUT)
+            + _rows_tile(ring_ptr, s64, (tl.maximum(t - tv, 0) + head) % ring, tmask & (t >= tv), d, s_rgs,
+                       D)
         )  # fmt: skip
         logits = qk_dot(qv, k, DOT) * scale
         logits = tl.where(tmask[None, :], logits, float("-inf"))
@@ -129,6 +150,17 @@ def _pow2(n: int) -> int:
     return max(1, 1 << (max(n, 1) - 1).bit_length())
 
 
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def supported(state) -> bool:
+    """Whether the kernel takes ``state``: a power-of-two head dim of at least 16 (the tiles are whole head rows and
+    ``tl.dot`` needs 16) and power-of-two value channel groups (each code byte and parameter is split into its
+    lanes and channels by reshapes). Other shapes attend through the PyTorch reference."""
+    return state.D >= 16 and _is_pow2(state.D) and _is_pow2(state.vinfo[0].group_size)
+
+
 def decode_attention_triton(
     state,
     query: torch.Tensor,
@@ -143,6 +175,7 @@ def decode_attention_triton(
     [S, M, 1])`` of ``query [S, M, D]`` (the ``M`` query rows of each of the ``S = B * H`` KV heads, any float
     dtype) over a :class:`~kv_baselines.quant.kivi_decode.DecodeState`, equal to the reference up to float32
     summation order and the rounding of dequantized entries to the cache dtype (which ``read()`` also applies).
+    ``ValueError`` for a state the kernel does not take (:func:`supported`).
 
     ``block_t`` entries per tile and ``tiles`` tiles per program default to :func:`kvcodec.kernels.triton_attention.
     split_plan`; ``tensor_cores`` as :func:`kvcodec.kernels.triton_dot.dot_mode` (default: the cache dtype's matrix
@@ -150,6 +183,11 @@ def decode_attention_triton(
     S, M, D = query.shape
     dev = query.device
     T = state.length
+    if not supported(state):
+        raise ValueError(
+            f"the kernel needs a power-of-two head dim >= 16 and value group; got D={state.D}, value group "
+            f"{state.vinfo[0].group_size} (kv_baselines.quant.kivi_decode.decode_attention_ref takes any)"
+        )
     if S == 0 or M == 0 or T == 0:
         out = torch.zeros(S, M, D, dtype=torch.float32, device=dev)
         return out, torch.full((S, M, 1), float("-inf"), dtype=torch.float32, device=dev)
@@ -162,17 +200,17 @@ def decode_attention_triton(
     kc, ks, kz, kr, vc, vs, vz, ring = (
         state.kc, state.ks, state.kz, state.kr, state.vc, state.vs, state.vz, state.ring,
     )  # fmt: skip
-    for name, t in (("kc", kc), ("ks", ks), ("kz", kz), ("kr", kr), ("vc", vc), ("vs", vs), ("vz", vz)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"the decode layout's {name} must be contiguous in its last dimension")
-    if ring.stride(-1) != 1:
-        raise ValueError("the decode layout's ring must be contiguous in its last dimension")
+    for name, t in (("kc", kc), ("ks", ks), ("kz", kz), ("vc", vc), ("vs", vs), ("vz", vz), ("kr", kr), ("ring", ring)):
+        if t.stride(-1) != 1 or (name in ("kr", "ring") and t.stride(1) != D):
+            raise ValueError(f"the decode layout's {name} must be contiguous in its last dimension (rows: in two)")
+    if ks.stride() != kz.stride() or vs.stride() != vz.stride():
+        raise ValueError("the decode layout's scales and zeros must share their strides")
     _kivi_decode_attention_kernel[(S, nsplit)](
         q, outp, lsep, kc, ks, kz, kr, vc, vs, vz, ring,
-        kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), kr.stride(0), kr.stride(1),
-        vc.stride(0), vc.stride(1), vs.stride(0), vs.stride(1), ring.stride(0), ring.stride(1),
+        kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), kr.stride(0),
+        vc.stride(0), vc.stride(1), vs.stride(0), vs.stride(1), ring.stride(0),
         M, state.tk, state.nr, state.tv, state.nv, state.head, float(scale),
-        D=D, G=G, GV=vq.group_size, BLOCK_M=max(16, _pow2(M)), BLOCK_T=bt, BLOCK_D=max(16, _pow2(D)), TILES=tiles,
+        D=D, G=G, GV=vq.group_size, BLOCK_M=max(16, _pow2(M)), BLOCK_T=bt, TILES=tiles,
         KBITS=kq.bits, VBITS=vq.bits, FMAX=float(torch.finfo(cache_dtype).max), OUT=DOT_CODE[cache_dtype],
         DOT=dot_mode(q, (cache_dtype,), tensor_cores), num_warps=num_warps,
         enable_fp_fusion=False,  # dequantize bit-exactly like read()
