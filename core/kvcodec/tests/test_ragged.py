@@ -108,3 +108,23 @@ def test_quantized_positions_cost_one_run_per_unit_and_survive_edits():
     assert units._pos_starts.dtype == torch.int32 and units.positions()[1].tolist()[-U:] == far[0].tolist()
     units.crop(40_000)
     assert units._pos_starts.dtype == torch.int32 and 40_000 not in units.positions()[1].tolist()
+
+
+def test_push_without_value_checks_reads_nothing_and_holds_int32_positions():
+    # an accelerator's default (value checks off): no host read per push, positions held in int32 for good; with the
+    # checks on (the CPU's default) the narrowest dtype, read from the new positions
+    from kvcore import value_checks
+    from kvcore.testing.host_reads import HostReads
+
+    gen = torch.Generator().manual_seed(2)
+    checked, unchecked = _empty(2, 4), _empty(2, 4)
+    rows = torch.randn(2, 3, 4, generator=gen)
+    pos = torch.arange(3).expand(2, 3)
+    with value_checks(False), HostReads() as reads:
+        unchecked.push(rows, pos)
+        unchecked.push(rows, pos + 3)
+    checked.push(rows, pos)
+    checked.push(rows, pos + 3)
+    assert reads.total == 0
+    assert unchecked.pos.dtype == torch.int32 and checked.pos.dtype == torch.int16
+    assert torch.equal(unchecked.rows, checked.rows) and torch.equal(unchecked.pos.int(), checked.pos.int())

@@ -441,3 +441,33 @@ def test_retier_through_the_triton_transcode_equals_the_reference(monkeypatch):
         assert torch.equal(got.scales[: got.nu], ref.scales[: ref.nu])
         assert torch.equal(got.zeros[: got.nu], ref.zeros[: ref.nu])
     assert torch.equal(stores[1].read().keys, stores[0].read().keys)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    B=st.integers(1, 2),
+    H=st.integers(1, 3),
+    T=st.integers(1, 45),
+    steps=st.integers(0, 6),
+    retier=st.booleans(),
+)
+def test_tiered_sides_lay_every_entry_out_like_read(seed, B, H, T, steps, retier):
+    """Invariant: the maps of ``tiered_sides`` (one sort of the key entries, one search for the values) put every
+    held entry where ``read()`` puts it: the tier maps equal ``tiers()`` (0 where a value is evicted under its kept
+    key, and past a short head's end) and the rows they point to dequantize to ``read()``'s keys and values -- over
+    ragged heads, decode appends and a re-tier that demotes."""
+    g = torch.Generator().manual_seed(seed)
+    store = _store(g, B=B, H=H, T=T, G=4)
+    D = store._shape[2]
+    for i in range(steps):
+        kv = torch.randn(2, B, H, 1, D, generator=g)
+        store.append(kv[0], kv[1], torch.full((B, 1), T + i))
+    if retier:
+        held = store.tiers()
+        down = torch.where(held.key_bits == FULL, torch.full_like(held.key_bits, 4), held.key_bits)
+        store.retier(Plan(down, torch.where(held.bits_for_values == 4, 1, held.bits_for_values).to(torch.uint8)))
+    keys, values = tiered_sides(store)
+    held, view = store.tiers(), store.read()
+    assert torch.equal(keys.tier, held.key_bits) and torch.equal(values.tier, held.bits_for_values)
+    assert torch.equal(dequantize_side_ref(keys), view.keys) and torch.equal(dequantize_side_ref(values), view.values)

@@ -39,6 +39,7 @@ import kvcodec.kernels.dispatch as _kernels
 from kvcodec.narrow import narrow, narrow_int
 from kvcodec.segments import exclusive_cumsum, offsets_in_segment, segment_ids, segment_take
 from kvcore import QuantizedTensor, Quantizer
+from kvcore.checks import values_checked
 
 Entries = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """``(rows [N, D], seg [N] int64, pos [N] int32)``, sorted by segment."""
@@ -162,7 +163,9 @@ class Residual(FullRows):
         return self.counts
 
     def push(self, rows: torch.Tensor, pos: torch.Tensor) -> None:
-        """Append ``rows [S, n, D]`` (positions ``[S, n]``) after every segment's last entry."""
+        """Append ``rows [S, n, D]`` (positions ``[S, n]``) after every segment's last entry. Where
+        :func:`kvcore.checks.values_checked` is off (accelerators by default) nothing is read on the host: the
+        positions are then held in int32 (at least) instead of the narrowest dtype."""
         S, n, D = rows.shape
         if n == 0:
             return
@@ -174,7 +177,10 @@ class Residual(FullRows):
         seg = self._seg()
         dst_old = torch.arange(seg.numel(), device=device) + seg * n  # every earlier segment grew by n
         dst_new = (start + old)[:, None] + torch.arange(n, device=device)
-        new_pos = narrow(pos.reshape(S * n).to(device), self.pos)
+        if values_checked(rows):  # the narrowest dtype that holds the new positions (reads their largest)
+            new_pos = narrow(pos.reshape(S * n).to(device), self.pos)
+        else:  # not read (a host sync on a GPU): int32 holds every position a store takes (kvcore MAX_POSITION)
+            new_pos = pos.reshape(S * n).to(device, torch.promote_types(self.pos.dtype, torch.int32))
         data = torch.empty(total, D, dtype=self.rows.dtype, device=device)
         p = torch.empty(total, dtype=new_pos.dtype, device=device)
         data[dst_old], p[dst_old] = self.rows, self.pos.to(p.dtype)

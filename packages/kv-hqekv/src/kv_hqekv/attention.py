@@ -23,6 +23,7 @@ from kv_hqekv.kernels import TierCodes, TieredSide, tiered_attention, tiered_att
 from kv_hqekv.part_attention import part_attention, part_attention_row
 from kvcodec import CodeRows, QuantizedSegment, normal_codebook, quantized_attention
 from kvcodec.kernels.dispatch import use_triton
+from kvcodec.segments import exclusive_cumsum
 from kvcore import FULL, merge_attention
 from kvcore.attention import check_query, check_scale
 
@@ -109,34 +110,72 @@ def tier_pair_attention(store, query: torch.Tensor, scale: float | None = None) 
     return merge_attention(parts) if parts else nothing
 
 
+def _side_entries(store, kind: str) -> tuple:
+    """Every held entry of side ``kind``, part by part, concatenated: ``(seg int64, pos int64, tier uint8, row int32,
+    group int32)`` (row and group inside the entry's part) and the code tables ``{bits: TierCodes}``. Each part's
+    positions and row units are decoded once."""
+    fp16, *quant = store._parts[kind]
+    device = fp16.length.device
+    fseg, fpos = fp16.positions()
+    n = fseg.numel()
+    segs, poss = [fseg], [fpos]
+    tiers = [torch.full((n,), FULL, dtype=torch.uint8, device=device)]
+    rows = [torch.arange(n, dtype=torch.int32, device=device)]
+    groups = [torch.zeros(n, dtype=torch.int32, device=device)]
+    tables = {}
+    for b, units in zip(QUANT, quant):
+        if units.empty:
+            continue
+        unit = units.row_unit()
+        segs.append(units.seg[unit])
+        poss.append(units.pos)
+        tiers.append(torch.full((units.nr,), b, dtype=torch.uint8, device=device))
+        rows.append(torch.arange(units.nr, dtype=torch.int32, device=device))
+        groups.append(unit.int())
+        tables[b] = TierCodes.of(units, b)
+    cat = (lambda xs: torch.cat(xs)) if len(segs) > 1 else (lambda xs: xs[0])
+    return cat([x.long() for x in segs]), cat([x.long() for x in poss]), cat(tiers), cat(rows), cat(groups), tables
+
+
 def tiered_sides(store) -> tuple[TieredSide, TieredSide]:
     """The keys and values ``store`` holds as :class:`~kv_hqekv.kernels.TieredSide` s whose maps ``[B, Hkv, T]``
-    are laid out like ``store.read()`` (the codes are viewed, not copied)."""
+    are laid out like ``store.read()`` (the codes are viewed, not copied).
+
+    One sort of the key entries by (segment, position) lays the key maps out; the value entries find their slots
+    with one search in it (every held value has its key held). Where every head holds the same number of entries
+    the sorted key payload is the map itself."""
     B, H, _ = store._shape
     S = B * H
-    T = int(store.seq_lengths().max()) if S else 0
-    device = store._parts["k"][0].length.device
+    kseg, kpos, ktier, krow, kgroup, ktables = _side_entries(store, "k")
+    device = kseg.device
+    N = kseg.numel()
+    counts = torch.bincount(kseg, minlength=S)
+    T = int(counts.max()) if N else 0
+    key = (kseg << 32) | kpos
+    order = torch.argsort(key)
+    sorted_key = key[order]
+    start = exclusive_cumsum(counts)
+
+    def scatter(flat, payload, dtype):
+        out = torch.zeros(S * T, dtype=dtype, device=device)
+        out[flat] = payload
+        return out.view(B, H, T)
+
+    if N == S * T:  # equal heads: the sorted payload is the map
+        kmaps = tuple(x[order].view(B, H, T) for x in (ktier, krow, kgroup))
+    else:
+        sseg = kseg[order]
+        flat = sseg * T + (torch.arange(N, device=device) - start[sseg])
+        kmaps = tuple(scatter(flat, x[order], x.dtype) for x in (ktier, krow, kgroup))
+    vseg, vpos, vtier, vrow, vgroup, vtables = _side_entries(store, "v")
+    idx = torch.searchsorted(sorted_key, (vseg << 32) | vpos)
+    vflat = vseg * T + (idx - start[vseg])
+    vmaps = tuple(scatter(vflat, x, x.dtype) for x in (vtier, vrow, vgroup))
     sides = []
-    for kind in ("k", "v"):
-        fp16, *quant = store._parts[kind]
-        slots = store._slots(kind)
-        tier = torch.zeros(S, T, dtype=torch.uint8, device=device)
-        row = torch.zeros(S, T, dtype=torch.int32, device=device)
-        group = torch.zeros(S, T, dtype=torch.int32, device=device)
-        seg, slot = slots[0]
-        tier[seg, slot] = FULL
-        row[seg, slot] = torch.arange(seg.numel(), dtype=torch.int32, device=device)
-        tables = {}
-        for b, units, (seg, slot) in zip(QUANT, quant, slots[1:]):
-            if units.empty:
-                continue
-            tier[seg, slot] = b
-            row[seg, slot] = torch.arange(units.nr, dtype=torch.int32, device=device)
-            group[seg, slot] = units.row_unit().int()
-            tables[b] = TierCodes.of(units, b)
-        axis = units.quantizer.axis
+    for kind, maps, tables in (("k", kmaps, ktables), ("v", vmaps, vtables)):
+        fp16 = store._parts[kind][0]
         full = fp16.rows if fp16.rows.dtype == store._dtype else fp16.rows.to(store._dtype)
-        maps = (tier.view(B, H, T), row.view(B, H, T), group.view(B, H, T))
+        axis = "channel" if kind == "k" else "token"
         sides.append(TieredSide(full, tables, *maps, axis, store.block))
     return sides[0], sides[1]
 
