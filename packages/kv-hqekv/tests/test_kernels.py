@@ -469,5 +469,6 @@ def test_tiered_sides_lay_every_entry_out_like_read(seed, B, H, T, steps, retier
         store.retier(Plan(down, torch.where(held.bits_for_values == 4, 1, held.bits_for_values).to(torch.uint8)))
     keys, values = tiered_sides(store)
     held, view = store.tiers(), store.read()
+    assert store.held_max_length() == int(store.seq_lengths().max())  # kept on the host through the appends
     assert torch.equal(keys.tier, held.key_bits) and torch.equal(values.tier, held.bits_for_values)
     assert torch.equal(dequantize_side_ref(keys), view.keys) and torch.equal(dequantize_side_ref(values), view.values)

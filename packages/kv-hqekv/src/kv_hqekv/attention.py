@@ -47,7 +47,7 @@ def tier_pair_attention(store, query: torch.Tensor, scale: float | None = None) 
     q = check_query(query, H, D, B)
     scale = check_scale(scale, D)
     S = B * H
-    T = int(store.seq_lengths().max()) if S else 0
+    T = store.held_max_length()
     device = store._parts["k"][0].length.device
     dtype = store._dtype
     q = q.to(device)
@@ -150,7 +150,7 @@ def tiered_sides(store) -> tuple[TieredSide, TieredSide]:
     device = kseg.device
     N = kseg.numel()
     counts = torch.bincount(kseg, minlength=S)
-    T = int(counts.max()) if N else 0
+    T = store.held_max_length()
     key = (kseg << 32) | kpos
     order = torch.argsort(key)
     sorted_key = key[order]

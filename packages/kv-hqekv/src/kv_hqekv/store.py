@@ -109,6 +109,7 @@ class HqeKVStore(Store):
     def _commit(self, parts: Parts, shape=None, last: torch.Tensor | None = None) -> None:
         """Make ``parts`` the content; ``last [B]`` (each batch row's last position) is recomputed unless given."""
         B, H, D = self._shape if shape is None else shape
+        self._max_len = None  # recomputed when asked (held_max_length)
         if last is not None:
             self._parts, self._shape, self._last_pos = parts, (B, H, D), last
             return
@@ -199,7 +200,10 @@ class HqeKVStore(Store):
         parts["v"][0].push(values.reshape(S, n, D), pos)
         self._dtype = keys.dtype
         new_last = positions.long().amax(1)  # every new position is past the held ones (checked above)
+        longest = self._max_len
         self._commit(parts, (B, H, D), new_last if last is None else torch.maximum(last, new_last))
+        if longest is not None:  # every head gained n entries
+            self._max_len = longest + n
 
     def read(self, query: torch.Tensor | None = None) -> KVView:
         """Dequantized, position-ordered view of the key-kept entries (value 0 where only the value is evicted);
@@ -231,7 +235,7 @@ class HqeKVStore(Store):
             raise ValueError("tiers() on an empty store: write() or append() first")
         B, H, _ = self._shape
         S = self._segments
-        T = int(self.seq_lengths().max()) if S else 0
+        T = self.held_max_length()
         device = self._parts["k"][0].length.device
         out = []
         for kind in ("k", "v"):
@@ -324,6 +328,15 @@ class HqeKVStore(Store):
         """Bytes of every tensor this store holds (codes, statistics, fp16 rows, positions, indices)."""
         return reachable_bytes(self, device)
 
+    def held_max_length(self) -> int:
+        """Entries held by the longest head (0 when empty): read from the device once after a write, re-tier, crop
+        or reorder, then kept on the host through appends (every head gains the appended entries)."""
+        if self._shape is None:
+            return 0
+        if self._max_len is None:
+            self._max_len = int(self.seq_lengths().max()) if self._segments else 0
+        return self._max_len
+
     def seq_lengths(self) -> torch.Tensor:
         """``[B, H]`` entries held per head (the key-kept entries)."""
         if self._shape is None:
@@ -382,3 +395,4 @@ class HqeKVStore(Store):
         self._dtype: torch.dtype | None = None
         self._last_pos: torch.Tensor | None = None
         self._parts: Parts = {}
+        self._max_len: int | None = None  # held_max_length(), when known

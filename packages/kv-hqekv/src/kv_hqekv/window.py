@@ -40,7 +40,7 @@ def held_value_ranges(store) -> torch.Tensor:
     ``mean ± c·std``. Evicted values (and padding) are 0."""
     B, H, _ = store._shape
     S = B * H
-    T = int(store.seq_lengths().max()) if S else 0
+    T = store.held_max_length()
     device = store._parts["k"][0].length.device
     out = torch.zeros(S, T, dtype=torch.float32, device=device)
     c = float(normal_codebook(1)[1])
@@ -64,7 +64,7 @@ def held_keys(store) -> tuple[torch.Tensor, torch.Tensor]:
     of each tier dequantized (no values), padding ``0`` / ``-1``."""
     B, H, D = store._shape
     S = B * H
-    T = int(store.seq_lengths().max()) if S else 0
+    T = store.held_max_length()
     device = store._parts["k"][0].length.device
     k = torch.zeros(S, T, D, dtype=torch.float32, device=device)
     pos = torch.full((S, T), -1, dtype=torch.long, device=device)
