@@ -263,3 +263,42 @@ def test_positions_widen_past_int16_and_stay_exact():
     assert high._segments[0].pos.dtype == torch.int32 and high._segments[0].slot_pos.dtype == torch.int32
     assert high.read().positions[0, 0].tolist() == list(range(40_000, 40_192))
     torch.testing.assert_close(high.attend(q)[0], reference_attention(high.read(), q)[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["append", "full"])
+def test_decode_without_value_checks_reads_only_at_block_ends(mode, monkeypatch):
+    """With the per-step value checks off (an accelerator's default) a decode step reads nothing on the host unless
+    it fills a block or follows one (a new segment's longest head is read once): the residual's distinct positions
+    per batch row are counted on the host and bound the fused path's ``T``; the store ends bit-identical to one
+    decoded with the checks on, flushes included."""
+    from kv_hex.kernels import dispatch
+    from kvcore import value_checks
+    from kvcore.testing.host_reads import HostReads
+
+    cfg = HEXConfig(bits=3, block_size=16, recent=2, heavy_ratio=0.1, rho=0.125, mode=mode)
+    k, v, pos = layer(B=2, H=2, T=37, D=16)
+    checked, unchecked = HEXStore(cfg), HEXStore(cfg)
+    for store in (checked, unchecked):
+        store.write(k, v, hex_plan(cfg, 37, B=2, H=2), pos)
+    monkeypatch.setattr(dispatch, "use_triton", lambda t: True)  # the fused path (the interpreter computes it)
+    g = torch.Generator().manual_seed(1)
+    quiet = 0
+    for step in range(20):
+        q = torch.randn(2, 4, 1, 16, generator=g)
+        new = torch.randn(2, 2, 1, 16, generator=g)
+        p = torch.full((2, 1), 37 + step)
+        out = checked.attend(q)
+        checked.append(new, new * 2, p)
+        with value_checks(False), HostReads(sites=True) as reads:
+            again = unchecked.attend(q)
+            unchecked.append(new, new * 2, p)
+        torch.testing.assert_close(again, out, rtol=0, atol=0)
+        fills, after = (5 + step + 1) % 16 == 0, (5 + step) % 16 == 0
+        if step and not (fills or after):  # the first step learns the distinct positions (the write left them unknown)
+            assert reads.total == 0, (step, dict(reads.by_site))
+            quiet += 1
+    assert quiet >= 16
+    a, b = checked.read(), unchecked.read()
+    for x, y in zip((a.keys, a.values, a.positions), (b.keys, b.values, b.positions)):
+        assert torch.equal(x, y)
+    assert unchecked._res["pos"].dtype == torch.int32 and checked._res["pos"].dtype == torch.int16

@@ -212,11 +212,12 @@ def decode_segment(cfg: HEXConfig, seg: Segment, bits: int) -> tuple[torch.Tenso
     return k, v, seg.seg(), seg.pos.int()
 
 
-def residual_layout(res: dict, B: int, H: int, D: int, bits: int) -> PartLayout:
-    """The :class:`PartLayout` of the fp16 residual (every entry a full-precision row, no overlay)."""
+def residual_layout(res: dict, B: int, H: int, D: int, bits: int, T: int | None = None) -> PartLayout:
+    """The :class:`PartLayout` of the fp16 residual (every entry a full-precision row, no overlay); ``T``: the
+    longest head's entries or an upper bound of them, when the caller knows it (else read from the counts)."""
     N = int(res["pos"].numel())
     device = res["pos"].device
-    start, count, T = _starts(res["counts"])
+    start, count, T = _starts(res["counts"], T)
     idx = -1 - torch.arange(N, dtype=torch.int32, device=device)
     zi = torch.zeros(N, dtype=torch.int32, device=device)
     empty = torch.zeros(0, dtype=torch.float32, device=device)
@@ -234,7 +235,7 @@ def _offsets(sizes: list[int]) -> list[int]:
     return out
 
 
-def concat_layouts(parts: list[PartLayout]) -> tuple[PartLayout, torch.Tensor]:
+def concat_layouts(parts: list[PartLayout], T: int | None = None) -> tuple[PartLayout, torch.Tensor]:
     """Several parts of one layer (the segments and the residual) as one :class:`PartLayout`, so the decode kernel
     attends to all of them in one launch with one softmax instead of one launch per part and a log-sum-exp merge.
 
@@ -242,7 +243,8 @@ def concat_layouts(parts: list[PartLayout]) -> tuple[PartLayout, torch.Tensor]:
     lists padded to the widest) and every per-entry index is shifted into the concatenation; the entries are
     reordered so that each head's entries stay contiguous (a head's entries of the first part, then of the next).
     Nothing is dequantized. Returns the layout and ``order`` (int64 ``[N]``): combined entry ``i`` is entry
-    ``order[i]`` of the parts' entries taken one part after the other.
+    ``order[i]`` of the parts' entries taken one part after the other. ``T``: the longest head's entries, or an
+    upper bound of them (such as the sum of the parts' ``T``), when the caller knows it (else read from the counts).
     """
     first = parts[0]
     if len(parts) == 1:
@@ -251,7 +253,7 @@ def concat_layouts(parts: list[PartLayout]) -> tuple[PartLayout, torch.Tensor]:
     seg = torch.cat([p.seg() for p in parts])
     order = torch.sort(seg, stable=True).indices  # by head; within a head, part after part and entry order
     count = sum(p.count.long() for p in parts)
-    start, count, T = _starts(count)
+    start, count, T = _starts(count, T)
     W = max(p.hcols.shape[-1] for p in parts)
     hcols = torch.cat([torch.nn.functional.pad(p.hcols, (0, W - p.hcols.shape[-1]), value=-1) for p in parts])
     slot_off = _offsets([p.hcols.shape[0] for p in parts])

@@ -22,6 +22,7 @@ from kvcore.checks import (
     check_integer_tensor,
     check_kv,
     check_positions,
+    values_checked,
 )
 
 __all__ = ["HEXStore"]
@@ -75,6 +76,7 @@ class HEXStore(Store):
         self._segments: list[Segment] = []
         self._res: dict[str, torch.Tensor | None] = {}
         self._last_pos: torch.Tensor | None = None
+        self._res_distinct: list[int] | None = None  # distinct residual positions per batch row, when known
 
     def _empty_residual(self, S: int, D: int, dtype, device) -> dict[str, torch.Tensor | None]:
         return {
@@ -104,11 +106,17 @@ class HEXStore(Store):
         T = int(counts.max()) if counts.numel() and seg.numel() else 0
         return perm, seg_sorted, slot, T
 
-    def _commit(self, segments: list[Segment], res: dict, shape=None, dtype=None) -> None:
-        """Make the new parts the held state (the last step of every mutation: all-or-nothing)."""
+    def _commit(self, segments: list[Segment], res: dict, shape=None, dtype=None, last=None, distinct=None) -> None:
+        """Make the new parts the held state (the last step of every mutation: all-or-nothing). ``last [B]`` (each
+        batch row's last position) is recomputed unless given; ``distinct`` (the residual's distinct positions per
+        batch row, on the host) is forgotten unless given."""
         if shape is not None:
             self._shape, self._dtype = shape, dtype
         self._segments, self._res = segments, res
+        self._res_distinct = distinct
+        if last is not None:
+            self._last_pos = last
+            return
         B = self._shape[0]
         device = res["pos"].device
         last = torch.full((B,), -1, dtype=torch.long, device=device)
@@ -183,7 +191,10 @@ class HEXStore(Store):
         seg = torch.cat(
             [segment_ids(res["counts"], res["pos"].numel()), torch.arange(S, device=keys.device).repeat_interleave(n)]
         )
-        pos = narrow(torch.cat([res["pos"].int(), positions[:, None, :].expand(B, H, n).reshape(-1).int()]))
+        pos = torch.cat([res["pos"].int(), positions[:, None, :].expand(B, H, n).reshape(-1).int()])
+        # the narrowest dtype that holds them (reads the largest), or, with the value checks off, int32 unread (a
+        # host sync on a GPU; int32 holds every position a store takes, kvcore MAX_POSITION)
+        pos = narrow(pos) if values_checked(keys) else pos.to(torch.promote_types(res["pos"].dtype, torch.int32))
         order = torch.argsort((seg.long() << 32) | pos.long())
         new_acc = None
         if res["acc"] is not None:
@@ -195,33 +206,47 @@ class HEXStore(Store):
             "v": torch.cat([res["v"], values.reshape(S * n, D)])[order],
             "acc": new_acc,
         }
+        new_last = positions.long().amax(1)  # past every held position (checked above, or promised)
         if self._shape is None:
             self._shape, self._dtype = (B, H, D), keys.dtype
             try:
-                segments, res = self._flush(segments, res)
+                segments, res, distinct = self._flush(segments, res, None)
             except Exception:
                 self._shape, self._dtype = None, None
                 raise
-            self._commit(segments, res)
+            self._commit(segments, res, last=new_last, distinct=distinct)
             return
-        segments, res = self._flush(segments, res)
-        self._commit(segments, res)
+        # each batch row gains n new distinct positions
+        distinct = None if self._res_distinct is None else [c + n for c in self._res_distinct]
+        segments, res, distinct = self._flush(segments, res, distinct)
+        self._commit(segments, res, last=torch.maximum(last, new_last), distinct=distinct)
 
     # -- streaming compression -------------------------------------------------------------------------
-    def _flush(self, segments: list[Segment], res: dict) -> tuple[list[Segment], dict]:
-        """Compress every full block of the residual (rows with ``block_size`` distinct residual positions)."""
+    def _flush(
+        self, segments: list[Segment], res: dict, distinct: list[int] | None
+    ) -> tuple[list[Segment], dict, list[int]]:
+        """Compress every full block of the residual (rows with ``block_size`` distinct residual positions).
+
+        ``distinct``: the residual's distinct positions per batch row when the caller knows them on the host (then
+        a step that fills no block reads nothing), else ``None`` (found on the device). Returns them after the
+        flush."""
         B, H, D = self._shape
         nb = self.config.block_size
         while True:
+            if distinct is not None and max(distinct, default=0) < nb:
+                return segments, res, distinct
             seg = segment_ids(res["counts"], res["pos"].numel())
             row = seg // H
             pos = res["pos"].long()
             first: list[torch.Tensor | None] = []
+            sizes = []
             for b in range(B):
                 u = torch.unique(pos[row == b])
+                sizes.append(u.numel())
                 first.append(u[:nb] if u.numel() >= nb else None)
             if all(f is None for f in first):
-                return segments, res
+                return segments, res, sizes
+            distinct = [n - nb if f is not None else n for n, f in zip(sizes, first)]
             slot_pos = torch.full((B, nb), -1, dtype=torch.long, device=pos.device)
             for b, f in enumerate(first):
                 if f is not None:
@@ -410,11 +435,14 @@ class HEXStore(Store):
         self._commit(segments, res)
 
     # -- fused attention -------------------------------------------------------------------------------
-    def _layouts(self) -> list[PartLayout]:
-        """Every part addressed for the kernels: the segments in order, then the residual."""
+    def _layouts(self, bound: bool = False) -> list[PartLayout]:
+        """Every part addressed for the kernels: the segments in order, then the residual. ``bound``: the
+        residual's ``T`` may be an upper bound known on the host (its rows' distinct positions: a head holds no
+        more), which spares a host read; the Triton kernel masks each head by its own count."""
         B, H, D = self._shape
         parts = [segment_layout(self.config, s) for s in self._segments]
-        parts.append(residual_layout(self._res, B, H, D, self.config.bits))
+        T = max(self._res_distinct, default=0) if bound and self._res_distinct is not None else None
+        parts.append(residual_layout(self._res, B, H, D, self.config.bits, T))
         return parts
 
     def attend(self, query: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -437,14 +465,16 @@ class HEXStore(Store):
         device = self._res["pos"].device
         q = q.to(device)
         Hq, Q = q.shape[1], q.shape[2]
-        layouts = self._layouts()
+        fused = dispatch.use_triton(q)
+        layouts = self._layouts(bound=fused)
         held = [part for part in layouts if part.num_entries]
         if not held:
             out = torch.zeros(B, Hq, Q, D, device=device)
             return out, torch.full((B, Hq, Q), float("-inf"), device=device)
-        # CUDA: every part in one launch and one softmax (the kernel dequantizes in registers); CPU: the reference
-        # dequantizes what it attends, so one part at a time, merged by log-sum-exp
-        calls = [concat_layouts(held)] if dispatch.use_triton(q) else [(p, None) for p in held]
+        # CUDA: every part in one launch and one softmax (the kernel dequantizes in registers; the longest head's
+        # length bounded by the parts' own, on the host); CPU: the reference dequantizes what it attends, so one
+        # part at a time, merged by log-sum-exp
+        calls = [concat_layouts(held, sum(p.T for p in held))] if fused else [(p, None) for p in held]
         results = [(dispatch.part_attention(q, part, scale, True), order) for part, order in calls]
         out, lse = merge_attention([(o, l) for (o, l, _), _ in results])
         entry_logits = []
