@@ -161,9 +161,9 @@ def test_the_cap_leaves_out_only_spans_that_no_longer_fit(seed):
     expanded ones left — one long top-gate span never blocks shorter ones (a strict prefix would)."""
     store, _, q, r = _store(0.35, 1, 2, 0.05, seed, T=96, config=ZOOM)
     sp = store._spans
-    capped, stats = store._zoom(q)
+    capped, _, stats = store._zoom(q)
     sp.budget = 1.0
-    selected, _ = store._zoom(q)
+    selected, _, _ = store._zoom(q)
     sp.budget = 0.35
     cost = r.summary_cost(2, 16)
     room = 2 * sp.capacity[0] - float(store._dense.seq_lengths()[0].sum()) - float(sp.alive[0].sum()) * (1 + cost)
@@ -172,6 +172,21 @@ def test_the_cap_leaves_out_only_spans_that_no_longer_fit(seed):
     out = (selected & ~capped)[0].nonzero().tolist()
     assert out, "the cap must bind in this case"
     assert all(int(sp.length[0, s]) > left for _h, s in out)
+
+
+@pytest.mark.parametrize("budget", [0.4, 1.0])
+def test_a_decode_step_reads_the_accelerator_once(budget):
+    """Stage 2's span choice is a host decision (it drives the CPU -> GPU fetch of the factors): attend() makes it
+    from one copy of the gates (and the budget's counts), the span lengths read once per span state, not from a
+    read per comparison. Counted on CPU tensors here, where every read is counted."""
+    from kvcore.testing.host_reads import HostReads
+
+    store, _, q, _ = _store(budget, 1, 2, 0.05, 0, T=96, config=ZOOM)
+    store.attend(q)  # the span state's lengths reach the host once
+    with HostReads(sites=True) as reads:
+        store.attend(q)
+    assert store.last_step.expanded > 0
+    assert reads.total == 1, dict(reads.by_site)
 
 
 def test_the_cap_binds_and_expands_in_a_known_case():

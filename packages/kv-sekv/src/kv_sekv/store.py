@@ -63,6 +63,14 @@ class _Spans:
     capacity: list[int]  # budget in tokens per KV head at prefill, per row
     prefill_last: list[int]  # last prefill position per row (decoded tokens come after)
     budget: float  # fraction of the full cache; 1.0 = no cap
+    host: tuple[list[list[int]], list[int]] | None = None  # on_host(), once the gate asked
+
+    def on_host(self) -> tuple[list[list[int]], list[int]]:
+        """``(length[b][span], alive spans of row b over its KV heads)`` as Python ints, read once (a span state is
+        never edited in place: a re-tier or reorder builds a new one), for Stage 2's host-side span choice."""
+        if self.host is None:
+            self.host = (self.length.tolist(), self.alive.sum((1, 2)).tolist())
+        return self.host
 
     def tensors(self) -> list[torch.Tensor]:
         out = [self.length, self.last_pos, self.alive, self.coarse_k, self.coarse_v, self.summary]
@@ -273,6 +281,18 @@ class SEKVStore(Store):
                     raise ValueError("positions of appended entries must come after every position held in their row")
         self._dense.append(keys, values, positions)
 
+    def _stage1_entries(self, base: KVView, expanded: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """``(keys, values, bias, show)``: the resident entries of ``base`` (the dense read), then every span's coarse
+        entry, shown (bias ``log|S|``) where the span is alive and not ``expanded``, else bias ``-inf``; in no
+        particular order (attention is order-free) and with no host read."""
+        sp = self._spans
+        show = sp.alive if expanded is None else sp.alive & ~expanded.to(sp.alive.device)
+        bias_c = torch.where(show, torch.log(sp.length.clamp_min(1).float())[:, None, :], float("-inf"))
+        bias = torch.cat([base.logit_bias.float(), bias_c], -1)
+        keys = torch.cat([base.keys, sp.coarse_k.to(base.keys.dtype)], 2)
+        values = torch.cat([base.values, sp.coarse_v.to(base.values.dtype)], 2)
+        return keys, values, bias, show
+
     def _coarse_view(self, expanded: torch.Tensor | None) -> tuple[KVView, torch.Tensor, torch.Tensor]:
         """Resident entries + coarse entries of the non-expanded alive spans, sorted by position per head.
 
@@ -285,19 +305,17 @@ class SEKVStore(Store):
             kind = torch.where(base.positions >= 0, 1, 0)
             return base, kind, torch.arange(N, device=base.keys.device).expand(B, H, N)
         M = sp.length.shape[1]
-        show = sp.alive if expanded is None else sp.alive & ~expanded
+        keys, values, bias, show = self._stage1_entries(base, expanded)
         pos = torch.cat([base.positions, torch.where(show, sp.last_pos[:, None, :], -1)], -1)
-        bias_c = torch.where(show, torch.log(sp.length.clamp_min(1).float())[:, None, :], float("-inf"))
-        bias = torch.cat([base.logit_bias.float(), bias_c], -1)
-        keys = torch.cat([base.keys, sp.coarse_k.to(base.keys.dtype)], 2)
-        values = torch.cat([base.values, sp.coarse_v.to(base.values.dtype)], 2)
         ar = torch.arange(N + M, device=pos.device)
         kind = torch.cat([torch.ones(B, H, N, dtype=torch.long), torch.full((B, H, M), 2)], -1).to(pos.device)
         src = torch.where(ar < N, ar, ar - N).expand(B, H, N + M)
         return _sorted(keys, values, pos, bias, kind, src)
 
-    def _zoom(self, query: torch.Tensor) -> tuple[torch.Tensor, StepStats]:
-        """``[B, Hkv, M]`` spans to reconstruct for ``query`` (gate, threshold, GQA union, budget cap)."""
+    def _zoom(self, query: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int]], StepStats]:
+        """``(expanded, chosen, stats)``: the spans to reconstruct for ``query`` (gate, threshold, GQA union, budget
+        cap) as a ``[B, Hkv, M]`` bool mask on the CPU and as sorted ``(b, h, span)`` triples; one host read of the
+        accelerator per call (the gates and the budget's counts), the span choice in Python."""
         sp = self._spans
         router = self._router()
         routing = router.layer(self.layer)
@@ -313,51 +331,56 @@ class SEKVStore(Store):
         gate = torch.sigmoid(logits + torch.log(sp.length.clamp_min(1).float())[:, None, None, :])  # Eq. 5
         alive = sp.alive.repeat_interleave(g, 1)[:, :, None, :]
         z = (gate > tau[None, :, None, None]) & alive  # Eq. 9
-        zk = z.reshape(B, H, g * Q, M).any(2)
+        # each KV head's strongest selecting gate (-1: none selects the span) goes to the host with what the budget
+        # cap needs, in one copy: Stage 2's span choice is a host decision (it drives the CPU -> GPU fetch), made in
+        # Python on that copy
         prio = torch.where(z, gate, -1.0).reshape(B, H, g * Q, M).amax(2)
-        stats = StepStats(selected=int(zk.sum()))
-        if not self.reconstruct:
-            zk = torch.zeros_like(zk)
-        elif sp.budget < 1.0:
+        capped = self.reconstruct and sp.budget < 1.0
+        parts = [prio.flatten()]
+        if capped:
             lens = self._dense.seq_lengths().to(query.device)  # resident per head (includes decoded tokens)
-            rview = self._dense.read()
-            decoded = (
-                (rview.positions > torch.tensor(sp.prefill_last, device=rview.positions.device)[:, None, None])
-                .sum(-1)
-                .amax(-1)
-            )
+            rpos = self._dense.read().positions
+            decoded = (rpos > torch.tensor(sp.prefill_last, device=rpos.device)[:, None, None]).sum(-1).amax(-1)
+            parts += [lens.float().flatten(), decoded.float().to(query.device)]
+        host = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()  # the one host read
+        length, alive = sp.on_host()
+        flat = [i for i, p in enumerate(host[: B * H * M]) if p >= 0]  # (b, h, span) in flat order
+        selected = [(i // (H * M), i // M % H, i % M) for i in flat]
+        stats = StepStats(selected=len(selected))
+        if not self.reconstruct:
+            chosen = []
+        elif capped:
             cost = router.summary_cost(H, sp.coarse_k.shape[-1])
+            lens_h, decoded_h = host[B * H * M : -B], host[-B:]
+            chosen = []
             for b in range(B):
-                cap = H * (sp.capacity[b] + math.ceil(sp.budget * int(decoded[b])))
-                used = float(lens[b].sum()) + float(sp.alive[b].sum()) * (1.0 + cost)
+                cap = H * (sp.capacity[b] + math.ceil(sp.budget * int(decoded_h[b])))
+                used = float(sum(lens_h[b * H : (b + 1) * H])) + float(alive[b]) * (1.0 + cost)
                 room = cap - used
-                flat = zk[b].flatten()
-                if not bool(flat.any()):
-                    continue
-                cand = flat.nonzero()[:, 0]
-                order = torch.sort(-prio[b].flatten()[cand], stable=True).indices  # descending gate, lower index first
-                cand = cand[order]
-                sizes = sp.length[b].repeat(H)[cand].tolist()
-                chosen = []
-                for idx, size in zip(cand.tolist(), sizes, strict=True):  # fill: skip what does not fit, go on
-                    if size <= room:
-                        chosen.append(idx)
-                        room -= size
-                row = torch.zeros_like(flat)
-                row[chosen] = True
-                zk[b] = row.view(H, M)
-        stats.expanded = int(zk.sum())
-        stats.tokens = int((zk * sp.length[:, None, :]).sum())
-        return zk, stats
+                # descending gate, the lower (head, span) index first among equal gates (a stable sort)
+                for i in sorted((i for i in flat if i // (H * M) == b), key=lambda i: -host[i]):
+                    m = i % M
+                    if length[b][m] <= room:  # fill: skip what does not fit, go on
+                        chosen.append((b, i // M % H, m))
+                        room -= length[b][m]
+            chosen.sort()
+        else:
+            chosen = selected
+        expanded = torch.zeros(B, H, M, dtype=torch.bool)
+        if chosen:
+            expanded[tuple(torch.tensor(c) for c in zip(*chosen))] = True
+        stats.expanded = len(chosen)
+        stats.tokens = sum(length[b][m] for b, _, m in chosen)
+        return expanded, chosen, stats
 
-    def _expanded_tokens(self, expanded: torch.Tensor, device, dtype):
-        """Reconstructed tokens of the expanded spans, per head, as ``(keys, values, positions)`` lists."""
+    def _expanded_tokens(self, chosen: list[tuple[int, int, int]], B: int, H: int, device, dtype):
+        """Reconstructed tokens of the expanded ``(b, h, span)`` triples, per head, as ``(keys, values, positions)``
+        lists."""
         sp = self._spans
-        B, H, _M = expanded.shape
         per_head = [[[] for _ in range(H)] for _ in range(B)]
         fetched = 0
-        for b, s in {(b, s) for b, _, s in expanded.nonzero().tolist()}:
-            heads = expanded[b, :, s].nonzero()[:, 0].cpu()
+        for b, s in sorted({(b, s) for b, _, s in chosen}):
+            heads = torch.tensor([h for bb, h, ss in chosen if (bb, ss) == (b, s)])
             kb, vb = sp.key_basis[b][s].select(heads), sp.value_basis[b][s].select(heads)
             fetched += sum(t.numel() * t.element_size() for t in kb.tensors() + vb.tensors())
             k, v = kb.reconstruct(device).to(dtype), vb.reconstruct(device).to(dtype)
@@ -372,11 +395,11 @@ class SEKVStore(Store):
             return self._coarse_view(None)[0]
         base = self._dense.read()
         q = check_query(query, base.keys.shape[1], base.keys.shape[-1], base.keys.shape[0])
-        expanded, stats = self._zoom(q)
+        expanded, chosen, stats = self._zoom(q)
         view, _kind, _ = self._coarse_view(expanded)
-        per_head, stats.fetched_bytes = self._expanded_tokens(expanded, view.keys.device, view.keys.dtype)
-        self.last_step = stats
         B, H, _, D = view.keys.shape
+        per_head, stats.fetched_bytes = self._expanded_tokens(chosen, B, H, view.keys.device, view.keys.dtype)
+        self.last_step = stats
         E = max((sum(x[0].shape[0] for x in per_head[b][h]) for b in range(B) for h in range(H)), default=0)
         if E == 0:
             return view
@@ -406,10 +429,10 @@ class SEKVStore(Store):
         scale = check_scale(scale, D)
         if self._spans is None:
             return biased_attention(base.keys, base.values, base.logit_bias, q, scale)
-        expanded, stats = self._zoom(q)
+        expanded, chosen, stats = self._zoom(q)
         sp = self._spans
-        pairs = sorted({(b, h) for b, h, _ in expanded.nonzero().tolist()})
-        spans = {(b, h): expanded[b, h].nonzero()[:, 0].tolist() for b, h in pairs}
+        pairs = sorted({(b, h) for b, h, _ in chosen})
+        spans = {(b, h): [s for bb, hh, s in chosen if (bb, hh) == (b, h)] for b, h in pairs}
 
         def fetch() -> dict:
             return {
@@ -419,8 +442,8 @@ class SEKVStore(Store):
             }
 
         pending = _executor().submit(fetch) if self.fetch == "thread" and pairs else None
-        view, _, _ = self._coarse_view(expanded)
-        stage1 = biased_attention(view.keys, view.values, view.logit_bias, q, scale)  # overlaps the fetch
+        keys, values, bias, _ = self._stage1_entries(base, expanded)  # unsorted: nothing read on the host
+        stage1 = biased_attention(keys, values, bias, q, scale)  # overlaps the fetch
         factors = pending.result() if pending is not None else fetch()
         Hq, Q = q.shape[1], q.shape[2]
         g = Hq // H
