@@ -41,7 +41,7 @@ def _load_query(q_ptr, b, h, sqb, sqh, sqq, sqd, Q, GROUP: tl.constexpr, D: tl.c
     return qv, m, mmask, hq, qi, d, dmask
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # the map width grows every step: one compiled variant, not two
 def _tiered_attention_kernel(
     q_ptr, acc_ptr, max_ptr, sum_ptr,
     kt, kr, kg, kf, kc4, ks4, kz4, kk4, kc2, ks2, kz2, kk2, kc1, ks1, kz1, kk1, KC, KPW4, KPW2, KPW1,
@@ -93,7 +93,7 @@ def _tiered_attention_kernel(
     tl.store(sum_ptr + part, l_i, mask=mmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # the map width grows every step: one compiled variant, not two
 def _tiered_row_kernel(
     q_ptr, lse_ptr, row_ptr,
     kt, kr, kg, kf, kc4, ks4, kz4, kk4, kc2, ks2, kz2, kk2, kc1, ks1, kz1, kk1, KC, KPW4, KPW2, KPW1,

@@ -46,7 +46,9 @@ if HAS_TRITON:
         w = tl.exp(s - safe)
         return m_new, total * corr + tl.sum(w, 0), acc * corr + tl.sum(w[:, None] * rows, 0)
 
-    @triton.jit
+    # the entry count and the cache's batch/head strides change as the cache grows: not specialised (an integer
+    # equal to 1 or divisible by 16 would compile a variant of its own); the row strides stay (= D)
+    @triton.jit(do_not_specialize=["N", "skb", "skh", "svb", "svh", "sbb", "sbh"])
     def _biased_attention_kernel(
         q_ptr,
         k_ptr,
