@@ -5,7 +5,8 @@ version the GPU machines run) instead of being run: compile errors and each vari
 and shared memory are printed at the end (``cuobjdump --dump-resource-usage``, which Triton's wheel carries). No
 kernel computes anything, so the tests themselves fail after their first launch; only the report matters.
 Arguments are specialised as Triton does on a GPU (16-divisible integers and pointers marked, integers equal to 1
-made constants), which is what exposed a layout-pass failure that plain compilation missed.
+made constants, except the integers a kernel lists in ``do_not_specialize``), which is what exposed a layout-pass
+failure that plain compilation missed.
 
 Usage (Triton 3.6, as on the device machines, installed beside the workspace's)::
 
@@ -50,6 +51,8 @@ type(triton.knobs.runtime).interpret = property(lambda self: False, lambda self,
 def compile_sm90(kernel: JITFunction, runtime_args: dict, constexprs: dict, **options):
     """Compile ``kernel`` for sm_90 with the run-time arguments' types and Triton's GPU specialisations."""
     names = list(inspect.signature(kernel.fn).parameters)
+    # integers the kernel lists in do_not_specialize get neither specialisation (as on a GPU)
+    plain = {names[p] if isinstance(p, int) else p for p in (kernel.do_not_specialize or ())}
     signature, attrs, consts = {}, {}, {(names.index(k),): v for k, v in constexprs.items()}
     for name, value in runtime_args.items():
         i = names.index(name)
@@ -58,6 +61,8 @@ def compile_sm90(kernel: JITFunction, runtime_args: dict, constexprs: dict, **op
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, bool):
             signature[name] = "i1"
+        elif isinstance(value, int) and name in plain:
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
         elif isinstance(value, int):
             if value == 1:
                 signature[name], consts[(i,)] = "constexpr", 1

@@ -29,15 +29,20 @@ KERNELS = {
 }
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_decode_attention_kernels_compile_for_sm90_without_spills(dtype):
+def _resources(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]))
     env.pop("TRITON_INTERPRET", None)
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "sm90_resources.py"), "--dtype", dtype],
+        [sys.executable, str(ROOT / "benchmarks" / "sm90_resources.py"), *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_decode_attention_kernels_compile_for_sm90_without_spills(dtype):
+    run = _resources("--dtype", dtype)
     rows = {}
     for line in run.stdout.splitlines():
         m = re.match(r"(\w+)\s+(ok|FAIL)\s*(.*)", line)
@@ -48,3 +53,13 @@ def test_decode_attention_kernels_compile_for_sm90_without_spills(dtype):
         assert status == "ok", f"{name} did not compile for sm_90: {detail}"
         fields = dict(f.split(":") for f in detail.split())
         assert int(fields["STACK"]) == 0, f"{name} spills ({detail})"
+
+
+def test_kivi_decode_layout_kernel_compiles_without_spills_at_every_head_dim_and_width():
+    # head dims 64 / 128 / 256 x 2 / 4 / 8 bits at the launcher's default tiles (16 entries from D 256 on: a
+    # 32-entry tile of 8-bit codes spilled 48 bytes there)
+    run = _resources("--kivi-shapes")
+    rows = re.findall(r"D=(\d+)\s+bits=(\d)\s+(ok|FAIL) REG:(\d+) STACK:(\d+)", run.stdout)
+    assert len(rows) == 9, run.stdout
+    for D, bits, status, _reg, stack in rows:
+        assert status == "ok" and int(stack) == 0, f"D={D} bits={bits}: {run.stdout}"

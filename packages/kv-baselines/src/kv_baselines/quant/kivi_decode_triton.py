@@ -177,9 +177,10 @@ def decode_attention_triton(
     summation order and the rounding of dequantized entries to the cache dtype (which ``read()`` also applies).
     ``ValueError`` for a state the kernel does not take (:func:`supported`).
 
-    ``block_t`` entries per tile and ``tiles`` tiles per program default to :func:`kvcodec.kernels.triton_attention.
-    split_plan`; ``tensor_cores`` as :func:`kvcodec.kernels.triton_dot.dot_mode` (default: the cache dtype's matrix
-    units on CUDA when the query and the cache share float16 or bfloat16)."""
+    ``block_t`` entries per tile (default 32; 16 from head dim 256 on, where a 32-entry tile of 8-bit codes spills
+    on sm_90) and ``tiles`` tiles per program (default: :func:`kvcodec.kernels.triton_attention.split_plan`);
+    ``tensor_cores`` as :func:`kvcodec.kernels.triton_dot.dot_mode` (default: the cache dtype's matrix units on
+    CUDA when the query and the cache share float16 or bfloat16)."""
     S, M, D = query.shape
     dev = query.device
     T = state.length
@@ -193,6 +194,8 @@ def decode_attention_triton(
         return out, torch.full((S, M, 1), float("-inf"), dtype=torch.float32, device=dev)
     kq, G = state.kinfo[0], state.kinfo[1]
     vq, cache_dtype = state.vinfo[0], state.kinfo[2]
+    if block_t is None and D >= 256:  # a [32, 256] tile of 8-bit codes spills on sm_90: half the entries
+        block_t = 16
     bt, tiles, nsplit = split_plan(T, S, block_t, tiles)
     q = query.contiguous()
     outp = torch.empty(S, nsplit, M, D, dtype=torch.float32, device=dev)
