@@ -59,6 +59,7 @@ DISPATCH = (
     ("kvcodec.attention", "use_triton"),
     ("kv_baselines.quant.kivi_store", "use_triton"),
     ("kv_baselines.quant.kivi_decode", "use_triton"),
+    ("kv_baselines.quant.token_quant", "use_triton"),
     ("kv_hqekv.kernels.dispatch", "use_triton"),
     ("kv_hqekv.attention", "use_triton"),
     ("kv_hqekv.importance", "use_triton"),

@@ -5,7 +5,8 @@ and is quantized per token (Liu et al. 2024, "KIVI", §3.3-3.4 and Algorithm 1).
 KV head), so the generic :meth:`kvcodec.UniformQuantizer.quantize` spends nearly all its time on per-call work
 (argument checks, group padding, ``QuantizedTensor`` validation) rather than arithmetic. :func:`quantize_tokens`
 computes the same codes, scales and zeros -- bit for bit, the rule of :mod:`kvcodec.stats` -- with the fewest
-tensor ops; the caller validates its input once (finite rows of a float dtype).
+tensor ops on the CPU, and in one launch of kvcodec's fused quantize + pack kernel on CUDA; the caller validates its
+input once (finite rows of a float dtype).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 
 import torch
 
+from kvcodec.kernels.dispatch import quantize_pack, use_triton
 from kvcodec.packing import pack_unchecked
 from kvcodec.stats import next_up, scale_dtype_for, scale_floor
 
@@ -80,6 +82,9 @@ def quantize_tokens(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.
             torch.zeros(0, 1, C, dtype=sdt, device=x.device),
             torch.zeros(0, 1, C, dtype=x.dtype, device=x.device),
         )
+    if use_triton(x):  # one launch of kvcodec's fused quantize + pack (bit-identical) instead of ~15 small ops
+        codes, scales, zeros = quantize_pack(x[:, None, :], bits, "token", G)
+        return codes.view(M, -1), scales.view(M, 1, C), zeros.view(M, 1, C)
     xf = x.float()
     if D % G:  # replicate the last channel into the partial group (kvcodec's padding: same min and max)
         xf = torch.cat([xf, xf[:, -1:].expand(M, C * G - D)], 1)
