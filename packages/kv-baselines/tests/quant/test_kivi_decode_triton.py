@@ -118,3 +118,19 @@ def test_shapes_the_kernel_does_not_take_attend_through_the_reference(monkeypatc
     out, lse = store._dec.attend(q, 1.0)
     ref_out, ref_lse = decode_attention_ref(store._dec, q, 1.0)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_the_matrix_unit_path_in_float16_keeps_float32_accuracy(bits):
+    """The cache-dtype path (float16 query and cache on tl.dot, the probabilities split into two float16 parts) stays
+    within float32-level error of reference attention (one cast of p would be off by ~1e-3); a float32 query with
+    tensor_cores=True is refused. (The bfloat16 twin runs on GPUs only: the interpreter's bfloat16 tl.dot is wrong.)"""
+    store, gen = _decoding(1, bits, 1, 2, 70, 64, 32, 32, 5, torch.float16)
+    q = torch.randn(2, 4, 64, generator=gen).to(DEVICE, torch.float16)
+    out, lse = decode_attention_triton(store._dec, q, 0.2, tensor_cores=True)
+    ref_out, ref_lse = reference_attention(store.read(), q.view(1, 8, 1, 64), 0.2)
+    torch.testing.assert_close(out.view_as(ref_out), ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.view_as(ref_lse), ref_lse, atol=2e-5, rtol=2e-5)
+    store, _ = _decoding(1, bits, 1, 2, 70, 64, 32, 32, 5, torch.float16)
+    with pytest.raises(ValueError, match="tensor_cores"):
+        decode_attention_triton(store._dec, q.float(), 0.2, tensor_cores=True)
