@@ -26,7 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcodec.kernels.triton_dot import DOT_CODE, as_dot, cache_round, dot_mode, pv_dot, qk_dot
+from kvcodec.kernels.triton_dot import (
+    DOT_CODE,
+    as_dot,
+    cache_round,
+    dot_mode,
+    online_softmax_step,
+    qk_dot,
+    softmax_result,
+)
 
 
 @triton.jit
@@ -148,17 +156,8 @@ def _quantized_attention_kernel(
         # products on the matrix units (kvcodec.kernels.triton_dot: cache dtype or IEEE float32)
         qk = qk_dot(qv, k, DOT)
         logits = qk * scale + bias[None, :]
-        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(logits - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        pv = pv_dot(p, v, DOT)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, logits, v, DOT)
+    out, lse = softmax_result(m_i, l_i, acc)
     row = (pid.to(tl.int64) * tl.num_programs(1) + sp) * (GROUP * Q) + m
     tl.store(out_ptr + row[:, None] * D + d[None, :], out, mask=qmask)
     tl.store(lse_ptr + row, lse, mask=mmask)

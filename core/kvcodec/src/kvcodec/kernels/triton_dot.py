@@ -12,7 +12,9 @@ matrix units (``tl.dot``) both run in one of two modes, picked at compile time b
   bfloat16 ``tl.dot`` is wrong.
 
 Operands need at least 16 rows and columns (pad query rows and tiles to 16). :func:`dot_mode` picks the mode on the
-host. This module needs ``triton``.
+host. The kernels also share their online-softmax tile step (:func:`online_softmax_step`), its result
+(:func:`softmax_result`) and the rounding of a dequantized entry to the cache dtype (:func:`cache_round`). This
+module needs ``triton``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import triton.language as tl
 
 from kvcodec.kernels.triton_quant import _bf16_rtne
 
-__all__ = ["DOT_CODE", "as_dot", "cache_round", "dot_mode", "pv_dot", "qk_dot"]
+__all__ = ["DOT_CODE", "as_dot", "cache_round", "dot_mode", "online_softmax_step", "pv_dot", "qk_dot", "softmax_result"]
 
 DOT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 """``DOT`` code of a cache dtype (0 = IEEE float32 products)."""
@@ -96,3 +98,29 @@ def pv_dot(p, v, DOT: tl.constexpr):
     if DOT == 2:  # bfloat16 keeps 8 bits per part: a third part brings p to float32's 24
         out += tl.dot(as_dot(rest - p_mid.to(tl.float32), DOT), vd)
     return out
+
+
+@triton.jit
+def online_softmax_step(m_i, l_i, acc, logits, v, DOT: tl.constexpr):
+    """One tile of an online softmax (FlashAttention, Dao et al. 2022, §3.1), shared by the fused decode-attention
+    kernels: the running max ``m_i [M]``, sum ``l_i [M]`` and unnormalised output ``acc [M, D]`` updated with the
+    tile's scaled ``logits [M, N]`` (``-inf`` where masked: a row that has seen nothing keeps ``m_i = -inf`` and
+    ``l_i = 0``) and its values ``v [N, D]`` (float32 holding values exact in the cache dtype, :func:`pv_dot`).
+    Returns ``(m_i, l_i, acc)``."""
+    m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(logits - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + pv_dot(p, v, DOT)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def softmax_result(m_i, l_i, acc):
+    """``(out [M, D], lse [M])`` of an online softmax's state: the normalised output and the log-sum-exp (``out = 0``
+    and ``lse = -inf`` for a row that has seen no entry)."""
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    return out, lse

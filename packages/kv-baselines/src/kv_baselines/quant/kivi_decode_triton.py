@@ -28,7 +28,15 @@ import triton
 import triton.language as tl
 
 from kvcodec.kernels.triton_attention import _merge_splits_kernel, split_plan
-from kvcodec.kernels.triton_dot import DOT_CODE, as_dot, cache_round, dot_mode, pv_dot, qk_dot
+from kvcodec.kernels.triton_dot import (
+    DOT_CODE,
+    as_dot,
+    cache_round,
+    dot_mode,
+    online_softmax_step,
+    qk_dot,
+    softmax_result,
+)
 
 
 @triton.jit
@@ -131,16 +139,8 @@ def _kivi_decode_attention_kernel(
         )  # fmt: skip
         logits = qk_dot(qv, k, DOT) * scale
         logits = tl.where(tmask[None, :], logits, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(logits - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + pv_dot(p, v, DOT)
-        m_i = m_new
-    seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, logits, v, DOT)
+    out, lse = softmax_result(m_i, l_i, acc)
     row = (s64 * tl.num_programs(1) + sp) * M + m
     tl.store(outp_ptr + row[:, None] * D + d[None, :], out, mask=qmask)
     tl.store(lsep_ptr + row, lse, mask=mmask)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kv_hex.kernels.triton_dequant import _OUT, _nonempty, _side_tile, side_args
-from kvcodec.kernels.triton_dot import as_dot, dot_mode, pv_dot, qk_dot
+from kvcodec.kernels.triton_dot import as_dot, dot_mode, online_softmax_step, qk_dot, softmax_result
 from kvcore import merge_split_attention
 
 __all__ = ["part_attention_triton"]
@@ -67,17 +67,8 @@ def _part_attention(
         logits = tl.where(tmask[None, :], logits, float("-inf"))
         if WRITE_LOGITS:
             tl.store(LOGITS + e[None, :] * R + m[:, None], logits, mask=mmask[:, None] & tmask[None, :])
-        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(logits - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        pv = pv_dot(p, v, DOT)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, logits, v, DOT)
+    out, lse = softmax_result(m_i, l_i, acc)
     row = (s * tl.num_programs(1) + sp) * R + m  # the split count is the grid's (no recompile as T grows)
     tl.store(OUTP + row[:, None] * D + d[None, :], out, mask=qmask)
     tl.store(LSEP + row, lse, mask=mmask)

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from kv_hqekv.kernels.tiered import TieredSide
 from kv_hqekv.kernels.triton_tiles import OUT_CODE, _side_tile, side_args
-from kvcodec.kernels.triton_dot import as_dot, dot_mode, pv_dot, qk_dot
+from kvcodec.kernels.triton_dot import as_dot, dot_mode, online_softmax_step, qk_dot
 
 
 @triton.jit
@@ -80,13 +80,7 @@ def _tiered_attention_kernel(
         held = tmask & (ktier != 0)
         logits = qk_dot(qv, k, DOT) * scale
         logits = tl.where(held[None, :], logits, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(logits - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + pv_dot(p, v, DOT)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, logits, v, DOT)
     part = (pid.to(tl.int64) * NSPLIT + sp) * (GROUP * Q) + m
     tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=mmask[:, None] & dmask[None, :])
     tl.store(max_ptr + part, m_i, mask=mmask)
