@@ -186,6 +186,23 @@ def _merge_splits_kernel(outp_ptr, lsep_ptr, out_ptr, lse_ptr, NSPLIT, M, D: tl.
     tl.store(lse_ptr + pid, tl.where(total > 0, top_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")))
 
 
+def merge_splits(outp: torch.Tensor, lsep: torch.Tensor, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out float32 [S, M, D], lse float32 [S, M])``: the log-sum-exp merge of the normalised outputs ``outp
+    [S, nsplit, M, D]`` and log-sum-exps ``lsep [S, nsplit, M]`` of the splits of a decode-attention launch
+    (Flash-Decoding), in one launch of the merge kernel (a split that saw nothing has ``lse = -inf``); with one
+    split, views of the inputs. Shared by the fused decode-attention kernels of kvcodec and the method packages."""
+    S, nsplit, M, D = outp.shape
+    if nsplit == 1:
+        return outp.view(S, M, D), lsep.view(S, M)
+    out = torch.empty(S, M, D, dtype=torch.float32, device=outp.device)
+    lse = torch.empty(S, M, dtype=torch.float32, device=outp.device)
+    if S * M:
+        _merge_splits_kernel[(S * M,)](
+            outp, lsep, out, lse, nsplit, M, D=D, BLOCK_S=_pow2(nsplit), BLOCK_D=_pow2(D), num_warps=num_warps
+        )
+    return out, lse
+
+
 def _full_or_dummy(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous() if t.shape[0] else torch.zeros(1, t.shape[1], dtype=t.dtype, device=t.device)
 
@@ -310,11 +327,5 @@ def quantized_attention_triton(
         num_warps=num_warps,
         enable_fp_fusion=False,  # dequantize bit-exactly like the unpack + dequantize kernel
     )
-    if nsplit == 1:
-        return outp.view(B, Hq, Q, D), lsep.view(B, Hq, Q)
-    out = torch.empty(B * H, M, D, dtype=torch.float32, device=query.device)
-    lse = torch.empty(B * H, M, dtype=torch.float32, device=query.device)
-    _merge_splits_kernel[(B * H * M,)](
-        outp, lsep, out, lse, nsplit, M, D=D, BLOCK_S=_pow2(nsplit), BLOCK_D=_pow2(D), num_warps=num_warps
-    )
+    out, lse = merge_splits(outp, lsep, num_warps)
     return out.view(B, Hq, Q, D), lse.view(B, Hq, Q)

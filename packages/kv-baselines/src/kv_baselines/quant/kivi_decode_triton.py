@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcodec.kernels.triton_attention import _merge_splits_kernel, split_plan
+from kvcodec.kernels.triton_attention import merge_splits, split_plan
 from kvcodec.kernels.triton_dot import (
     DOT_CODE,
     as_dot,
@@ -218,11 +218,5 @@ def decode_attention_triton(
         DOT=dot_mode(q, (cache_dtype,), tensor_cores), num_warps=num_warps,
         enable_fp_fusion=False,  # dequantize bit-exactly like read()
     )  # fmt: skip
-    if nsplit == 1:
-        return outp.view(S, M, D), lsep.view(S, M, 1)
-    out = torch.empty(S, M, D, dtype=torch.float32, device=dev)
-    lse = torch.empty(S, M, dtype=torch.float32, device=dev)
-    _merge_splits_kernel[(S * M,)](
-        outp, lsep, out, lse, nsplit, M, D=D, BLOCK_S=_pow2(nsplit), BLOCK_D=_pow2(D), num_warps=num_warps
-    )
+    out, lse = merge_splits(outp, lsep, num_warps)
     return out, lse.view(S, M, 1)

@@ -4,9 +4,10 @@ Split-KV layout (FlashDecoding): program ``(s, j)`` owns KV head ``s = b·Hkv + 
 its GQA group, K/V never repeated) and ``TILES`` tiles of ``BLOCK_T`` entries starting at ``j·TILES·BLOCK_T``; for
 every entry it gathers the key from the key's tier and the value from the value's tier (fp16 rows, 4-/2-bit uniform
 codes, 1-bit normalized codes; :mod:`kv_hqekv.kernels.triton_tiles`), dequantized in registers, with an online
-softmax (Dao et al. 2022, "FlashAttention", §3.1). The partial ``(acc, max, sum)`` of the splits are combined on
-the host, so the compiled kernel does not depend on the context length (no recompilation as decoding grows it,
-loop bounds are compile-time constants as the interpreter needs). Products run on the matrix units (``tl.dot``, the
+softmax (Dao et al. 2022, "FlashAttention", §3.1). Each split's normalised output and log-sum-exp are merged in one
+launch (:func:`kvcodec.kernels.triton_attention.merge_splits`), so the compiled kernel does not depend on the
+context length (no recompilation as decoding grows it, loop bounds are compile-time constants as the interpreter
+needs). Products run on the matrix units (``tl.dot``, the
 query rows padded to 16): in the cache dtype when the query shares it (float16 or bfloat16; the probabilities split
 into parts of that dtype, :mod:`kvcodec.kernels.triton_dot`), else in IEEE float32 (the interpreter's path).
 Broadcast-and-sum products compiled to 255 registers and 520 bytes of spills per thread for sm_90 (Triton 3.6) at
@@ -24,7 +25,8 @@ import triton.language as tl
 
 from kv_hqekv.kernels.tiered import TieredSide
 from kv_hqekv.kernels.triton_tiles import OUT_CODE, _side_tile, side_args
-from kvcodec.kernels.triton_dot import as_dot, dot_mode, online_softmax_step, qk_dot
+from kvcodec.kernels.triton_attention import merge_splits
+from kvcodec.kernels.triton_dot import as_dot, dot_mode, online_softmax_step, qk_dot, softmax_result
 
 
 @triton.jit
@@ -43,7 +45,7 @@ def _load_query(q_ptr, b, h, sqb, sqh, sqq, sqd, Q, GROUP: tl.constexpr, D: tl.c
 
 @triton.jit(do_not_specialize=["T"])  # the map width grows every step: one compiled variant, not two
 def _tiered_attention_kernel(
-    q_ptr, acc_ptr, max_ptr, sum_ptr,
+    q_ptr, out_ptr, lse_ptr,
     kt, kr, kg, kf, kc4, ks4, kz4, kk4, kc2, ks2, kz2, kk2, kc1, ks1, kz1, kk1, KC, KPW4, KPW2, KPW1,
     vt, vr, vg, vf, vc4, vs4, vz4, vk4, vc2, vs2, vz2, vk2, vc1, vs1, vz1, vk1, VC, VPW4, VPW2, VPW1,
     sqb, sqh, sqq, sqd, H, T, Q, NSPLIT, scale,
@@ -81,10 +83,10 @@ def _tiered_attention_kernel(
         logits = qk_dot(qv, k, DOT) * scale
         logits = tl.where(held[None, :], logits, float("-inf"))
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, logits, v, DOT)
+    out, lse = softmax_result(m_i, l_i, acc)
     part = (pid.to(tl.int64) * NSPLIT + sp) * (GROUP * Q) + m
-    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=mmask[:, None] & dmask[None, :])
-    tl.store(max_ptr + part, m_i, mask=mmask)
-    tl.store(sum_ptr + part, l_i, mask=mmask)
+    tl.store(out_ptr + part[:, None] * D + d[None, :], out, mask=mmask[:, None] & dmask[None, :])
+    tl.store(lse_ptr + part, lse, mask=mmask)
 
 
 @triton.jit(do_not_specialize=["T"])  # the map width grows every step: one compiled variant, not two
@@ -167,29 +169,21 @@ def tiered_attention_triton(
     as in :func:`kvcodec.kernels.triton_dot.dot_mode`."""
     B, H, T, Hq, Q, D, group, nsplit, meta = _common(query, keys, block_t, tiles)
     meta["DOT"] = dot_mode(query, (keys.dtype, values.dtype), tensor_cores)
-    out = torch.zeros(B, Hq, Q, D, dtype=torch.float32, device=query.device)
-    lse = torch.full((B, Hq, Q), float("-inf"), dtype=torch.float32, device=query.device)
     S, M = B * H, group * Q
     if S == 0 or Q == 0 or D == 0 or T == 0:
-        return out, lse
-    acc = torch.empty(S, nsplit, M, D, dtype=torch.float32, device=query.device)
-    mx = torch.empty(S, nsplit, M, dtype=torch.float32, device=query.device)
-    sm = torch.empty(S, nsplit, M, dtype=torch.float32, device=query.device)
+        out = torch.zeros(B, Hq, Q, D, dtype=torch.float32, device=query.device)
+        return out, torch.full((B, Hq, Q), float("-inf"), dtype=torch.float32, device=query.device)
+    outp = torch.empty(S, nsplit, M, D, dtype=torch.float32, device=query.device)
+    lsep = torch.empty(S, nsplit, M, dtype=torch.float32, device=query.device)
     kargs, kmeta = side_args(keys)
     vargs, vmeta = side_args(values)
     _tiered_attention_kernel[(S, nsplit)](
-        query, acc, mx, sm, *kargs, *vargs, *query.stride(), H, T, Q, nsplit, float(scale),
+        query, outp, lsep, *kargs, *vargs, *query.stride(), H, T, Q, nsplit, float(scale),
         **meta, **_prefixed(kmeta, "K"), **_prefixed(vmeta, "V"),
         num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
-    top = mx.amax(1)  # [S, M]
-    top_safe = torch.where(torch.isfinite(top), top, 0.0)
-    w = torch.exp(mx - top_safe[:, None])  # 0 for splits that saw nothing
-    total = (sm * w).sum(1)
-    seen = total > 0
-    o = (acc * w[..., None]).sum(1) / torch.where(seen, total, 1.0)[..., None]
-    ls = torch.where(seen, top_safe + torch.log(torch.where(seen, total, 1.0)), float("-inf"))
-    return o.view(B, Hq, Q, D), ls.view(B, Hq, Q)
+    out, lse = merge_splits(outp, lsep, num_warps)  # one launch (kvcodec's log-sum-exp merge of the splits)
+    return out.view(B, Hq, Q, D), lse.view(B, Hq, Q)
 
 
 def tiered_attention_row_triton(
