@@ -65,8 +65,9 @@ def _codes_tile(
     if GT % BLOCK_T == 0:  # one parameter per channel for the whole tile
         c = tl.arange(0, C)
         g = t0 // GT
-        sc = tl.load(scales_ptr + base + c * s_pc + g).to(tl.float32)
-        zr = tl.load(zeros_ptr + base + c * s_pc + g).to(tl.float32)
+        live = (c * 0 + tl.sum(ok.to(tl.int32), 0)) > 0  # a tile with no entry here reads no parameter
+        sc = tl.load(scales_ptr + base + c * s_pc + g, mask=live, other=0.0).to(tl.float32)
+        zr = tl.load(zeros_ptr + base + c * s_pc + g, mask=live, other=0.0).to(tl.float32)
         sc = tl.reshape(tl.broadcast_to(sc[:, None], (C, GD)), (D,))[None, :]
         zr = tl.reshape(tl.broadcast_to(zr[:, None], (C, GD)), (D,))[None, :]
     else:  # one per (token, channel group)
