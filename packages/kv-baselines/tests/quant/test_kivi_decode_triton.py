@@ -134,3 +134,15 @@ def test_the_matrix_unit_path_in_float16_keeps_float32_accuracy(bits):
     store, _ = _decoding(1, bits, 1, 2, 70, 64, 32, 32, 5, torch.float16)
     with pytest.raises(ValueError, match="tensor_cores"):
         decode_attention_triton(store._dec, q.float(), 0.2, tensor_cores=True)
+
+
+@pytest.mark.parametrize(("D", "G", "GV", "bits"), [(16, 16, 16, 2), (32, 32, 32, 1), (16, 4, 16, 8)])
+def test_edge_shapes_one_key_group_and_one_value_group_per_token(D, G, GV, bits):
+    # one quantized key group (its scales [S, D, 1] are a strided view: size-1 dims carry any stride) and a value
+    # group as wide as the head (one parameter per token)
+    store, gen = _decoding(1, bits, 1, 2, 40, D, G, max(16, G), 5, torch.float32, GV)
+    q = torch.randn(2, 3, D, generator=gen).to(DEVICE)
+    out, lse = decode_attention_triton(store._dec, q, 0.3)
+    ref_out, ref_lse = reference_attention(store.read(), q.view(1, 6, 1, D), 0.3)
+    torch.testing.assert_close(out.view_as(ref_out), ref_out, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.view_as(ref_lse), ref_lse, atol=2e-5, rtol=1e-5)

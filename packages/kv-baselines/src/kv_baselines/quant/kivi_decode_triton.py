@@ -205,7 +205,7 @@ def decode_attention_triton(
         state.kc, state.ks, state.kz, state.kr, state.vc, state.vs, state.vz, state.ring,
     )  # fmt: skip
     for name, t in (("kc", kc), ("ks", ks), ("kz", kz), ("vc", vc), ("vs", vs), ("vz", vz), ("kr", kr), ("ring", ring)):
-        if t.stride(-1) != 1 or (name in ("kr", "ring") and t.stride(1) != D):
+        if (t.stride(-1) != 1 and t.shape[-1] > 1) or (name in ("kr", "ring") and t.stride(1) != D):
             raise ValueError(f"the decode layout's {name} must be contiguous in its last dimension (rows: in two)")
     if ks.stride() != kz.stride() or vs.stride() != vz.stride():
         raise ValueError("the decode layout's scales and zeros must share their strides")
