@@ -192,3 +192,30 @@ def test_concat_layouts_address_every_part_in_one_layout():
     keys, values = zip(*(reference.dequantize_part(p) for p in parts))
     got_k, got_v = reference.dequantize_part(combined)
     assert torch.equal(got_k, torch.cat(keys)[order]) and torch.equal(got_v, torch.cat(values)[order])
+
+
+def test_the_fused_kernel_takes_an_upper_bound_of_the_longest_head():
+    """The store hands the fused kernel a host-side upper bound of its longest head (no read of the counts): a
+    bound past the real length only adds masked tiles, so the output, lse and logits are those of the exact
+    length, ragged heads included."""
+    pytest.importorskip("triton")
+    from kv_hex.kernels.triton_attention import part_attention_triton
+    from kv_hex.layout import concat_layouts
+
+    store = written(config(), 37)
+    bits = store.tiers().key_bits.clone()
+    bits[0, 0, ::3] = 0  # ragged heads
+    store.retier(Plan(bits))
+    for step in range(16):
+        x = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(step))
+        store.append(x, -x, torch.full((B, 1), 37 + step))
+    assert len(set(store.seq_lengths().flatten().tolist())) > 1
+    parts = [p for p in store._layouts() if p.num_entries]
+    exact, order = concat_layouts(parts)
+    loose, order2 = concat_layouts(parts, exact.T + 40)
+    assert loose.T == exact.T + 40 and torch.equal(order, order2)
+    q = query(3, Q=2)
+    want = part_attention_triton(q, exact, 0.3, logits=True, block_t=16, max_blocks=2)
+    got = part_attention_triton(q, loose, 0.3, logits=True, block_t=16, max_blocks=2)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
