@@ -472,3 +472,32 @@ def test_tiered_sides_lay_every_entry_out_like_read(seed, B, H, T, steps, retier
     assert store.held_max_length() == int(store.seq_lengths().max())  # kept on the host through the appends
     assert torch.equal(keys.tier, held.key_bits) and torch.equal(values.tier, held.bits_for_values)
     assert torch.equal(dequantize_side_ref(keys), view.keys) and torch.equal(dequantize_side_ref(values), view.values)
+
+
+def test_a_decode_step_on_the_fused_path_reads_nothing_on_the_host(monkeypatch):
+    """Between re-plans a decode step (append, then the fused attention over the tier maps) reads no tensor value on
+    the host with the value checks off, as on a GPU: the maps' width is kept on the host through appends and the
+    positions are held in int32 unread. (Forced onto the Triton path here; the interpreter computes it.)"""
+    pytest.importorskip("triton")
+    from kv_hqekv import attention
+    from kv_hqekv.kernels import dispatch
+    from kvcore import value_checks
+    from kvcore.testing.host_reads import HostReads
+
+    g = torch.Generator().manual_seed(8)
+    store = _store(g, T=40)
+    monkeypatch.setattr(attention, "use_triton", lambda t: True)
+    monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    with value_checks(False):
+        store.append(torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g), torch.tensor([[40]]))
+        store.attend(q)  # learns the longest head once after the write
+        with HostReads(sites=True) as reads:
+            for t in range(41, 44):
+                kv = torch.randn(2, 1, 2, 1, 16, generator=g)
+                store.append(kv[0], kv[1], torch.tensor([[t]]))
+                out, lse = store.attend(q)
+    assert reads.total == 0, dict(reads.by_site)
+    ref_out, ref_lse = reference_attention(store.read(), q)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)

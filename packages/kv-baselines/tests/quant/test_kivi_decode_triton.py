@@ -146,3 +146,26 @@ def test_edge_shapes_one_key_group_and_one_value_group_per_token(D, G, GV, bits)
     ref_out, ref_lse = reference_attention(store.read(), q.view(1, 6, 1, D), 0.3)
     torch.testing.assert_close(out.view_as(ref_out), ref_out, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(lse.view_as(ref_lse), ref_lse, atol=2e-5, rtol=1e-5)
+
+
+def test_a_decode_step_on_the_gpu_path_reads_nothing_on_the_host(monkeypatch):
+    """With the value checks off (an accelerator's default) and the GPU path forced on (interpreter), a decode step
+    -- append (the value FIFO's flush through the fused quantize kernel) and attend (this kernel) -- reads no
+    tensor value on the host, and still equals reference attention over read()."""
+    from kv_baselines.quant import token_quant
+    from kvcore import value_checks
+    from kvcore.testing.host_reads import HostReads
+
+    store, gen = _decoding(4, 2, 1, 2, 80, 64, 32, 32, 1, torch.float32)
+    monkeypatch.setattr(kivi_decode, "use_triton", lambda t: True)
+    monkeypatch.setattr(token_quant, "use_triton", lambda t: True)
+    q = torch.randn(1, 4, 1, 64, generator=gen).to(DEVICE)
+    with value_checks(False), HostReads(sites=True) as reads:
+        for t in range(81, 85):  # the FIFO turns every step; no key block fills (16 -> 20 residual keys of 32)
+            kv = torch.randn(2, 1, 2, 1, 64, generator=gen).to(DEVICE)
+            store.append(kv[0], kv[1], torch.full((1, 1), t, device=DEVICE))
+            out, lse = store.attend(q, 0.125)
+    assert reads.total == 0, dict(reads.by_site)
+    ref_out, ref_lse = reference_attention(store.read(), q, 0.125)
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=1e-5)
