@@ -106,9 +106,9 @@ def deq_mm(q: torch.Tensor, kq, vq, kquant: UniformQuantizer, vquant: UniformQua
 
 def layout_store(k: torch.Tensor, v: torch.Tensor, bits: int) -> KIVIStore:
     """A KIVIStore (G 32, residual 128) holding ``k``/``v`` in its decode layout (one token appended)."""
-    B, _, T, _ = k.shape
+    B, H, T, _ = k.shape
     store = KIVIStore(UniformQuantizer(bits, "channel", GROUP), UniformQuantizer(bits, "token", GROUP), residual=128)
-    every = torch.ones(B, HKV, T - 1, dtype=torch.bool, device=k.device)
+    every = torch.ones(B, H, T - 1, dtype=torch.bool, device=k.device)
     plan = Plan(kivi_tiers(every, bits, 128, "keys"), kivi_tiers(every, bits, 128, "values"))
     pos = torch.arange(T, device=k.device).expand(B, T)
     store.write(k[:, :, :-1], v[:, :, :-1], plan, pos[:, :-1])

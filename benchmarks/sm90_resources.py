@@ -54,9 +54,11 @@ def main() -> None:
     )
     quantized_attention_triton(q, seg, 0.1, tensor_cores=tc)
     # KIVI's decode layout (KIVIStore while decoding: 2-bit, G 32, residual 128)
+    from bench_fused_attend import layout_store
+
     from kv_baselines.quant.kivi_decode_triton import decode_attention_triton
 
-    kv = kivi_store(B, H, T, D, 2, dtype, g)
+    kv = layout_store(k, v, 2)
     decode_attention_triton(kv._dec, q.view(B * H, 4, D), 0.1, tensor_cores=tc)
     hq = HqeKVStore(block=32)
     hq.write(k, v, _plan(g, B, H, T, 32), torch.arange(T).expand(B, T))
@@ -82,23 +84,10 @@ def main() -> None:
         print(f"{key.split(' ')[0].rsplit('.', 1)[-1]:32s} {result}")
 
 
-def kivi_store(B: int, H: int, T: int, D: int, bits: int, dtype: torch.dtype, g: torch.Generator):
-    """A KIVIStore (G 32, residual 128) in its decode layout: ``T`` tokens written, one appended."""
-    from kv_baselines.quant import KIVIStore, kivi_tiers
-    from kvcodec import UniformQuantizer
-    from kvcore import Plan
-
-    k, v = torch.randn(B, H, T, D, generator=g).to(dtype), torch.randn(B, H, T, D, generator=g).to(dtype)
-    kv = KIVIStore(UniformQuantizer(bits, "channel", 32), UniformQuantizer(bits, "token", 32), residual=128)
-    every = torch.ones(B, H, T, dtype=torch.bool)
-    kv.write(k, v, Plan(kivi_tiers(every, bits, 128, "keys"), kivi_tiers(every, bits, 128, "values")),
-             torch.arange(T).expand(B, T))  # fmt: skip
-    kv.append(k[:, :, :1], v[:, :, :1], torch.full((B, 1), T))
-    return kv
-
-
 def kivi_shapes(tc: bool, dtype: torch.dtype) -> None:
     """KIVI's decode-layout kernel at its default tiles over head dims (SmolLM2, Llama-3-8B, Gemma) and widths."""
+    from bench_fused_attend import layout_store
+
     from kv_baselines.quant.kivi_decode_triton import decode_attention_triton
 
     g = torch.Generator().manual_seed(0)
@@ -106,7 +95,7 @@ def kivi_shapes(tc: bool, dtype: torch.dtype) -> None:
     for D, Hq, H in ((64, 9, 3), (128, 32, 8), (256, 16, 8)):
         for bits in (2, 4, 8):
             sm90.REPORT.clear()
-            kv = kivi_store(1, H, 4096, D, bits, dtype, g)
+            kv = layout_store(*torch.randn(2, 1, H, 4097, D, generator=g).to(dtype), bits)
             decode_attention_triton(kv._dec, torch.randn(H, Hq // H, D).to(dtype), 0.1, tensor_cores=tc)
             print(f"D={D:<4d} bits={bits}  " + "  ".join(r for k, r in sm90.REPORT.items() if "kivi" in k))
 

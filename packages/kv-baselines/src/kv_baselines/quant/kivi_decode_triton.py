@@ -147,10 +147,6 @@ def _kivi_decode_attention_kernel(
     tl.store(lsep_ptr + row, lse, mask=mmask)
 
 
-def _pow2(n: int) -> int:
-    return max(1, 1 << (max(n, 1) - 1).bit_length())
-
-
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -214,7 +210,7 @@ def decode_attention_triton(
         kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), kr.stride(0),
         vc.stride(0), vc.stride(1), vs.stride(0), vs.stride(1), ring.stride(0),
         M, state.tk, state.nr, state.tv, state.nv, state.head, float(scale),
-        D=D, G=G, GV=vq.group_size, BLOCK_M=max(16, _pow2(M)), BLOCK_T=bt, TILES=tiles,
+        D=D, G=G, GV=vq.group_size, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_T=bt, TILES=tiles,
         KBITS=kq.bits, VBITS=vq.bits, FMAX=float(torch.finfo(cache_dtype).max), OUT=DOT_CODE[cache_dtype],
         DOT=dot_mode(q, (cache_dtype,), tensor_cores), num_warps=num_warps,
         enable_fp_fusion=False,  # dequantize bit-exactly like read()
