@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["narrow", "narrow_int"]
+from kvcore.checks import values_checked
+
+__all__ = ["narrow", "narrow_int", "narrow_positions"]
 
 
 def narrow_int(max_value: int) -> torch.dtype:
@@ -28,3 +30,19 @@ def narrow(values: torch.Tensor, *held: torch.Tensor | None) -> torch.Tensor:
         if t is not None:
             dtype = torch.promote_types(dtype, t.dtype)
     return values.to(dtype)
+
+
+def narrow_positions(
+    positions: torch.Tensor, *held: torch.Tensor | None, like: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`narrow` where the per-step value checks run for ``like``'s device (``positions``' by default;
+    :func:`kvcore.checks.values_checked`); elsewhere (accelerators by default) the positions are not read, which
+    would be a host sync, and are held in int32 or wider: int32 holds every position a store takes
+    (``kvcore.checks.MAX_POSITION``)."""
+    if values_checked(positions if like is None else like):
+        return narrow(positions, *held)
+    dtype = torch.int32
+    for t in held:
+        if t is not None:
+            dtype = torch.promote_types(dtype, t.dtype)
+    return positions.to(dtype)

@@ -36,10 +36,9 @@ import copy
 import torch
 
 import kvcodec.kernels.dispatch as _kernels
-from kvcodec.narrow import narrow, narrow_int
+from kvcodec.narrow import narrow, narrow_int, narrow_positions
 from kvcodec.segments import exclusive_cumsum, offsets_in_segment, segment_ids, segment_take
 from kvcore import QuantizedTensor, Quantizer
-from kvcore.checks import values_checked
 
 Entries = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """``(rows [N, D], seg [N] int64, pos [N] int32)``, sorted by segment."""
@@ -177,10 +176,7 @@ class Residual(FullRows):
         seg = self._seg()
         dst_old = torch.arange(seg.numel(), device=device) + seg * n  # every earlier segment grew by n
         dst_new = (start + old)[:, None] + torch.arange(n, device=device)
-        if values_checked(rows):  # the narrowest dtype that holds the new positions (reads their largest)
-            new_pos = narrow(pos.reshape(S * n).to(device), self.pos)
-        else:  # not read (a host sync on a GPU): int32 holds every position a store takes (kvcore MAX_POSITION)
-            new_pos = pos.reshape(S * n).to(device, torch.promote_types(self.pos.dtype, torch.int32))
+        new_pos = narrow_positions(pos.reshape(S * n).to(device), self.pos, like=rows)
         data = torch.empty(total, D, dtype=self.rows.dtype, device=device)
         p = torch.empty(total, dtype=new_pos.dtype, device=device)
         data[dst_old], p[dst_old] = self.rows, self.pos.to(p.dtype)

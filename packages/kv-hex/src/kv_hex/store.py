@@ -11,7 +11,7 @@ from kv_hex.kernels import dispatch
 from kv_hex.layout import PartLayout, concat_layouts, decode_segment, residual_layout, segment_layout
 from kv_hex.segment import Segment, compress_segment
 from kv_hex.selector import hex_tiers
-from kvcodec.narrow import narrow
+from kvcodec.narrow import narrow, narrow_positions
 from kvcodec.segments import segment_ids
 from kvcore import EVICT, FULL, KVView, Plan, Store, check_retier_plan, merge_attention, reachable_bytes
 from kvcore.attention import check_query, check_scale
@@ -22,7 +22,6 @@ from kvcore.checks import (
     check_integer_tensor,
     check_kv,
     check_positions,
-    values_checked,
 )
 
 __all__ = ["HEXStore"]
@@ -192,9 +191,7 @@ class HEXStore(Store):
             [segment_ids(res["counts"], res["pos"].numel()), torch.arange(S, device=keys.device).repeat_interleave(n)]
         )
         pos = torch.cat([res["pos"].int(), positions[:, None, :].expand(B, H, n).reshape(-1).int()])
-        # the narrowest dtype that holds them (reads the largest), or, with the value checks off, int32 unread (a
-        # host sync on a GPU; int32 holds every position a store takes, kvcore MAX_POSITION)
-        pos = narrow(pos) if values_checked(keys) else pos.to(torch.promote_types(res["pos"].dtype, torch.int32))
+        pos = narrow_positions(pos, like=keys)  # read only where the value checks run
         order = torch.argsort((seg.long() << 32) | pos.long())
         new_acc = None
         if res["acc"] is not None:
