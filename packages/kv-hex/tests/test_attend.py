@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from kv_hex import HEXConfig, HEXStore, hex_tiers
+from kv_hex import HEXConfig, HEXStore, hex_tiers, segment_attention
 from kv_hex.kernels import dispatch, reference
 from kv_hex.kernels.reference import decode_attention
 from kvcore import Plan, reference_attention
@@ -120,27 +120,28 @@ def test_attend_ragged_heads_and_a_head_with_nothing():
 
 
 def test_attend_never_builds_the_whole_dequantized_cache(monkeypatch):
-    """attend neither calls read() nor dequantizes more than one part at a time (the CPU path attends part by part
-    and merges by log-sum-exp)."""
+    """attend neither calls read() nor dequantizes more than one part at a time: the CPU path attends part by part
+    (each read in place as per-head blocks) and merges by log-sum-exp."""
     store = written(config(), 37)
     for step in range(16):  # one more compressed block: three parts besides the residual
         x = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(step))
         store.append(x, x, torch.full((B, 1), 37 + step))
     want = reference_attention(store.read(), query(5))
     sizes = []
-    real = reference.dequantize_part
+    real = segment_attention.blocks_attention
 
-    def spy(part):
-        sizes.append(part.num_entries)
-        return real(part)
+    def spy(q, blocks, scale, logits=False):
+        sizes.append(sum(k.shape[0] * k.shape[1] for k, _ in blocks))
+        return real(q, blocks, scale, logits)
 
-    monkeypatch.setattr(reference, "dequantize_part", spy)
+    monkeypatch.setattr(segment_attention, "blocks_attention", spy)
+    monkeypatch.setattr(reference, "dequantize_part", lambda *a: pytest.fail("attend took the layout path"))
     monkeypatch.setattr(HEXStore, "read", lambda *a: pytest.fail("attend called read()"))
     out, lse = store.attend(query(5))
     torch.testing.assert_close(out, want[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, want[1], rtol=1e-5, atol=1e-5)
     parts = [s.num_entries for s in store._segments] + [int(store.residual_lengths().sum())]
-    assert sizes == parts == [128, 64, 20], f"dequantized {sizes}, parts hold {parts}"
+    assert sizes == parts == [128, 64, 20], f"attended {sizes}, parts hold {parts}"
 
 
 @pytest.mark.parametrize("mode", ["append", "full"])

@@ -10,6 +10,7 @@ from kv_hex.config import HEXConfig
 from kv_hex.kernels import dispatch
 from kv_hex.layout import PartLayout, concat_layouts, decode_segment, residual_layout, segment_layout
 from kv_hex.segment import Segment, compress_segment
+from kv_hex.segment_attention import residual_attention, segment_attention
 from kv_hex.selector import hex_tiers
 from kvcodec.narrow import narrow, narrow_positions
 from kvcodec.segments import segment_ids
@@ -450,10 +451,11 @@ class HEXStore(Store):
         (:func:`kv_hex.layout.concat_layouts`: the parts' tables concatenated, nothing dequantized) and attended in
         one launch of the fused kernel (:func:`kv_hex.kernels.dispatch.part_attention`: codes dequantized in
         registers, overlay values and full-precision rows read where they are held, one online softmax, GQA),
-        however many segments the layer holds. On CPU the PyTorch reference dequantizes what it attends, so it
-        attends one part at a time and merges them by log-sum-exp (:func:`kvcore.merge_attention`): the whole
-        dequantized cache never exists at once. Each residual entry's attention probability (summed over the queries and
-        its GQA group) is then added to the heavy-hitter accumulator (and every entry's, in full mode; HEX §3.3)."""
+        however many segments the layer holds. On CPU each part is attended on its own, read in place as per-head
+        blocks (:func:`kv_hex.segment_attention.segment_attention`: only that part's codes are dequantized), and
+        the parts are merged by log-sum-exp (:func:`kvcore.merge_attention`): the whole dequantized cache never
+        exists at once. Each residual entry's attention probability (summed over the queries and its GQA group) is
+        then added to the heavy-hitter accumulator (and every entry's, in full mode; HEX §3.3)."""
         if self._shape is None:
             raise ValueError("attend() on an empty store: write() or append() first")
         B, H, D = self._shape
@@ -462,29 +464,47 @@ class HEXStore(Store):
         device = self._res["pos"].device
         q = q.to(device)
         Hq, Q = q.shape[1], q.shape[2]
-        fused = dispatch.use_triton(q)
-        layouts = self._layouts(bound=fused)
-        held = [part for part in layouts if part.num_entries]
+        n_parts = len(self._segments) + 1
+        held = [i for i, s in enumerate(self._segments) if s.num_entries]
+        if self._res["pos"].numel():
+            held.append(n_parts - 1)
         if not held:
             out = torch.zeros(B, Hq, Q, D, device=device)
             return out, torch.full((B, Hq, Q), float("-inf"), device=device)
-        # CUDA: every part in one launch and one softmax (the kernel dequantizes in registers; the longest head's
-        # length bounded by the parts' own, on the host); CPU: the reference dequantizes what it attends, so one
-        # part at a time, merged by log-sum-exp
-        calls = [concat_layouts(held, sum(p.T for p in held))] if fused else [(p, None) for p in held]
-        results = [(dispatch.part_attention(q, part, scale, True), order) for part, order in calls]
-        out, lse = merge_attention([(o, l) for (o, l, _), _ in results])
-        entry_logits = []
-        for (_, _, logits), order in results:
-            if order is not None:  # back to the parts' own entry order, part after part
-                logits = torch.empty_like(logits).index_copy_(0, order, logits)
-            entry_logits.append(logits)
-        entry_logits = torch.cat(entry_logits)
-        seg = torch.cat([p.seg() for p in held])
+        full_mode = self.config.mode == "full"
+        # per held part: (out, lse) and, where its sums are accumulated, its entries' logits (entry order)
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        logits: dict[int, torch.Tensor] = {}
+        if dispatch.use_triton(q):
+            # every part in one launch and one softmax (the kernel dequantizes in registers; the longest head's
+            # length bounded by the parts' own, on the host)
+            layouts = self._layouts(bound=True)
+            part, order = concat_layouts([layouts[i] for i in held], sum(layouts[i].T for i in held))
+            out, lse, lg = dispatch.part_attention(q, part, scale, True)
+            lg = torch.empty_like(lg).index_copy_(0, order, lg)  # back to the parts' own entry order
+            parts.append((out, lse))
+            sizes = [layouts[i].num_entries for i in held]
+            logits = dict(zip(held, lg.split(sizes)))
+        else:
+            # one part at a time, read in place; logits only where the accumulator takes them
+            for i in held:
+                want = full_mode or i == n_parts - 1
+                if i < n_parts - 1:
+                    out, lse, lg = segment_attention(q, self.config, self._segments[i], scale, want)
+                else:
+                    out, lse, lg = residual_attention(q, self._res, B, H, self.config.bits, scale, want)
+                parts.append((out, lse))
+                if want:
+                    logits[i] = lg
+        out, lse = merge_attention(parts) if len(parts) > 1 else parts[0]
         rows_lse = lse.reshape(B * H, (Hq // H) * Q)
-        prob = torch.exp(entry_logits - rows_lse[seg]).nan_to_num_(0.0).sum(-1)
-        sums = iter(prob.split([p.num_entries for p in held]))
-        self._accumulate([next(sums) if p.num_entries else None for p in layouts])
+        sums: list[torch.Tensor | None] = [None] * n_parts
+        for i, lg in logits.items():
+            if i < n_parts - 1 and not full_mode:
+                continue  # append mode accumulates into the residual only
+            seg = self._segments[i].seg() if i < n_parts - 1 else segment_ids(self._res["counts"], lg.shape[0])
+            sums[i] = torch.exp(lg - rows_lse[seg]).nan_to_num_(0.0).sum(-1)
+        self._accumulate(sums)
         return out, lse
 
     def _accumulate(self, sums: list[torch.Tensor | None]) -> None:

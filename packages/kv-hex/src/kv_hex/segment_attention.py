@@ -1,0 +1,192 @@
+"""Decode attention over one HEX part read in place, for the CPU (HEX §3.5).
+
+A segment written by HEX's own plans has the same shape in every head: the heavy hitters are chosen globally
+across heads and the recent tokens are whole tokens (§3.3), so every ``(batch row, KV head)`` holds the same number
+of entries, of full-precision rows and of coded rows, and keys and values share their full-precision entries. The
+segment's tensors then already are per-head blocks: the coded entries' packed codes ``[S·Tc, ·]`` (entries are sorted
+by ``(head, position)``, so each head's coded rows are contiguous) and the full rows ``[S·Tf, D]``. This module
+attends over those blocks directly: it unpacks and dequantizes the codes in coded order (the same elementwise
+operations as :func:`kv_hex.kernels.reference.dequantize_part`, so bit-identical rows), writes the overlay values
+into them, and attends with one softmax over both blocks. It builds none of the per-entry index maps of
+:class:`kv_hex.layout.PartLayout` and scatters nothing into entry order, which is what made the part-by-part
+reference path cost 4-5x the attention itself on a CPU.
+
+A segment of another shape (ragged heads after an eviction, per-head plans, keys and values kept at different
+entries) goes through the reference path (:func:`kv_hex.kernels.dispatch.part_attention` over its layout).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kv_hex.config import HEXConfig
+from kv_hex.kernels import dispatch
+from kv_hex.layout import head_columns, residual_layout, segment_layout
+from kv_hex.segment import Segment
+from kvcodec.packing import unpack_unchecked
+
+__all__ = ["blocks_attention", "residual_attention", "segment_attention"]
+
+
+def blocks_attention(
+    query: torch.Tensor, blocks: list[tuple[torch.Tensor, torch.Tensor]], scale: float, logits: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Attention of ``query [B, Hq, Q, D]`` over per-head blocks of entries, one softmax over all of them.
+
+    Parameters
+    ----------
+    query : Tensor
+        ``[B, Hq, Q, D]``; query head ``h·G + g`` reads KV head ``h`` (GQA).
+    blocks : list of (Tensor, Tensor)
+        ``(keys, values)``, each ``[S, Tb, D]`` with ``S = B·Hkv`` (``s = b·Hkv + h``); every ``Tb >= 0`` and their
+        sum ``>= 1``.
+    scale : float
+        Logit scale.
+    logits : bool
+        Also return the scaled logits.
+
+    Returns
+    -------
+    out, lse : Tensor
+        float32 ``[B, Hq, Q, D]`` and ``[B, Hq, Q]``.
+    logits : Tensor or None
+        float32 ``[S, G·Q, ΣTb]`` (blocks one after the other; row ``g·Q + q`` is query head ``h·G + g``, query
+        ``q``) with ``logits=True``.
+    """
+    B, Hq, Q, D = query.shape
+    S = blocks[0][0].shape[0]
+    R = Hq * Q * B // S
+    q = query.float().reshape(S, R, D)
+    lg = torch.cat([torch.bmm(q, k.float().transpose(1, 2)) for k, _ in blocks], dim=-1).mul_(scale)
+    lse = torch.logsumexp(lg, dim=-1)
+    p = torch.exp(lg - lse[..., None])
+    out = None
+    start = 0
+    for _, v in blocks:
+        n = v.shape[1]
+        if n:
+            part = torch.bmm(p[..., start : start + n], v.float())
+            out = part if out is None else out.add_(part)
+        start += n
+    return out.view(B, Hq, Q, D), lse.view(B, Hq, Q), lg if logits else None
+
+
+def _uniform(counts: torch.Tensor, N: int) -> int | None:
+    """Entries per head when every head holds the same number (``N`` in all), else ``None``."""
+    S = counts.numel()
+    if S == 0 or N % S or not bool((counts == N // S).all()):
+        return None
+    return N // S
+
+
+def residual_attention(
+    query: torch.Tensor, res: dict, B: int, H: int, bits: int, scale: float, logits: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Attention over HEX's fp16 residual (``{"counts", "pos", "k", "v"}``, entries sorted by ``(head, position)``).
+
+    Returns ``(out, lse, logits)`` as :func:`kv_hex.kernels.reference.part_attention` does (``logits`` float32
+    ``[N, G·Q]`` in entry order): the rows viewed as ``[S, T, D]`` blocks when every head holds ``T`` of them, else
+    through the reference path over the residual's layout."""
+    N, D = res["k"].shape
+    T = _uniform(res["counts"], N)
+    if T is None or T == 0:
+        return dispatch.part_attention(query, residual_layout(res, B, H, D, bits), scale, logits)
+    S = B * H
+    out, lse, lg = blocks_attention(query, [(res["k"].view(S, T, D), res["v"].view(S, T, D))], scale, logits)
+    return out, lse, None if lg is None else lg.transpose(1, 2).reshape(S * T, -1)
+
+
+def _entry_maps(
+    cfg: HEXConfig, seg: Segment, kind: str, S: int, T: int, slot: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(coded, full, overlay)`` of one side of a segment whose ``S`` heads hold ``T`` entries each: the entry
+    indices of its code rows and of its full-precision rows, and the flat ``[S·T·D]`` destinations of its overlay
+    values (each coded entry's mask columns for its slot and head, entry after entry, channels ascending; ``None``
+    without a mask). ``slot``: ``[S, T]`` mask row of every entry, or ``None`` when entry ``t`` is slot ``t``."""
+    H, D = seg.H, seg.D
+    device = seg.pos.device
+    full = seg.full(kind)
+    coded = torch.nonzero(~full).flatten()
+    hcols = head_columns(cfg, seg.n, H, D, device)
+    overlay = None
+    if hcols.shape[-1]:
+        if slot is None:
+            cols = hcols.permute(1, 0, 2)[None].expand(S // H, H, T, -1).reshape(S * T, -1)
+        else:
+            cols = hcols[slot, (torch.arange(S, device=device) % H)[:, None]].view(S * T, -1)
+        cols = cols[coded].long()
+        overlay = (coded[:, None] * D + cols)[cols >= 0]
+    return coded, torch.nonzero(full).flatten(), overlay
+
+
+def _dequantized(
+    cfg: HEXConfig, seg: Segment, kind: str, S: int, T: int, slot: torch.Tensor | None, maps: tuple
+) -> torch.Tensor:
+    """``[S, T, D]`` keys (``"k"``) or values (``"v"``) of a segment whose ``S`` heads hold ``T`` entries each, in
+    entry order and the cache dtype: code rows as code times scale plus zero in float32 (no fused multiply-add)
+    rounded to the cache dtype, the overlay values written in (HEX §3.5: ``K̂ = M⊙K + (1−M)⊙deq(Q(K))``), the
+    full-precision rows copied: exactly the reference's rows. ``maps``: the side's :func:`_entry_maps`."""
+    H, D = seg.H, seg.D
+    device = seg.pos.device
+    coded, full, overlay = maps
+    codes = getattr(seg, f"{kind}_codes")
+    # the packed codes laid out in entry order (a full row's slot stays 0 and is overwritten below): a byte scatter
+    packed = torch.zeros(S * T, codes.shape[1], dtype=torch.uint8, device=device)
+    packed[coded] = codes
+    x = unpack_unchecked(packed, cfg.bits, D).view(S, T, D).float()
+    B = S // H
+    if kind == "k":  # per channel, one statistics row per head
+        sc, z = seg.k_scale.float()[:, None, :], seg.k_zero.float()[:, None, :]
+    elif cfg.value_scope == "layer":  # per token, one statistic per (batch row, slot), shared by the row's heads
+        if slot is None:
+            sc = seg.v_scale.float()[:, None, :, None].expand(B, H, T, 1).reshape(S, T, 1)
+            z = seg.v_zero.float()[:, None, :, None].expand(B, H, T, 1).reshape(S, T, 1)
+        else:
+            row = (torch.arange(S, device=device) // H)[:, None]
+            sc, z = seg.v_scale.float()[row, slot][..., None], seg.v_zero.float()[row, slot][..., None]
+    else:  # per token and head, one statistic per coded entry (a full entry reads any: it is overwritten)
+        sc = torch.zeros(S * T, device=device).index_copy_(0, coded, seg.v_scale.float()).view(S, T, 1)
+        z = torch.zeros(S * T, device=device).index_copy_(0, coded, seg.v_zero.float()).view(S, T, 1)
+    out = x.mul_(sc).add_(z).to(getattr(seg, f"{kind}_rows").dtype)
+    if overlay is not None:
+        out.view(-1)[overlay] = getattr(seg, f"{kind}_over")
+    out.view(S * T, D)[full] = getattr(seg, f"{kind}_rows")
+    return out
+
+
+def segment_attention(
+    query: torch.Tensor, cfg: HEXConfig, seg: Segment, scale: float, logits: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Attention of ``query [B, Hq, Q, D]`` over one compressed segment (see the module docstring).
+
+    Returns
+    -------
+    out, lse : Tensor
+        float32 ``[B, Hq, Q, D]`` and ``[B, Hq, Q]``, equal (to float32 rounding) to
+        :func:`kv_hex.kernels.reference.part_attention` over the segment's layout.
+    logits : Tensor or None
+        With ``logits=True``: float32 ``[N, G·Q]``, each entry's scaled logits in the segment's entry order.
+    """
+    N = seg.num_entries
+    S = seg.counts.numel()
+    T = _uniform(seg.counts, N)
+    if T is None or T == 0:  # ragged heads: the reference path over the segment's layout
+        return dispatch.part_attention(query, segment_layout(cfg, seg), scale, logits)
+    D = seg.D
+    if not seg.coded:  # every entry a full-precision row, in entry order
+        kv = [(seg.k_rows.view(S, T, D), seg.v_rows.view(S, T, D))]
+    else:
+        # entry t of every head is slot t when every slot of every row is held; otherwise look the slots up
+        slot = None if seg.n == T else seg.slots().view(S, T)
+        sides = []
+        maps = None
+        for kind in ("k", "v"):
+            if not getattr(seg, f"{kind}_full").numel():  # no flags held: every entry of this side is a full row
+                sides.append(getattr(seg, f"{kind}_rows").view(S, T, D))
+                continue
+            if maps is None or not torch.equal(seg.k_full, seg.v_full):  # HEX: keys and values share them
+                maps = _entry_maps(cfg, seg, kind, S, T, slot)
+            sides.append(_dequantized(cfg, seg, kind, S, T, slot, maps))
+        kv = [(sides[0], sides[1])]
+    out, lse, lg = blocks_attention(query, kv, scale, logits)
+    return out, lse, None if lg is None else lg.transpose(1, 2).reshape(N, -1)
