@@ -14,9 +14,9 @@ One run prints two tables:
 * **attend** -- one decode step (one query token, GQA) over one HEX-3 layer in append mode (a prefill of ``L``
   tokens, then 96 + 40 decoded tokens: the prefill segment, one decode block and a 40 + ``L mod 96``-token
   residual), median of ``--reps`` calls after a warm-up: ``HEXStore.attend`` (part by part, merged by
-  log-sum-exp; the Triton kernel on CUDA, the PyTorch reference on CPU) vs dequantize-then-SDPA
+  log-sum-exp; the Triton kernel on CUDA, each part read in place on CPU) vs dequantize-then-SDPA
   (``read()`` then ``torch.nn.functional.scaled_dot_product_attention``) vs fp16 SDPA over the uncompressed cache.
-  On CPU this times the PyTorch reference path; the Triton kernel's speed needs a GPU.
+  On CPU this times the PyTorch path (``kv_hex.segment_attention``); the Triton kernel's speed needs a GPU.
 
 Usage::
 
