@@ -91,8 +91,9 @@ def test_segment_attention_equals_the_reference_over_the_layout(case, G, Q, logi
         for kind, rows in (("k", want_k), ("v", want_v)):
             if not getattr(seg, f"{kind}_full").numel():
                 continue
-            maps = segment_attention._entry_maps(store.config, seg, kind, S, T, slot)
-            got_rows = segment_attention._dequantized(store.config, seg, kind, S, T, slot, maps)
+            full = segment_attention._flags([seg], kind)
+            maps = segment_attention._entry_maps(store.config, [seg], full, T, slot)
+            got_rows = segment_attention._dequantized(store.config, [seg], kind, T, slot, maps)
             assert got_rows.dtype == rows.dtype and torch.equal(got_rows.view(-1, D), rows)
 
 
@@ -137,3 +138,84 @@ def test_a_store_written_by_hex_attends_in_place_every_step(monkeypatch):
         store.append(x, x, torch.tensor([[T + step]]))
         store.attend(torch.randn(B, 2 * H, 1, D, generator=g))
     assert len(store._segments) >= 3
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.sampled_from([2, 3, 4, 8]),
+    st.sampled_from(["layer", "head"]),
+    st.sampled_from(["expander", "random", "none"]),
+    st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    st.integers(1, 2),
+    st.integers(1, 3),
+    st.integers(2, 5),
+    st.booleans(),
+    st.integers(0, 2**16),
+)
+def test_stacked_decode_blocks_equal_the_reference_merged_block_by_block(
+    bits, value_scope, mask_kind, dtype, B, H, blocks, logits, seed
+):
+    """Decode blocks of one size attended as one stack (one dequantization of all of them, one softmax) give the
+    attention of the reference over each block's layout merged by log-sum-exp, and each block's own logits."""
+    from kvcore import merge_attention
+
+    cfg = HEXConfig(bits=bits, block_size=8, recent=1, heavy_ratio=0.2, rho=0.125, value_scope=value_scope,
+                    mask_kind=mask_kind)  # fmt: skip
+    D = 16
+    g = torch.Generator().manual_seed(seed)
+    store = HEXStore(cfg)
+    for t in range(8 * blocks + 3):
+        x = torch.randn(B, H, 1, D, generator=g).to(dtype)
+        store.append(x, -x, torch.full((B, 1), t))
+        store.attend(torch.randn(B, H, 1, D, generator=g).to(dtype))  # heavy hitters from real attention
+    segs = store._segments
+    assert len(segs) == blocks and all(segment_attention.stackable(s) == 8 for s in segs)
+    q = torch.randn(B, 2 * H, 2, D, generator=g).to(dtype)
+    want = [reference.part_attention(q, segment_layout(cfg, s), 0.4, logits) for s in segs]
+    out, lse, lg = segment_attention.segments_attention(q, cfg, segs, 0.4, logits)
+    want_out, want_lse = merge_attention([(o, l) for o, l, _ in want])
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    if logits:
+        assert len(lg) == blocks
+        for a, (_, _, b) in zip(lg, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    else:
+        assert lg is None
+
+
+@pytest.mark.parametrize("stack_tokens", [8, 20, 2048])
+def test_attend_over_many_decode_blocks_in_stacks_of_bounded_size(monkeypatch, stack_tokens):
+    """A long decode (a prompt segment, then 7 decode blocks of 8): attend equals reference attention over read()
+    whatever the stack bound, which caps how many slots one CPU call dequantizes."""
+    from kv_hex import store as store_module
+    from kvcore import reference_attention
+
+    monkeypatch.setattr(store_module, "_STACK_TOKENS", stack_tokens)
+    cfg = HEXConfig(bits=3, block_size=8, recent=1, heavy_ratio=0.2, rho=0.125)
+    g = torch.Generator().manual_seed(9)
+    B, H, D = 1, 2, 16
+    store = HEXStore(cfg)
+    k = torch.randn(B, H, 21, D, generator=g)
+    store.write(k, k * 0.5, Plan(torch.full((B, H, 21), 3, dtype=torch.uint8)), torch.arange(21)[None])
+    calls = []
+    real = segment_attention.segments_attention
+
+    def spy(q, c, segs, scale, logits=False):
+        calls.append((len(segs), sum(s.n for s in segs)))
+        return real(q, c, segs, scale, logits)
+
+    monkeypatch.setattr(store_module, "segments_attention", spy)
+    for t in range(21, 21 + 7 * 8 + 5):
+        x = torch.randn(B, H, 1, D, generator=g)
+        store.append(x, x, torch.tensor([[t]]))
+        q = torch.randn(B, 2 * H, 1, D, generator=g)
+        want = reference_attention(store.read(), q)
+        calls.clear()
+        out, lse = store.attend(q)
+        torch.testing.assert_close(out, want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, want[1], rtol=1e-5, atol=1e-5)
+        assert all(m == 1 or slots <= stack_tokens for m, slots in calls), calls  # one segment: whatever its size
+    assert len(store._segments) == 8
+    blocks = [m for m, slots in calls if (m, slots) != (1, 21)]  # the 7 decode blocks: stacks of <= bound // 8
+    assert sum(blocks) == 7 and max(blocks) == max(1, min(7, stack_tokens // 8)), calls

@@ -10,7 +10,7 @@ from kv_hex.config import HEXConfig
 from kv_hex.kernels import dispatch
 from kv_hex.layout import PartLayout, concat_layouts, decode_segment, residual_layout, segment_layout
 from kv_hex.segment import Segment, compress_segment
-from kv_hex.segment_attention import residual_attention, segment_attention
+from kv_hex.segment_attention import residual_attention, segment_attention, segments_attention, stackable
 from kv_hex.selector import hex_tiers
 from kvcodec.narrow import narrow, narrow_positions
 from kvcodec.segments import segment_ids
@@ -26,6 +26,8 @@ from kvcore.checks import (
 )
 
 __all__ = ["HEXStore"]
+
+_STACK_TOKENS = 2048  # CPU attend: segments of the same size dequantized together, up to this many slots a call
 
 
 class HEXStore(Store):
@@ -486,16 +488,32 @@ class HEXStore(Store):
             sizes = [layouts[i].num_entries for i in held]
             logits = dict(zip(held, lg.split(sizes)))
         else:
-            # one part at a time, read in place; logits only where the accumulator takes them
-            for i in held:
-                want = full_mode or i == n_parts - 1
-                if i < n_parts - 1:
-                    out, lse, lg = segment_attention(q, self.config, self._segments[i], scale, want)
-                else:
-                    out, lse, lg = residual_attention(q, self._res, B, H, self.config.bits, scale, want)
+            # one part at a time, read in place (decode blocks of the same size stacked, up to _STACK_TOKENS
+            # tokens a call); logits only where the accumulator takes them
+            stacks: dict[int, list[list[int]]] = {}
+            for i in held[: len(held) - (held[-1] == n_parts - 1)]:
+                seg = self._segments[i]
+                if stackable(seg) is None:
+                    out, lse, lg = segment_attention(q, self.config, seg, scale, full_mode)
+                    parts.append((out, lse))
+                    if lg is not None:
+                        logits[i] = lg
+                    continue
+                group = stacks.setdefault(seg.n, [[]])
+                if (len(group[-1]) + 1) * seg.n > max(_STACK_TOKENS, seg.n):
+                    group.append([])
+                group[-1].append(i)
+            for group in stacks.values():
+                for idx in group:
+                    segs = [self._segments[i] for i in idx]
+                    out, lse, lg = segments_attention(q, self.config, segs, scale, full_mode)
+                    parts.append((out, lse))
+                    if lg is not None:
+                        logits.update(zip(idx, lg))
+            if held[-1] == n_parts - 1:
+                out, lse, lg = residual_attention(q, self._res, B, H, self.config.bits, scale, True)
                 parts.append((out, lse))
-                if want:
-                    logits[i] = lg
+                logits[n_parts - 1] = lg
         out, lse = merge_attention(parts) if len(parts) > 1 else parts[0]
         rows_lse = lse.reshape(B * H, (Hq // H) * Q)
         sums: list[torch.Tensor | None] = [None] * n_parts
