@@ -18,10 +18,14 @@ One run prints two tables:
   (``read()`` then ``torch.nn.functional.scaled_dot_product_attention``) vs fp16 SDPA over the uncompressed cache.
   On CPU this times the PyTorch path (``kv_hex.segment_attention``); the Triton kernel's speed needs a GPU.
 
+* **blocks** -- ``attend`` over one HEX-3 layer at SmolLM2's shape as a decode grows (a 2,048-token prefill, then
+  192 ... 1,920 decoded tokens: one more compressed segment per 96), to show what each decode block costs.
+
 Usage::
 
     python benchmarks/bench_hex.py                  # every table
     python benchmarks/bench_hex.py --tables attend  # one table
+    python benchmarks/bench_hex.py --tables blocks --reps 21
 """
 
 from __future__ import annotations
@@ -129,12 +133,42 @@ def attend_table(lengths: list[int], reps: int, device: str) -> None:
             print(f"| {model} | {n + extra} | {fused:.2f} | {deq:.2f} | {fp16:.3f} | {fused / fp16:.0f}x |")
 
 
+def blocks_table(prompt: int, decoded: list[int], reps: int, device: str) -> None:
+    """``attend`` time as a decode grows: one HEX-3 layer at SmolLM2's shape after a ``prompt``-token prefill, then
+    after each count of ``decoded`` tokens (append mode: one compressed segment per 96 decoded tokens)."""
+    H, D, Hq = 3, 64, 9
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    comp = kv_hex.hex(3)
+    cfg = comp.new_store().config
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, H, prompt, D, generator=g).to(device)
+    v = torch.randn(1, H, prompt, D, generator=g).to(device)
+    # heavy hitters global across heads, as HEX's scorer makes them
+    plan = comp.selector.select(Scores(torch.rand(1, 1, prompt, generator=g).expand(1, H, prompt)), comp.budget)
+    store = HEXStore(cfg)
+    store.write(k, v, Plan(plan.key_bits.to(device)), torch.arange(prompt, device=device)[None])
+    q = torch.randn(1, Hq, 1, D, generator=g).to(device)
+    print("| decoded tokens | segments | attend ms | attend / attend at 0 |")
+    print("|---|---|---|---|")
+    done, first = 0, None
+    for target in decoded:
+        while done < target:
+            x = torch.randn(1, H, 1, D, generator=g).to(device)
+            store.append(x, x, torch.tensor([[prompt + done]], device=device))
+            done += 1
+        ms = _median_ms(lambda: store.attend(q), reps, sync)
+        first = ms if first is None else first
+        print(f"| {done} | {len(store._segments)} | {ms:.2f} | {ms / first:.2f}x |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default="96,960,1920")
     p.add_argument("--attend-lengths", default="960,3840")
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--tables", default="bytes,masks,attend")
+    p.add_argument("--tables", default="bytes,masks,attend", help="any of bytes, masks, attend, blocks")
+    p.add_argument("--blocks-prompt", type=int, default=2048)
+    p.add_argument("--blocks-decoded", default="0,192,480,960,1920")
     a = p.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
     tables = set(a.tables.split(","))
@@ -152,6 +186,9 @@ def main() -> None:
         print()
     if "attend" in tables:
         attend_table([int(x) for x in a.attend_lengths.split(",")], a.reps, device)
+        print()
+    if "blocks" in tables:
+        blocks_table(a.blocks_prompt, [int(x) for x in a.blocks_decoded.split(",")], a.reps, device)
     print(f"load average after: {os.getloadavg()}")
 
 

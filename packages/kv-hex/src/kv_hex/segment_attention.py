@@ -1,18 +1,20 @@
 """Decode attention over one HEX part read in place, for the CPU (HEX §3.5).
 
-A segment written by HEX's own plans has the same shape in every head: the heavy hitters are chosen globally
-across heads and the recent tokens are whole tokens (§3.3), so every ``(batch row, KV head)`` holds the same number
-of entries, of full-precision rows and of coded rows, and keys and values share their full-precision entries. The
-segment's tensors then already are per-head blocks: the coded entries' packed codes ``[S·Tc, ·]`` (entries are sorted
-by ``(head, position)``, so each head's coded rows are contiguous) and the full rows ``[S·Tf, D]``. This module
-attends over those blocks directly: it unpacks and dequantizes the codes in coded order (the same elementwise
-operations as :func:`kv_hex.kernels.reference.dequantize_part`, so bit-identical rows), writes the overlay values
-into them, and attends with one softmax over both blocks. It builds none of the per-entry index maps of
-:class:`kv_hex.layout.PartLayout` and scatters nothing into entry order, which is what made the part-by-part
-reference path cost 4-5x the attention itself on a CPU.
+HEX evicts nothing, so every ``(batch row, KV head)`` of a segment holds the same number of entries ``T``, sorted
+by ``(head, position)``: the segment is ``S = B·H`` blocks of ``T`` entries, each a code row or a full-precision
+row (the heavy hitters are chosen globally across heads and the recent tokens are whole, §3.3, so keys and values
+share their full-precision entries and one set of entry maps serves both sides). This module dequantizes each
+side straight into one ``[S, T, D]`` block in entry order (the packed bytes scattered into place, then the same
+elementwise operations as :func:`kv_hex.kernels.reference.dequantize_part`, so bit-identical rows; the overlay
+values and full rows written in) and attends with one softmax. It builds none of the per-entry index maps of
+:class:`kv_hex.layout.PartLayout` (statistics rows, overlay offsets, mask slots), which made the reference path cost
+several times the attention itself on a CPU.
 
-A segment of another shape (ragged heads after an eviction, per-head plans, keys and values kept at different
-entries) goes through the reference path (:func:`kv_hex.kernels.dispatch.part_attention` over its layout).
+Decode blocks of one size (append mode writes one segment per ``block_size`` decoded tokens) are stacked
+(:func:`segments_attention`): their tensors concatenated, each side dequantized once for the whole stack (the
+static mask is the same for every block of one size) and one softmax over all of them, so a long decode does not pay
+a part's fixed cost per block. A segment with ragged heads (after an eviction) goes through the reference path
+(:func:`kv_hex.kernels.dispatch.part_attention` over its layout).
 """
 
 from __future__ import annotations
