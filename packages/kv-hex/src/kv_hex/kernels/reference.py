@@ -53,22 +53,29 @@ def attention_column_sums(
     ``queries [B, Hq, W, D]`` are the last ``W`` of the ``T`` tokens of ``keys [B, Hkv, T, D]``; query ``i`` attends
     keys ``0 .. T-W+i`` that are ``valid [B, T]``. Returns float32 ``[B, Hkv, T]``: softmax probabilities summed
     over the queries and over the query heads of each KV head's GQA group. Queries are processed ``chunk`` rows at
-    a time, so memory is ``O(chunk · T)``, never the ``T × T`` matrix.
+    a time against the keys the chunk can see (a chunk's last query sees ``T-W+e`` of them: the causal future is
+    never computed), so memory is ``O(chunk · T)``, never the ``T × T`` matrix.
     """
     B, Hq, W, D = queries.shape
     H, T = keys.shape[1], keys.shape[2]
     G = Hq // H
     k = keys.float()
     qg = queries.float().reshape(B, H, G, W, D)
+    padded = not bool(valid.all())  # without padding every query sees itself: no fully masked row, no NaN
     pad = ~valid[:, None, None, None, :]
     idx = torch.arange(T, device=keys.device)
     total = torch.zeros(B, H, T, device=keys.device)
     for s in range(0, W, chunk):
         e = min(W, s + chunk)
-        logits = torch.einsum("bhgwd,bhtd->bhgwt", qg[:, :, :, s:e], k) * scale
-        future = idx[None, :] > torch.arange(T - W + s, T - W + e, device=keys.device)[:, None]
-        logits = logits.masked_fill(future | pad, float("-inf"))
-        total += torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=(2, 3))
+        end = T - W + e  # keys visible to the chunk's last query
+        logits = torch.einsum("bhgwd,bhtd->bhgwt", qg[:, :, :, s:e], k[:, :, :end]).mul_(scale)
+        mask = idx[None, :end] > torch.arange(T - W + s, end, device=keys.device)[:, None]
+        if padded:
+            mask = mask | pad[..., :end]
+        p = torch.softmax(logits.masked_fill_(mask, float("-inf")), dim=-1)
+        if padded:
+            p = p.nan_to_num_(0.0)
+        total[:, :, :end] += p.sum(dim=(2, 3))
     return total
 
 
