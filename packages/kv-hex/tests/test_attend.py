@@ -220,3 +220,47 @@ def test_the_fused_kernel_takes_an_upper_bound_of_the_longest_head():
     got = part_attention_triton(q, loose, 0.3, logits=True, block_t=16, max_blocks=2)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_decode_blocks_through_the_triton_kernels_in_two_launches(monkeypatch):
+    """A long decode on the Triton path (interpreted on CPU): the decode blocks are attended as one stack and the
+    prompt's segment with the residual as one layout: two launches of the fused kernel however many blocks the layer
+    holds, with attend, lse and the residual's accumulator equal to the PyTorch path's."""
+    pytest.importorskip("triton")
+    from kvcore import value_checks
+    from kvcore.testing.host_reads import HostReads
+
+    def grown(blocks):
+        store = written(config(), 37)
+        for step in range(16 * blocks):  # one compressed block per 16 decoded tokens
+            x = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(step))
+            store.append(x, -x, torch.full((B, 1), 37 + step))
+        return store
+
+    launches = []
+    real = dispatch.part_attention
+
+    def spy(q, part, scale, logits=False):
+        launches.append(part.num_entries)
+        return real(q, part, scale, logits)
+
+    for blocks in (3, 5):
+        store = grown(blocks)
+        want = store.attend(query(7))
+        want_acc = held_accumulators(store)[-1][0]
+        store = grown(blocks)
+        assert len(store._segments) == 1 + blocks
+        with monkeypatch.context() as mp:
+            mp.setattr(dispatch, "use_triton", lambda t: True)
+            mp.setattr(dispatch, "part_attention", spy)
+            launches.clear()
+            got = store.attend(query(7))
+        assert len(launches) == 2, launches  # the stack of decode blocks; the prompt's segment + the residual
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(held_accumulators(store)[-1][0], want_acc, rtol=1e-5, atol=1e-6)
+        # what the stack needs from the host is read once per segment: a second attend reads nothing
+        with monkeypatch.context() as mp, value_checks(False), HostReads(sites=True) as reads:
+            mp.setattr(dispatch, "use_triton", lambda t: True)
+            store.attend(query(8))
+        assert reads.total == 0, dict(reads.by_site)

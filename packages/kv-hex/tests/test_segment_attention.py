@@ -91,9 +91,8 @@ def test_segment_attention_equals_the_reference_over_the_layout(case, G, Q, logi
         for kind, rows in (("k", want_k), ("v", want_v)):
             if not getattr(seg, f"{kind}_full").numel():
                 continue
-            full = segment_attention._flags([seg], kind)
-            maps = segment_attention._entry_maps(store.config, [seg], full, T, slot)
-            got_rows = segment_attention._dequantized(store.config, [seg], kind, T, slot, maps)
+            maps = segment_attention._entry_maps(store.config, seg, kind, T, slot)
+            got_rows = segment_attention._dequantized(store.config, seg, kind, T, slot, maps)
             assert got_rows.dtype == rows.dtype and torch.equal(got_rows.view(-1, D), rows)
 
 
@@ -198,14 +197,19 @@ def test_attend_over_many_decode_blocks_in_stacks_of_bounded_size(monkeypatch, s
     store = HEXStore(cfg)
     k = torch.randn(B, H, 21, D, generator=g)
     store.write(k, k * 0.5, Plan(torch.full((B, H, 21), 3, dtype=torch.uint8)), torch.arange(21)[None])
-    calls = []
-    real = segment_attention.segments_attention
+    calls = []  # (segments, slots) of every segment read: stacks and segments read on their own
+    stacked, single = segment_attention.segments_attention, segment_attention.segment_attention
 
-    def spy(q, c, segs, scale, logits=False):
+    def spy_stack(q, c, segs, scale, logits=False):
         calls.append((len(segs), sum(s.n for s in segs)))
-        return real(q, c, segs, scale, logits)
+        return stacked(q, c, segs, scale, logits)
 
-    monkeypatch.setattr(store_module, "segments_attention", spy)
+    def spy_single(q, c, seg, scale, logits=False):
+        calls.append((1, seg.n))
+        return single(q, c, seg, scale, logits)
+
+    monkeypatch.setattr(store_module, "segments_attention", spy_stack)
+    monkeypatch.setattr(store_module, "segment_attention", spy_single)
     for t in range(21, 21 + 7 * 8 + 5):
         x = torch.randn(B, H, 1, D, generator=g)
         store.append(x, x, torch.tensor([[t]]))

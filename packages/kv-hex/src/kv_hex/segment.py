@@ -28,7 +28,7 @@ from kvcodec.packing import pack_unchecked, unpack_unchecked
 from kvcodec.segments import segment_ids
 from kvcore import packed_width
 
-__all__ = ["Segment", "compress_segment", "segment_mask"]
+__all__ = ["Segment", "compress_segment", "segment_mask", "stack_segments"]
 
 
 def full_flags(flags: torch.Tensor) -> torch.Tensor:
@@ -85,6 +85,7 @@ class Segment:
     def copy(self) -> Segment:
         new = copy.copy(self)
         new.__dict__.pop("longest_head", None)  # derived from counts, which a copy is made to change
+        new.__dict__.pop("uniform_length", None)
         return new
 
     @property
@@ -96,6 +97,15 @@ class Segment:
         """Entries of the longest head, read once per segment (a segment's entries never change in place: crop and
         eviction build new segments), so a decode step's layout reads nothing for it."""
         return int(self.counts.max()) if self.counts.numel() else 0
+
+    @functools.cached_property
+    def uniform_length(self) -> int | None:
+        """Entries per head when every head holds the same number, at least one (HEX evicts nothing), else
+        ``None``; read once per segment, like :attr:`longest_head`."""
+        S, N = self.counts.numel(), self.num_entries
+        if S == 0 or N == 0 or N % S or not bool((self.counts == N // S).all()):
+            return None
+        return N // S
 
     def full(self, kind: str) -> torch.Tensor:
         """``[N]`` bool: the entry's key (``"k"``) or value (``"v"``) is a full-precision row."""
@@ -271,3 +281,60 @@ def compress_segment(
         v_over=parts["v"]["over"],
         acc=None if acc is None else acc[held].float().clone(),
     )
+
+
+def stack_segments(segs: list[Segment]) -> Segment:
+    """Segments of one size as one segment whose batch rows are theirs, segment after segment: row ``i·B + b`` is
+    row ``b`` of ``segs[i]`` (``B·m`` rows). Nothing is re-quantized: codes, statistics, full rows and overlay
+    values are concatenated as held (each segment keeps its own key and value statistics, which are per batch row and
+    head or per entry), and the static mask is the same for every segment of one size. Attending to the stack with
+    the query repeated per segment and merging the ``m`` results by log-sum-exp is attending to all of them, in a
+    number of operations that does not grow with ``m`` (a decode in append mode writes one segment per block).
+
+    Every segment must have the same ``n``, ``H`` and ``D`` and hold codes for both keys and values; raises
+    ``ValueError`` else. The bit-packed flags are concatenated as bytes when every segment's entries fill whole
+    bytes, else unpacked and packed again.
+    """
+    first = segs[0]
+    if any((s.n, s.H, s.D) != (first.n, first.H, first.D) for s in segs):
+        raise ValueError("stack_segments needs segments of one size (n, H, D)")
+    if not all(s.k_full.numel() and s.v_full.numel() for s in segs):
+        raise ValueError("stack_segments needs segments holding codes for both keys and values")
+    if len(segs) == 1:
+        return first
+
+    def cat(name: str) -> torch.Tensor:
+        return torch.cat([getattr(s, name) for s in segs])
+
+    def flags(kind: str) -> torch.Tensor:
+        if all(s.num_entries % 8 == 0 for s in segs):  # whole bytes: the bit streams concatenate
+            return cat(f"{kind}_full")
+        return full_flags(torch.cat([s.full(kind) for s in segs]))
+
+    acc = None if any(s.acc is None for s in segs) else cat("acc")
+    stack = Segment(
+        n=first.n,
+        H=first.H,
+        D=first.D,
+        slot_pos=cat("slot_pos"),
+        counts=cat("counts"),
+        pos=cat("pos"),
+        k_full=flags("k"),
+        v_full=flags("v"),
+        k_rows=cat("k_rows"),
+        v_rows=cat("v_rows"),
+        k_codes=cat("k_codes"),
+        v_codes=cat("v_codes"),
+        k_scale=cat("k_scale"),
+        k_zero=cat("k_zero"),
+        v_scale=cat("v_scale"),
+        v_zero=cat("v_zero"),
+        k_over=cat("k_over"),
+        v_over=cat("v_over"),
+        acc=acc,
+    )
+    # what the members know on the host, so that attending to the stack reads nothing
+    stack.__dict__["longest_head"] = max(s.longest_head for s in segs)
+    lengths = {s.uniform_length for s in segs}
+    stack.__dict__["uniform_length"] = lengths.pop() if len(lengths) == 1 else None
+    return stack

@@ -10,11 +10,11 @@ values and full rows written in) and attends with one softmax. It builds none of
 :class:`kv_hex.layout.PartLayout` (statistics rows, overlay offsets, mask slots), which made the reference path cost
 several times the attention itself on a CPU.
 
-Decode blocks of one size (append mode writes one segment per ``block_size`` decoded tokens) are stacked
-(:func:`segments_attention`): their tensors concatenated, each side dequantized once for the whole stack (the
-static mask is the same for every block of one size) and one softmax over all of them, so a long decode does not pay
-a part's fixed cost per block. A segment with ragged heads (after an eviction) goes through the reference path
-(:func:`kv_hex.kernels.dispatch.part_attention` over its layout).
+Decode blocks of one size (append mode writes one segment per ``block_size`` decoded tokens) are attended together
+(:func:`segments_attention`): stacked as the batch rows of one segment (:func:`kv_hex.segment.stack_segments`), read
+with the query repeated per block and merged by log-sum-exp, so a long decode does not pay a part's fixed cost per
+block, on the CPU or through the fused kernel on CUDA. A segment with ragged heads (after an eviction) goes through
+the reference path (:func:`kv_hex.kernels.dispatch.part_attention` over its layout).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import torch
 from kv_hex.config import HEXConfig
 from kv_hex.kernels import dispatch
 from kv_hex.layout import head_columns, residual_layout, segment_layout
-from kv_hex.segment import Segment
+from kv_hex.segment import Segment, stack_segments
 from kvcodec.packing import unpack_unchecked
+from kvcore import merge_split_attention
 
 __all__ = ["blocks_attention", "residual_attention", "segment_attention", "segments_attention", "stackable"]
 
@@ -98,37 +99,19 @@ def residual_attention(
     return out, lse, None if lg is None else lg.transpose(1, 2).reshape(S * T, -1)
 
 
-def _flags(segs: list[Segment], kind: str) -> torch.Tensor | None:
-    """``[m·S·T]`` bool "full-precision row" flags of one side of stacked segments (``None``: every entry of every
-    segment is a full row, no flags held)."""
-    packed = [getattr(s, f"{kind}_full") for s in segs]
-    if not any(p.numel() for p in packed):
-        return None
-    if all(p.numel() for p in packed) and all(s.num_entries % 8 == 0 for s in segs):  # whole bytes: one unpack
-        total = sum(s.num_entries for s in segs)
-        return unpack_unchecked(_cat(segs, f"{kind}_full")[None], 1, total)[0].bool()
-    return torch.cat([s.full(kind) for s in segs])
-
-
-def _cat(segs: list[Segment], name: str) -> torch.Tensor:
-    tensors = [getattr(s, name) for s in segs]
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-
-
 def _entry_maps(
-    cfg: HEXConfig, segs: list[Segment], full: torch.Tensor, T: int, slot: torch.Tensor | None
+    cfg: HEXConfig, seg: Segment, kind: str, T: int, slot: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(coded, full, overlay)`` of one side of ``m`` stacked segments whose ``S`` heads hold ``T`` entries each
-    (``full``: that side's :func:`_flags`): the entry indices of its code rows and of its full-precision rows, and
-    the flat ``[m·S·T·D]`` destinations of its overlay values (each coded entry's mask columns for its slot and
-    head, entry after entry, channels ascending; ``None`` without a mask). ``slot``: ``[S, T]`` mask row of every
-    entry of a single segment, or ``None`` when entry ``t`` is slot ``t``."""
-    seg = segs[0]
+    """``(coded, full, overlay)`` of one side of a segment whose ``S`` heads hold ``T`` entries each: the entry
+    indices of its code rows and of its full-precision rows, and the flat ``[S·T·D]`` destinations of its overlay
+    values (each coded entry's mask columns for its slot and head, entry after entry, channels ascending; ``None``
+    without a mask). ``slot``: ``[S, T]`` mask row of every entry, or ``None`` when entry ``t`` is slot ``t``."""
     H, D = seg.H, seg.D
-    S = len(segs) * seg.counts.numel()
-    device = full.device
+    S = seg.counts.numel()
+    device = seg.pos.device
+    full = seg.full(kind)
     coded = torch.nonzero(~full).flatten()
-    hcols = head_columns(cfg, seg.n, H, D, device)  # the same mask for every segment of the same n
+    hcols = head_columns(cfg, seg.n, H, D, device)
     overlay = None
     if hcols.shape[-1]:
         if slot is None:
@@ -141,29 +124,27 @@ def _entry_maps(
 
 
 def _dequantized(
-    cfg: HEXConfig, segs: list[Segment], kind: str, T: int, slot: torch.Tensor | None, maps: tuple
+    cfg: HEXConfig, seg: Segment, kind: str, T: int, slot: torch.Tensor | None, maps: tuple
 ) -> torch.Tensor:
-    """``[m·S, T, D]`` keys (``"k"``) or values (``"v"``) of ``m`` stacked segments whose ``S`` heads hold ``T``
-    entries each, in entry order (segment after segment) and the cache dtype: code rows as code times scale plus
-    zero in float32 (no fused multiply-add) rounded to the cache dtype, the overlay values written in (HEX §3.5:
-    ``K̂ = M⊙K + (1−M)⊙deq(Q(K))``), the full-precision rows copied: exactly the reference's rows. ``maps``: the
-    side's :func:`_entry_maps`."""
-    seg = segs[0]
+    """``[S, T, D]`` keys (``"k"``) or values (``"v"``) of a segment whose ``S`` heads hold ``T`` entries each, in
+    entry order and the cache dtype: code rows as code times scale plus zero in float32 (no fused multiply-add)
+    rounded to the cache dtype, the overlay values written in (HEX §3.5: ``K̂ = M⊙K + (1−M)⊙deq(Q(K))``), the
+    full-precision rows copied: exactly the reference's rows. ``maps``: the side's :func:`_entry_maps`."""
     H, D = seg.H, seg.D
-    S = len(segs) * seg.counts.numel()
+    S = seg.counts.numel()
     B = S // H
     coded, full, overlay = maps
     device = coded.device
-    codes = _cat(segs, f"{kind}_codes")
+    codes = getattr(seg, f"{kind}_codes")
     # the packed codes laid out in entry order (a full row's slot stays 0 and is overwritten below): a byte scatter
     packed = torch.zeros(S * T, codes.shape[1], dtype=torch.uint8, device=device)
     packed[coded] = codes
     x = unpack_unchecked(packed, cfg.bits, D).view(S, T, D).float()
-    scale, zero = _cat(segs, f"{kind}_scale").float(), _cat(segs, f"{kind}_zero").float()
-    if kind == "k":  # per channel, one statistics row per head: [m·S, D]
+    scale, zero = getattr(seg, f"{kind}_scale").float(), getattr(seg, f"{kind}_zero").float()
+    if kind == "k":  # per channel, one statistics row per head: [S, D]
         sc, z = scale[:, None, :], zero[:, None, :]
     elif cfg.value_scope == "layer":  # per token, one statistic per (batch row, slot) shared by the row's heads
-        if slot is None:  # [m·B, n]
+        if slot is None:  # [B, n], n = T
             sc = scale[:, None, :, None].expand(B, H, T, 1).reshape(S, T, 1)
             z = zero[:, None, :, None].expand(B, H, T, 1).reshape(S, T, 1)
         else:
@@ -172,10 +153,10 @@ def _dequantized(
     else:  # per token and head, one statistic per coded entry (a full entry reads any: it is overwritten)
         sc = torch.zeros(S * T, device=device).index_copy_(0, coded, scale).view(S, T, 1)
         z = torch.zeros(S * T, device=device).index_copy_(0, coded, zero).view(S, T, 1)
-    rows = _cat(segs, f"{kind}_rows")
+    rows = getattr(seg, f"{kind}_rows")
     out = x.mul_(sc).add_(z).to(rows.dtype)
     if overlay is not None:
-        out.view(-1)[overlay] = _cat(segs, f"{kind}_over")
+        out.view(-1)[overlay] = getattr(seg, f"{kind}_over")
     out.view(S * T, D)[full] = rows
     return out
 
@@ -184,48 +165,43 @@ def stackable(seg: Segment) -> int | None:
     """Entries per head of a segment that :func:`segments_attention` can stack with others of the same ``n``: every
     head holds all ``n`` slots (entry ``t`` is slot ``t``) and keys and values both hold code rows (HEX's prefill
     segment and decode blocks), else ``None``."""
-    T = _uniform(seg.counts, seg.num_entries)
-    coded = seg.k_full.numel() and seg.v_full.numel()  # both sides hold codes (and so statistics) in every stack
+    T = seg.uniform_length
+    coded = seg.k_full.numel() and seg.v_full.numel()
     return T if T and coded and seg.n == T else None
 
 
 def segments_attention(
     query: torch.Tensor, cfg: HEXConfig, segs: list[Segment], scale: float, logits: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None]:
-    """Attention of ``query [B, Hq, Q, D]`` over several compressed segments at once, one softmax over all of them:
-    each side of all of them dequantized by one set of operations (their tensors concatenated, the static mask
-    shared). Every segment must be :func:`stackable` with the same ``n`` (a decode writes one such segment per
-    ``block_size`` tokens, so a long decode would otherwise pay a part's fixed cost per block).
+    """Attention of ``query [B, Hq, Q, D]`` over several compressed segments of one size at once, in a number of
+    operations that does not grow with their number: the segments stacked as the batch rows of one
+    (:func:`kv_hex.segment.stack_segments`: their tensors concatenated, nothing re-quantized), attended with the query
+    repeated per segment (on CPU read in place by :func:`segment_attention`; on CUDA by the fused kernel over the
+    stack's layout) and the per-segment results merged by log-sum-exp. Every segment must be :func:`stackable`
+    with the same ``n`` (a decode writes one such segment per ``block_size`` tokens, so a long decode would
+    otherwise pay a part's fixed cost per block).
 
     Returns ``(out, lse, logits)``: ``logits`` (with ``logits=True``) one float32 ``[N_i, G·Q]`` per segment, in its
     entry order."""
-    seg = segs[0]
-    m, S, T, D = len(segs), seg.counts.numel(), seg.n, seg.D
-    if any(s.n != T or stackable(s) != T for s in segs):
+    if any(stackable(s) is None or s.n != segs[0].n for s in segs):
         raise ValueError("segments_attention stacks segments that hold all of their n slots in every head, same n")
-    shared = all(torch.equal(s.k_full, s.v_full) for s in segs)  # HEX: keys and values full at the same entries
-    sides = []
-    maps = None
-    for kind in ("k", "v"):
-        if maps is None or not shared:
-            maps = _entry_maps(cfg, segs, _flags(segs, kind), T, None)
-        sides.append(_dequantized(cfg, segs, kind, T, None, maps))
-    if m == 1:
-        blocks = [(sides[0], sides[1])]
-    else:  # [m·S, T, D] -> per head, the m segments one after the other: [S, m·T, D]
-        blocks = [tuple(x.view(m, S, T, D).transpose(0, 1).reshape(S, m * T, D) for x in sides)]
-    out, lse, lg = blocks_attention(query, blocks, scale, logits)
-    if lg is None:
-        return out, lse, None
-    R = lg.shape[1]
-    per = lg.view(S, R, m, T).permute(2, 0, 3, 1)  # [m, S, T, R]
-    return out, lse, [per[i].reshape(S * T, R) for i in range(m)]
+    m = len(segs)
+    stack = stack_segments(segs)
+    q = query if m == 1 else query.repeat(m, 1, 1, 1)  # row i·B + b: segment i, batch row b
+    if dispatch.use_triton(query):
+        out, lse, lg = dispatch.part_attention(q, segment_layout(cfg, stack), scale, logits)
+    else:
+        out, lse, lg = segment_attention(q, cfg, stack, scale, logits)
+    if m > 1:
+        B = query.shape[0]
+        out, lse = merge_split_attention(out.view(m, B, *out.shape[1:]), lse.view(m, B, *lse.shape[1:]), 0)
+    return out, lse, None if lg is None else list(lg.split([s.num_entries for s in segs]))
 
 
 def segment_attention(
     query: torch.Tensor, cfg: HEXConfig, seg: Segment, scale: float, logits: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Attention of ``query [B, Hq, Q, D]`` over one compressed segment (see the module docstring).
+    """Attention of ``query [B, Hq, Q, D]`` over one compressed segment, on the CPU (see the module docstring).
 
     Returns
     -------
@@ -237,27 +213,25 @@ def segment_attention(
     """
     N = seg.num_entries
     S = seg.counts.numel()
-    T = _uniform(seg.counts, N)
-    if T is None or T == 0:  # ragged heads: the reference path over the segment's layout
+    T = seg.uniform_length
+    if T is None:  # ragged heads: the reference path over the segment's layout
         return dispatch.part_attention(query, segment_layout(cfg, seg), scale, logits)
-    if stackable(seg):
-        out, lse, lg = segments_attention(query, cfg, [seg], scale, logits)
-        return out, lse, None if lg is None else lg[0]
     D = seg.D
     if not seg.coded:  # every entry a full-precision row, in entry order
-        kv = [(seg.k_rows.view(S, T, D), seg.v_rows.view(S, T, D))]
-    else:  # some slot held by no head: look the entries' slots up
-        slot = seg.slots().view(S, T)
+        kv = (seg.k_rows.view(S, T, D), seg.v_rows.view(S, T, D))
+    else:
+        # entry t of every head is slot t when every slot of every row is held; otherwise look the slots up
+        slot = None if seg.n == T else seg.slots().view(S, T)
+        shared = torch.equal(seg.k_full, seg.v_full)  # HEX: keys and values full at the same entries
         sides = []
         maps = None
         for kind in ("k", "v"):
-            full = _flags([seg], kind)
-            if full is None:  # no flags held: every entry of this side is a full row
+            if not getattr(seg, f"{kind}_full").numel():  # no flags held: every entry of this side is a full row
                 sides.append(getattr(seg, f"{kind}_rows").view(S, T, D))
                 continue
-            if maps is None or not torch.equal(seg.k_full, seg.v_full):  # HEX: keys and values share them
-                maps = _entry_maps(cfg, [seg], full, T, slot)
-            sides.append(_dequantized(cfg, [seg], kind, T, slot, maps))
-        kv = [(sides[0], sides[1])]
-    out, lse, lg = blocks_attention(query, kv, scale, logits)
+            if maps is None or not shared:
+                maps = _entry_maps(cfg, seg, kind, T, slot)
+            sides.append(_dequantized(cfg, seg, kind, T, slot, maps))
+        kv = (sides[0], sides[1])
+    out, lse, lg = blocks_attention(query, [kv], scale, logits)
     return out, lse, None if lg is None else lg.transpose(1, 2).reshape(N, -1)

@@ -27,7 +27,7 @@ from kvcore.checks import (
 
 __all__ = ["HEXStore"]
 
-_STACK_TOKENS = 2048  # CPU attend: segments of the same size dequantized together, up to this many slots a call
+_STACK_TOKENS = 2048  # CPU attend: decode blocks of one size dequantized together, up to this many slots a call
 
 
 class HEXStore(Store):
@@ -435,29 +435,55 @@ class HEXStore(Store):
         self._commit(segments, res)
 
     # -- fused attention -------------------------------------------------------------------------------
-    def _layouts(self, bound: bool = False) -> list[PartLayout]:
-        """Every part addressed for the kernels: the segments in order, then the residual. ``bound``: the
-        residual's ``T`` may be an upper bound known on the host (its rows' distinct positions: a head holds no
-        more), which spares a host read; the Triton kernel masks each head by its own count."""
+    def _layouts(self, bound: bool = False, which: list[int] | None = None) -> list[PartLayout]:
+        """Every part addressed for the kernels: the segments in order, then the residual (``which``: only the
+        parts of these indices, ``len(segments)`` being the residual). ``bound``: the residual's ``T`` may be an
+        upper bound known on the host (its rows' distinct positions: a head holds no more), which spares a host
+        read; the Triton kernel masks each head by its own count."""
         B, H, D = self._shape
-        parts = [segment_layout(self.config, s) for s in self._segments]
+        n = len(self._segments)
+        which = list(range(n + 1)) if which is None else which
         T = max(self._res_distinct, default=0) if bound and self._res_distinct is not None else None
-        parts.append(residual_layout(self._res, B, H, D, self.config.bits, T))
-        return parts
+        return [
+            segment_layout(self.config, self._segments[i])
+            if i < n
+            else residual_layout(self._res, B, H, D, self.config.bits, T)
+            for i in which
+        ]
+
+    def _stacks(self, segments: list[int], cap: int | None) -> tuple[list[list[int]], list[int]]:
+        """The held segments ``segments`` (indices) split into stacks of two or more decode blocks of one size
+        (:func:`kv_hex.segment_attention.stackable`), each of at most ``cap`` slots when given, and the rest."""
+        by_size: dict[int, list[list[int]]] = {}
+        for i in segments:
+            seg = self._segments[i]
+            if stackable(seg) is None:
+                by_size.setdefault(-1 - i, [[i]])  # a segment of its own
+                continue
+            group = by_size.setdefault(seg.n, [[]])
+            if cap is not None and (len(group[-1]) + 1) * seg.n > max(cap, seg.n):
+                group.append([])
+            group[-1].append(i)
+        stacks = [g for groups in by_size.values() for g in groups if len(g) > 1]
+        rest = sorted(i for groups in by_size.values() for g in groups if len(g) == 1 for i in g)
+        return stacks, rest
 
     def attend(self, query: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of ``query [B, Hq, Q, D]`` over the held cache: ``(out fp32, lse fp32)`` equal to
         ``kvcore.reference_attention(self.read(), query, scale)``, without rebuilding the dequantized cache.
 
-        On CUDA every part (the segments and the residual) is addressed as one layout
+        Decode blocks of one size (append mode writes one per ``block_size`` tokens) are attended as one stack
+        (:func:`kv_hex.segment_attention.segments_attention`: stacked as the batch rows of one segment, nothing
+        re-quantized, the query repeated per block, merged by log-sum-exp), so the operations per step do not grow
+        with the blocks. On CUDA every other part (the prompt's segment and the residual) is addressed as one layout
         (:func:`kv_hex.layout.concat_layouts`: the parts' tables concatenated, nothing dequantized) and attended in
         one launch of the fused kernel (:func:`kv_hex.kernels.dispatch.part_attention`: codes dequantized in
-        registers, overlay values and full-precision rows read where they are held, one online softmax, GQA),
-        however many segments the layer holds. On CPU each part is attended on its own, read in place as per-head
-        blocks (:func:`kv_hex.segment_attention.segment_attention`: only that part's codes are dequantized), and
-        the parts are merged by log-sum-exp (:func:`kvcore.merge_attention`): the whole dequantized cache never
-        exists at once. Each residual entry's attention probability (summed over the queries and its GQA group) is
-        then added to the heavy-hitter accumulator (and every entry's, in full mode; HEX §3.3)."""
+        registers, overlay values and full-precision rows read where they are held, one online softmax, GQA). On CPU
+        each part (and each stack, of at most 2,048 slots) is read in place as per-head blocks
+        (:func:`kv_hex.segment_attention.segment_attention`: only that part's codes are dequantized), and the
+        results are merged by log-sum-exp (:func:`kvcore.merge_attention`): the whole dequantized cache never exists
+        at once. Each residual entry's attention probability (summed over the queries and its GQA group) is then
+        added to the heavy-hitter accumulator (and every entry's, in full mode; HEX §3.3)."""
         if self._shape is None:
             raise ValueError("attend() on an empty store: write() or append() first")
         B, H, D = self._shape
@@ -474,46 +500,40 @@ class HEXStore(Store):
             out = torch.zeros(B, Hq, Q, D, device=device)
             return out, torch.full((B, Hq, Q), float("-inf"), device=device)
         full_mode = self.config.mode == "full"
-        # per held part: (out, lse) and, where its sums are accumulated, its entries' logits (entry order)
+        fused = dispatch.use_triton(q)
+        # per held part: (out, lse) and, where its sums are accumulated, its entries' logits (entry order);
+        # logits only where the accumulator takes them (the residual; every part in full mode)
         parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         logits: dict[int, torch.Tensor] = {}
-        if dispatch.use_triton(q):
-            # every part in one launch and one softmax (the kernel dequantizes in registers; the longest head's
-            # length bounded by the parts' own, on the host)
-            layouts = self._layouts(bound=True)
-            part, order = concat_layouts([layouts[i] for i in held], sum(layouts[i].T for i in held))
+        # decode blocks of one size attended as one stack: operations that do not grow with the blocks (on CPU at
+        # most _STACK_TOKENS slots a stack, the temporaries it dequantizes)
+        stacks, rest = self._stacks([i for i in held if i < n_parts - 1], None if fused else _STACK_TOKENS)
+        for idx in stacks:
+            out, lse, lg = segments_attention(q, self.config, [self._segments[i] for i in idx], scale, full_mode)
+            parts.append((out, lse))
+            if lg is not None:
+                logits.update(zip(idx, lg))
+        if held[-1] == n_parts - 1:
+            rest.append(n_parts - 1)
+        if fused and rest:
+            # the other parts in one launch and one softmax (the kernel dequantizes in registers; the longest
+            # head's length bounded by the parts' own, on the host)
+            layouts = self._layouts(bound=True, which=rest)
+            part, order = concat_layouts(layouts, sum(p.T for p in layouts))
             out, lse, lg = dispatch.part_attention(q, part, scale, True)
             lg = torch.empty_like(lg).index_copy_(0, order, lg)  # back to the parts' own entry order
             parts.append((out, lse))
-            sizes = [layouts[i].num_entries for i in held]
-            logits = dict(zip(held, lg.split(sizes)))
-        else:
-            # one part at a time, read in place (decode blocks of the same size stacked, up to _STACK_TOKENS
-            # tokens a call); logits only where the accumulator takes them
-            stacks: dict[int, list[list[int]]] = {}
-            for i in held[: len(held) - (held[-1] == n_parts - 1)]:
-                seg = self._segments[i]
-                if stackable(seg) is None:
-                    out, lse, lg = segment_attention(q, self.config, seg, scale, full_mode)
-                    parts.append((out, lse))
-                    if lg is not None:
-                        logits[i] = lg
-                    continue
-                group = stacks.setdefault(seg.n, [[]])
-                if (len(group[-1]) + 1) * seg.n > max(_STACK_TOKENS, seg.n):
-                    group.append([])
-                group[-1].append(i)
-            for group in stacks.values():
-                for idx in group:
-                    segs = [self._segments[i] for i in idx]
-                    out, lse, lg = segments_attention(q, self.config, segs, scale, full_mode)
-                    parts.append((out, lse))
-                    if lg is not None:
-                        logits.update(zip(idx, lg))
-            if held[-1] == n_parts - 1:
-                out, lse, lg = residual_attention(q, self._res, B, H, self.config.bits, scale, True)
+            logits.update(zip(rest, lg.split([p.num_entries for p in layouts])))
+        elif rest:
+            # one part at a time, read in place
+            for i in rest:
+                if i < n_parts - 1:
+                    out, lse, lg = segment_attention(q, self.config, self._segments[i], scale, full_mode)
+                else:
+                    out, lse, lg = residual_attention(q, self._res, B, H, self.config.bits, scale, True)
                 parts.append((out, lse))
-                logits[n_parts - 1] = lg
+                if lg is not None:
+                    logits[i] = lg
         out, lse = merge_attention(parts) if len(parts) > 1 else parts[0]
         rows_lse = lse.reshape(B * H, (Hq // H) * Q)
         sums: list[torch.Tensor | None] = [None] * n_parts
