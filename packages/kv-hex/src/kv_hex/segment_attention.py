@@ -194,7 +194,7 @@ def segments_attention(
         out, lse, lg = segment_attention(q, cfg, stack, scale, logits)
     if m > 1:
         B = query.shape[0]
-        out, lse = merge_split_attention(out.view(m, B, *out.shape[1:]), lse.view(m, B, *lse.shape[1:]), 0)
+        out, lse = merge_split_attention(out.reshape(m, B, *out.shape[1:]), lse.reshape(m, B, *lse.shape[1:]), 0)
     return out, lse, None if lg is None else list(lg.split([s.num_entries for s in segs]))
 
 
