@@ -128,13 +128,13 @@ def test_attend_never_builds_the_whole_dequantized_cache(monkeypatch):
         store.append(x, x, torch.full((B, 1), 37 + step))
     want = reference_attention(store.read(), query(5))
     sizes = []
-    real = segment_attention.blocks_attention
+    real = segment_attention.block_attention
 
-    def spy(q, blocks, scale, logits=False):
-        sizes.append(sum(k.shape[0] * k.shape[1] for k, _ in blocks))
-        return real(q, blocks, scale, logits)
+    def spy(q, k, v, scale, logits=False):
+        sizes.append(k.shape[0] * k.shape[1])
+        return real(q, k, v, scale, logits)
 
-    monkeypatch.setattr(segment_attention, "blocks_attention", spy)
+    monkeypatch.setattr(segment_attention, "block_attention", spy)
     monkeypatch.setattr(reference, "dequantize_part", lambda *a: pytest.fail("attend took the layout path"))
     monkeypatch.setattr(HEXStore, "read", lambda *a: pytest.fail("attend called read()"))
     out, lse = store.attend(query(5))

@@ -28,21 +28,20 @@ from kv_hex.segment import Segment, stack_segments
 from kvcodec.packing import unpack_unchecked
 from kvcore import merge_split_attention
 
-__all__ = ["blocks_attention", "residual_attention", "segment_attention", "segments_attention", "stackable"]
+__all__ = ["block_attention", "residual_attention", "segment_attention", "segments_attention", "stackable"]
 
 
-def blocks_attention(
-    query: torch.Tensor, blocks: list[tuple[torch.Tensor, torch.Tensor]], scale: float, logits: bool = False
+def block_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, logits: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Attention of ``query [B, Hq, Q, D]`` over per-head blocks of entries, one softmax over all of them.
+    """Attention of ``query [B, Hq, Q, D]`` over one block of entries per head.
 
     Parameters
     ----------
     query : Tensor
         ``[B, Hq, Q, D]``; query head ``h·G + g`` reads KV head ``h`` (GQA).
-    blocks : list of (Tensor, Tensor)
-        ``(keys, values)``, each ``[S, Tb, D]`` with ``S = B·Hkv`` (``s = b·Hkv + h``); every ``Tb >= 0`` and their
-        sum ``>= 1``.
+    keys, values : Tensor
+        ``[S, T, D]`` with ``S = B·Hkv`` (``s = b·Hkv + h``), ``T >= 1``.
     scale : float
         Logit scale.
     logits : bool
@@ -53,24 +52,14 @@ def blocks_attention(
     out, lse : Tensor
         float32 ``[B, Hq, Q, D]`` and ``[B, Hq, Q]``.
     logits : Tensor or None
-        float32 ``[S, G·Q, ΣTb]`` (blocks one after the other; row ``g·Q + q`` is query head ``h·G + g``, query
-        ``q``) with ``logits=True``.
+        float32 ``[S, G·Q, T]`` (row ``g·Q + q`` is query head ``h·G + g``, query ``q``) with ``logits=True``.
     """
     B, Hq, Q, D = query.shape
-    S = blocks[0][0].shape[0]
-    R = Hq * Q * B // S
-    q = query.float().reshape(S, R, D)
-    lg = torch.cat([torch.bmm(q, k.float().transpose(1, 2)) for k, _ in blocks], dim=-1).mul_(scale)
+    S = keys.shape[0]
+    q = query.float().reshape(S, Hq * Q * B // S, D)
+    lg = torch.bmm(q, keys.float().transpose(1, 2)).mul_(scale)
     lse = torch.logsumexp(lg, dim=-1)
-    p = torch.exp(lg - lse[..., None])
-    out = None
-    start = 0
-    for _, v in blocks:
-        n = v.shape[1]
-        if n:
-            part = torch.bmm(p[..., start : start + n], v.float())
-            out = part if out is None else out.add_(part)
-        start += n
+    out = torch.bmm(torch.exp(lg - lse[..., None]), values.float())
     return out.view(B, Hq, Q, D), lse.view(B, Hq, Q), lg if logits else None
 
 
@@ -95,7 +84,7 @@ def residual_attention(
     if T is None or T == 0:
         return dispatch.part_attention(query, residual_layout(res, B, H, D, bits), scale, logits)
     S = B * H
-    out, lse, lg = blocks_attention(query, [(res["k"].view(S, T, D), res["v"].view(S, T, D))], scale, logits)
+    out, lse, lg = block_attention(query, res["k"].view(S, T, D), res["v"].view(S, T, D), scale, logits)
     return out, lse, None if lg is None else lg.transpose(1, 2).reshape(S * T, -1)
 
 
@@ -218,7 +207,7 @@ def segment_attention(
         return dispatch.part_attention(query, segment_layout(cfg, seg), scale, logits)
     D = seg.D
     if not seg.coded:  # every entry a full-precision row, in entry order
-        kv = (seg.k_rows.view(S, T, D), seg.v_rows.view(S, T, D))
+        k, v = seg.k_rows.view(S, T, D), seg.v_rows.view(S, T, D)
     else:
         # entry t of every head is slot t when every slot of every row is held; otherwise look the slots up
         slot = None if seg.n == T else seg.slots().view(S, T)
@@ -232,6 +221,6 @@ def segment_attention(
             if maps is None or not shared:
                 maps = _entry_maps(cfg, seg, kind, T, slot)
             sides.append(_dequantized(cfg, seg, kind, T, slot, maps))
-        kv = (sides[0], sides[1])
-    out, lse, lg = blocks_attention(query, [kv], scale, logits)
+        k, v = sides
+    out, lse, lg = block_attention(query, k, v, scale, logits)
     return out, lse, None if lg is None else lg.transpose(1, 2).reshape(N, -1)
