@@ -507,7 +507,15 @@ class HEXStore(Store):
         logits: dict[int, torch.Tensor] = {}
         # decode blocks of one size attended as one stack: operations that do not grow with the blocks (on CPU at
         # most _STACK_TOKENS slots a stack, the temporaries it dequantizes)
-        stacks, rest = self._stacks([i for i in held if i < n_parts - 1], None if fused else _STACK_TOKENS)
+        segments = [i for i in held if i < n_parts - 1]
+        if fused:
+            # the first segment (the prompt's) is always attended with the residual, in the launch it had before
+            # decode blocks existed: a residual-only launch would compile new kernel variants (no overlay, a tile
+            # count that follows the residual's length)
+            stacks, rest = self._stacks(segments[1:], None)
+            rest = segments[:1] + rest
+        else:
+            stacks, rest = self._stacks(segments, _STACK_TOKENS)
         for idx in stacks:
             out, lse, lg = segments_attention(q, self.config, [self._segments[i] for i in idx], scale, full_mode)
             parts.append((out, lse))
