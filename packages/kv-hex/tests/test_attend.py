@@ -222,7 +222,8 @@ def test_the_fused_kernel_takes_an_upper_bound_of_the_longest_head():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-def test_decode_blocks_through_the_triton_kernels_in_two_launches(monkeypatch):
+@pytest.mark.parametrize(("value_scope", "mask_scope"), [("layer", "layer"), ("head", "head")])
+def test_decode_blocks_through_the_triton_kernels_in_two_launches(monkeypatch, value_scope, mask_scope):
     """A long decode on the Triton path (interpreted on CPU): the decode blocks are attended as one stack and the
     prompt's segment with the residual as one layout: two launches of the fused kernel however many blocks the layer
     holds, with attend, lse and the residual's accumulator equal to the PyTorch path's."""
@@ -231,7 +232,7 @@ def test_decode_blocks_through_the_triton_kernels_in_two_launches(monkeypatch):
     from kvcore.testing.host_reads import HostReads
 
     def grown(blocks):
-        store = written(config(), 37)
+        store = written(config(value_scope=value_scope, mask_scope=mask_scope), 37)
         for step in range(16 * blocks):  # one compressed block per 16 decoded tokens
             x = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(step))
             store.append(x, -x, torch.full((B, 1), 37 + step))
