@@ -11,6 +11,9 @@ method's Triton path forced on (Triton's interpreter computes the kernels), reco
 launch, and reports per method and kernel the variants seen during the prefill and the decode, and which decode
 step first needed each new one.
 
+Operations per step are also given over the first and the last tenth of the decode: a method whose cost per step
+grows with what it has decoded shows it there.
+
 Reading: a method whose decode variants keep appearing late (new ones in the last third of the steps) recompiles
 as it decodes; a bounded set that is complete after the first steps is compiled once per process.
 
@@ -113,6 +116,7 @@ class Census:
         self.seen: dict[str, dict[tuple, tuple[str, int]]] = defaultdict(dict)
         self.launches: dict[str, int] = defaultdict(int)
         self.ops = 0  # aten operations during the decode
+        self.step_ops: Counter = Counter()  # decode step -> aten operations
         self.op_sites: Counter | None = None  # (site, op) -> count, with --ops
         self.reads = HostReads(sites=True)  # entered for the decode only
 
@@ -178,6 +182,7 @@ class _OpCounter(TorchDispatchMode):
             and str(func.overloadpacket) not in _METADATA_OPS
         ):
             census.ops += 1
+            census.step_ops[census.step] += 1
             if census.op_sites is not None:
                 census.op_sites[(call_site(), str(func))] += 1
         return func(*args, **(kwargs or {}))
@@ -249,6 +254,10 @@ def report(method: str, census: Census, steps: int, verbose: bool, top: int) -> 
                 print(f"    {phase} {step}: {key}")
     total = census.reads.total
     print(f"\naten operations doing work per decode step: {census.ops / steps:.0f}; host reads: {total / steps:.1f}")
+    tenth = max(1, steps // 10)
+    first = sum(census.step_ops[s] for s in range(1, tenth + 1)) / tenth
+    last = sum(census.step_ops[s] for s in range(steps - tenth + 1, steps + 1)) / tenth
+    print(f"operations per step over the first {tenth} decode steps: {first:.0f}; over the last {tenth}: {last:.0f}")
     if total:
         print("| call site | operation | per step |")
         print("|---|---|---|")
