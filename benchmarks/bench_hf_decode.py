@@ -85,6 +85,33 @@ def random_smollm2(device: torch.device, dtype: torch.dtype):
     return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
 
 
+def contenders(methods_arg: str) -> dict:
+    """``{"kv_hf <item>": compressor factory}`` for the registry names of a comma list (``name@budget`` for a budget
+    other than the method's default); an unknown name raises here, before any model loads."""
+    methods = registry.discover()
+    out = {}
+    for item in filter(None, (x.strip() for x in methods_arg.split(","))):
+        name, _, budget = item.partition("@")
+        registry.get(name, methods)
+        spec = parse_budget(budget, "--methods budget").budget() if budget else None
+        out[f"kv_hf {item}"] = lambda name=name, spec=spec: registry.build(name, spec, methods)
+    return out
+
+
+def model_and_prompt(args) -> tuple:
+    """``(model, ids)``: SmolLM2-135M (or its shapes with random weights, ``args.random_model``) on ``args.device``
+    with ``args.threads`` torch threads, and a seeded random prompt of ``args.tokens`` tokens."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if args.random_model:
+        model = random_smollm2(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    else:
+        model, _ = load_smollm2(device=device)
+    ids = torch.randint(100, 10_000, (1, args.tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    return model, ids
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=1000)
@@ -97,27 +124,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--random-model", action="store_true", help="SmolLM2's shapes with random weights (no download)")
     args = p.parse_args(argv)
-    methods = registry.discover()
-    contenders = {}
-    for item in filter(None, (x.strip() for x in args.methods.split(","))):
-        name, _, budget = item.partition("@")
-        registry.get(name, methods)  # unknown names fail here, before the model loads
-        spec = parse_budget(budget, "--methods budget").budget() if budget else None
-        contenders[f"kv_hf {item}"] = lambda name=name, spec=spec: registry.build(name, spec, methods)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    if args.random_model:
-        model = random_smollm2(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    else:
-        model, _ = load_smollm2(device=device)
-    ids = torch.randint(100, 10_000, (1, args.tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    makers = contenders(args.methods)
+    model, ids = model_and_prompt(args)
+    device = ids.device
     caches = {}
-    for name, make in contenders.items():
+    for name, make in makers.items():
         cache = kv_hf.compressed_cache(model, make())
         last = kv_hf.prefill(model, cache, ids)
         caches[name] = (cache, last.argmax(-1), cache.nbytes())  # bytes held after prefill, before any append
-    rates: dict[str, list[float]] = {"DynamicCache": [], **{n: [] for n in contenders}}
+    rates: dict[str, list[float]] = {"DynamicCache": [], **{n: [] for n in makers}}
     for _ in range(args.rounds):  # interleaved, so drifting machine load hits every contender alike
         rates["DynamicCache"] += dynamic_rate(model, ids, args.steps, 1)
         for name, (cache, first, _) in caches.items():

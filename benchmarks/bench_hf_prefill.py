@@ -25,13 +25,10 @@ import statistics
 import time
 
 import torch
-from bench_hf_decode import random_smollm2
+from bench_hf_decode import contenders, model_and_prompt
 from transformers import DynamicCache
 
 import kv_hf
-from kvbench.budgets import parse_budget
-from kvbench.models import load_smollm2
-from kvcore import registry
 
 
 def _sync(device: torch.device) -> None:
@@ -52,22 +49,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--random-model", action="store_true", help="SmolLM2's shapes with random weights (no download)")
     args = p.parse_args(argv)
-    methods = registry.discover()
-    contenders = {}
-    for item in filter(None, (x.strip() for x in args.methods.split(","))):
-        name, _, budget = item.partition("@")
-        registry.get(name, methods)  # unknown names fail here, before the model loads
-        spec = parse_budget(budget, "--methods budget").budget() if budget else None
-        contenders[f"kv_hf {item}"] = lambda name=name, spec=spec: registry.build(name, spec, methods)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    if args.random_model:
-        model = random_smollm2(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    else:
-        model, _ = load_smollm2(device=device)
-    ids = torch.randint(100, 10_000, (1, args.tokens), generator=torch.Generator().manual_seed(0)).to(device)
-    times: dict[str, list[float]] = {"DynamicCache": [], **{n: [] for n in contenders}}
+    makers = contenders(args.methods)
+    model, ids = model_and_prompt(args)
+    device = ids.device
+    times: dict[str, list[float]] = {"DynamicCache": [], **{n: [] for n in makers}}
     held: dict[str, int] = {}
     with torch.no_grad():
         for _ in range(args.rounds):
@@ -76,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
             model(ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
             _sync(device)
             times["DynamicCache"].append(time.perf_counter() - t0)
-            for name, make in contenders.items():
+            for name, make in makers.items():
                 cache = kv_hf.compressed_cache(model, make())
                 _sync(device)
                 t0 = time.perf_counter()
