@@ -265,3 +265,38 @@ def test_decode_blocks_through_the_triton_kernels_in_two_launches(monkeypatch, v
             mp.setattr(dispatch, "use_triton", lambda t: True)
             store.attend(query(8))
         assert reads.total == 0, dict(reads.by_site)
+
+
+def test_a_fused_decode_step_does_not_grow_with_the_decode_blocks(monkeypatch):
+    """On the fused path the work a step launches is the same with 2 or 6 decode blocks held: the blocks are one
+    stack, so the tensor operations of attend (each a launch or more on a GPU) do not grow with them (they did by
+    ~100 per block while every block's layout was built and concatenated each step)."""
+    pytest.importorskip("triton")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kvcore import value_checks
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += "view" not in str(func)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
+    store = written(config(), 37)
+    q = query(9)
+    counts = {}
+    step = 0
+    for blocks in (2, 6):
+        while len(store._segments) < 1 + blocks:
+            x = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(step))
+            store.append(x, x, torch.full((B, 1), 37 + step))
+            step += 1
+        store.attend(q)  # what is read once per segment is read here
+        with value_checks(False), Ops() as ops:
+            store.attend(q)
+        counts[blocks] = ops.n
+    assert counts[2] == counts[6] > 0, counts
