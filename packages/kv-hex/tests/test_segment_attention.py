@@ -150,25 +150,27 @@ def test_a_store_written_by_hex_attends_in_place_every_step(monkeypatch):
     st.integers(2, 5),
     st.booleans(),
     st.integers(0, 2**16),
+    st.sampled_from([5, 8]),
 )
 def test_stacked_decode_blocks_equal_the_reference_merged_block_by_block(
-    bits, value_scope, mask_kind, dtype, B, H, blocks, logits, seed
+    bits, value_scope, mask_kind, dtype, B, H, blocks, logits, seed, n
 ):
-    """Decode blocks of one size attended as one stack (one dequantization of all of them, one softmax) give the
-    attention of the reference over each block's layout merged by log-sum-exp, and each block's own logits."""
+    """Decode blocks of one size attended as one stack (stack_segments: the blocks as batch rows of one segment;
+    flags concatenated as bytes, or re-packed when a block's entries do not fill whole bytes) give the attention of
+    the reference over each block's layout merged by log-sum-exp, and each block's own logits."""
     from kvcore import merge_attention
 
-    cfg = HEXConfig(bits=bits, block_size=8, recent=1, heavy_ratio=0.2, rho=0.125, value_scope=value_scope,
+    cfg = HEXConfig(bits=bits, block_size=n, recent=1, heavy_ratio=0.2, rho=0.125, value_scope=value_scope,
                     mask_kind=mask_kind)  # fmt: skip
     D = 16
     g = torch.Generator().manual_seed(seed)
     store = HEXStore(cfg)
-    for t in range(8 * blocks + 3):
+    for t in range(n * blocks + 3):
         x = torch.randn(B, H, 1, D, generator=g).to(dtype)
         store.append(x, -x, torch.full((B, 1), t))
         store.attend(torch.randn(B, H, 1, D, generator=g).to(dtype))  # heavy hitters from real attention
     segs = store._segments
-    assert len(segs) == blocks and all(segment_attention.stackable(s) == 8 for s in segs)
+    assert len(segs) == blocks and all(segment_attention.stackable(s) == n for s in segs)
     q = torch.randn(B, 2 * H, 2, D, generator=g).to(dtype)
     want = [reference.part_attention(q, segment_layout(cfg, s), 0.4, logits) for s in segs]
     out, lse, lg = segment_attention.segments_attention(q, cfg, segs, 0.4, logits)
