@@ -154,8 +154,12 @@ def check_positions(
     p = positions.long()
     if not values:
         return p
-    if keep is None:
-        keep = torch.ones(B, 1, T, dtype=torch.bool, device=p.device)
+    if keep is None:  # every entry kept (an append): one host read when the positions are valid
+        first = torch.full((B, 1), -1, dtype=torch.long, device=p.device) if after is None else after
+        prev = torch.cat([first.to(p.device).long().view(B, 1), p[:, :-1]], 1)
+        if not bool(((p < 0) | (p > MAX_POSITION) | (p <= prev)).any()):
+            return p
+        keep = torch.ones(B, 1, T, dtype=torch.bool, device=p.device)  # invalid: the checks below say why
     keep = keep.to(p.device)
     H = keep.shape[1]
     ph = p[:, None, :].expand(B, H, T)
@@ -221,7 +225,7 @@ def check_append(
     B, _H, n, _D = keys.shape
     checked = values_checked(keys)
     positions = check_positions("positions", positions, (B, n), after=after, values=checked)
-    if checked:
-        check_finite("keys", keys)
+    if checked and keys.numel() and not bool(torch.isfinite(keys).all() & torch.isfinite(values).all()):
+        check_finite("keys", keys)  # one read when both are finite; on failure, name the tensor
         check_finite("values", values)
     return positions.to(keys.device)
