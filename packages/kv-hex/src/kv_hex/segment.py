@@ -28,7 +28,7 @@ from kvcodec.packing import pack_unchecked, unpack_unchecked
 from kvcodec.segments import segment_ids
 from kvcore import packed_width
 
-__all__ = ["Segment", "compress_segment", "segment_mask", "stack_segments"]
+__all__ = ["Segment", "compress_segment", "segment_mask", "stack_segments", "uniform_length"]
 
 
 def full_flags(flags: torch.Tensor) -> torch.Tensor:
@@ -56,6 +56,15 @@ def segment_mask(cfg: HEXConfig, n: int, H: int, D: int, device) -> torch.Tensor
         return None
     m = m.to(device)
     return m.view(n, H, D) if cfg.mask_scope == "layer" else m[:, None, :].expand(n, H, D)
+
+
+def uniform_length(counts: torch.Tensor, N: int) -> int | None:
+    """Entries per head when each of the heads (``counts [S]``, ``N`` entries in all) holds the same number, at
+    least one (HEX evicts nothing), else ``None``."""
+    S = counts.numel()
+    if S == 0 or N == 0 or N % S or not bool((counts == N // S).all()):
+        return None
+    return N // S
 
 
 @dataclass
@@ -100,12 +109,8 @@ class Segment:
 
     @functools.cached_property
     def uniform_length(self) -> int | None:
-        """Entries per head when every head holds the same number, at least one (HEX evicts nothing), else
-        ``None``; read once per segment, like :attr:`longest_head`."""
-        S, N = self.counts.numel(), self.num_entries
-        if S == 0 or N == 0 or N % S or not bool((self.counts == N // S).all()):
-            return None
-        return N // S
+        """:func:`uniform_length` of the segment's heads, read once per segment, like :attr:`longest_head`."""
+        return uniform_length(self.counts, self.num_entries)
 
     def full(self, kind: str) -> torch.Tensor:
         """``[N]`` bool: the entry's key (``"k"``) or value (``"v"``) is a full-precision row."""

@@ -24,7 +24,7 @@ import torch
 from kv_hex.config import HEXConfig
 from kv_hex.kernels import dispatch
 from kv_hex.layout import head_columns, residual_layout, segment_layout
-from kv_hex.segment import Segment, stack_segments
+from kv_hex.segment import Segment, stack_segments, uniform_length
 from kvcodec.packing import unpack_unchecked
 from kvcore import merge_split_attention
 
@@ -63,14 +63,6 @@ def block_attention(
     return out.view(B, Hq, Q, D), lse.view(B, Hq, Q), lg if logits else None
 
 
-def _uniform(counts: torch.Tensor, N: int) -> int | None:
-    """Entries per head when every head holds the same number (``N`` in all), else ``None``."""
-    S = counts.numel()
-    if S == 0 or N % S or not bool((counts == N // S).all()):
-        return None
-    return N // S
-
-
 def residual_attention(
     query: torch.Tensor, res: dict, B: int, H: int, bits: int, scale: float, logits: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -80,8 +72,8 @@ def residual_attention(
     ``[N, G·Q]`` in entry order): the rows viewed as ``[S, T, D]`` blocks when every head holds ``T`` of them, else
     through the reference path over the residual's layout."""
     N, D = res["k"].shape
-    T = _uniform(res["counts"], N)
-    if T is None or T == 0:
+    T = uniform_length(res["counts"], N)
+    if T is None:
         return dispatch.part_attention(query, residual_layout(res, B, H, D, bits), scale, logits)
     S = B * H
     out, lse, lg = block_attention(query, res["k"].view(S, T, D), res["v"].view(S, T, D), scale, logits)

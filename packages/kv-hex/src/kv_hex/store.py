@@ -455,17 +455,19 @@ class HEXStore(Store):
         """The held segments ``segments`` (indices) split into stacks of two or more decode blocks of one size
         (:func:`kv_hex.segment_attention.stackable`), each of at most ``cap`` slots when given, and the rest."""
         by_size: dict[int, list[list[int]]] = {}
+        rest = []
         for i in segments:
             seg = self._segments[i]
             if stackable(seg) is None:
-                by_size.setdefault(-1 - i, [[i]])  # a segment of its own
+                rest.append(i)
                 continue
             group = by_size.setdefault(seg.n, [[]])
             if cap is not None and (len(group[-1]) + 1) * seg.n > max(cap, seg.n):
                 group.append([])
             group[-1].append(i)
-        stacks = [g for groups in by_size.values() for g in groups if len(g) > 1]
-        rest = sorted(i for groups in by_size.values() for g in groups if len(g) == 1 for i in g)
+        groups = [g for size in by_size.values() for g in size]
+        stacks = [g for g in groups if len(g) > 1]
+        rest = sorted(rest + [g[0] for g in groups if len(g) == 1])
         return stacks, rest
 
     def attend(self, query: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
