@@ -3,7 +3,7 @@
 # Runs from a checkout with the members' src folders on PYTHONPATH (no install needed). Logs go to $OUT (or ./gpu_out).
 #
 #   bash benchmarks/gpu_check.sh                       # every step
-#   bash benchmarks/gpu_check.sh tests,attend,hubkv    # some steps: tests attend sweep hubkv hqekv hex hf quant
+#   bash benchmarks/gpu_check.sh tests,attend,hubkv    # some steps: attend hubkv tests hex hqekv smoke hf sweep quant
 #
 # Each step runs under its own time limit, so one slow or failing step leaves the others' logs.
 set -uo pipefail
@@ -26,7 +26,7 @@ for pp in sorted(pathlib.Path(".").glob("*/*/pyproject.toml")):
         f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in table.items()) + "\n" for g, table in eps.items()))
 PY
 export PYTHONPATH=$PYTHONPATH:$META
-steps=",${1:-tests,attend,sweep,hubkv,hqekv,hex,hf,quant},"
+steps=",${1:-tests,attend,sweep,hubkv,hqekv,hex,smoke,hf,quant},"
 has() { [[ $steps == *",$1,"* ]]; }
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, log to $OUT/NAME.txt, print its tail
   local name=$1 limit=$2; shift 2
@@ -40,17 +40,17 @@ step() {  # step NAME SECONDS CMD...: run CMD with a time limit, log to $OUT/NAM
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
   python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee "$OUT/env.txt"
+has attend && step bench_fused_attend 90 python3 benchmarks/bench_fused_attend.py
+has hubkv && step bench_hubkv 60 python3 benchmarks/bench_hubkv.py --min-run-time 0.1
 if has tests; then
   # the kernel tests place their inputs on the GPU when one is present (compiled kernels, not the interpreter)
   # (Hypothesis-driven tests are left to the CPU run: every drawn shape compiles another variant)
-  TAIL=30 step kernel_tests 200 python3 -m pytest -p no:cacheprovider -n 14 --timeout 120 -rfE -m "not hypothesis" \
+  TAIL=30 step kernel_tests ${TESTS_LIMIT:-200} python3 -m pytest -p no:cacheprovider -n 14 --timeout 120 -rfE -m "not hypothesis" \
       -v --tb=short \
       core/kvcodec/tests/test_kernels.py core/kvcodec/tests/test_attention.py core/kvcodec/tests/test_attention_triton.py \
       packages/kv-hubkv/tests/test_hubkv_triton.py packages/kv-baselines/tests/quant \
       packages/kv-hqekv/tests/test_kernels.py packages/kv-hex/tests/test_kernels.py packages/kv-sekv/tests/test_kernels.py
 fi
-has attend && step bench_fused_attend 90 python3 benchmarks/bench_fused_attend.py
-has hubkv && step bench_hubkv 60 python3 benchmarks/bench_hubkv.py --min-run-time 0.1
 # end to end through the HF adapter: one process per method, so a failing method leaves the others' rates
 has hf && TAIL=60 step hf_decode 260 bash -c 'for m in full kivi-2 hqekv-2 hex-3 sekv; do echo "## $m";
     timeout 50 python3 benchmarks/bench_hf_decode.py --random-model --tokens 4000 --steps 16 --rounds 3 --methods $m \
@@ -58,5 +58,8 @@ has hf && TAIL=60 step hf_decode 260 bash -c 'for m in full kivi-2 hqekv-2 hex-3
 has sweep && TAIL=8 step bench_fused_sweep 60 python3 benchmarks/bench_fused_attend.py --sweep --lengths 16384 --batch 1 --bits 2
 has hqekv && step bench_hqekv 60 python3 benchmarks/bench_hqekv.py --lengths 4096,16384,65536
 has hex && step bench_hex 60 python3 benchmarks/bench_hex.py --tables attend --attend-lengths 3840,16384
+# every registered method through kvbench's evaluation loop on the device (SmolLM2's shapes, random weights, bf16)
+has smoke && TAIL=40 step kvbench_smoke ${SMOKE_LIMIT:-120} python3 benchmarks/kvbench_device_smoke.py --device cuda \
+    --tokens 2000 --methods ${SMOKE_METHODS:-snapkv,streaming_llm,h2o,knorm,kvzip,hubkv,kivi-2,kivi-4,hqekv-2,hex-3,kcvt-3,sekv}
 has quant && step bench_quant 150 python3 benchmarks/bench_quant.py
 exit 0
