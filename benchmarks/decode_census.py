@@ -32,6 +32,12 @@ Usage::
     python benchmarks/decode_census.py                       # DynamicCache, full, kivi-2, hqekv-2, hex-3, SEKV
     python benchmarks/decode_census.py --methods full,kivi-2 --steps 8 --no-triton   # host reads only, fast
     python benchmarks/decode_census.py --methods hqekv-2 --tokens 300 --steps 160 --verbose
+    python benchmarks/decode_census.py --host-time --layers 8 --steps 64    # host ms per step, no census
+
+**Host time** (``--host-time``): a small model's decode on a GPU is host-bound -- the GPU waits on the Python,
+the tensor operations' dispatch and the launches of each layer. ``--host-time`` times each decode step on this
+CPU with the Triton paths forced on, less the time Triton's interpreter spends computing the kernels, and prints
+``DynamicCache``'s time over each method's: the decode-rate ratio a host-bound GPU would show.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 import argparse
 import importlib
 import inspect
+import statistics
+import time
 from collections import Counter, defaultdict
 
 import torch
@@ -119,6 +127,8 @@ class Census:
         self.step_ops: Counter = Counter()  # decode step -> aten operations
         self.op_sites: Counter | None = None  # (site, op) -> count, with --ops
         self.reads = HostReads(sites=True)  # entered for the decode only
+        self.timing = False  # --host-time: launches are only counted and timed, nothing else recorded
+        self.kernel_s = 0.0  # seconds inside interpreted kernels (subtracted from a step's wall time)
 
     def record(self, fn, args: tuple, kwargs: dict, unspecialised=()) -> None:
         kw = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
@@ -138,6 +148,13 @@ def install() -> None:
         if not CURRENT:
             return original(self, *args, **kwargs)
         census = CURRENT[-1]
+        if census.timing:
+            census.launches[self.fn.__name__] += 1
+            t0 = time.perf_counter()
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                census.kernel_s += time.perf_counter() - t0
         names = [p if isinstance(p, str) else self.arg_names[p] for p in self.kwargs.get("do_not_specialize") or ()]
         census.record(self.fn, args, kwargs, names)
         census.in_kernel = census.reads.paused = True  # the interpreter's own reads are not the caller's
@@ -206,6 +223,48 @@ def tiny_sekv(model):
     return kv_sekv.sekv(router=router, config=config)
 
 
+def _prefilled(method: str, model, ids: torch.Tensor):
+    """``(cache, next token, its position)`` after prefilling ``ids`` through ``method`` (``dynamic``: transformers'
+    ``DynamicCache``)."""
+    if method == "dynamic":
+        cache = DynamicCache()
+        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return cache, out.logits[:, -1].argmax(-1, keepdim=True), torch.tensor([[ids.shape[1]]])
+    name, _, budget = method.partition("@")
+    spec = parse_budget(budget, "--methods budget").budget() if budget else None
+    compressor = tiny_sekv(model) if name == "sekv-tiny" else registry.build(name, spec, registry.discover())
+    cache = kv_hf.compressed_cache(model, compressor)
+    tok = kv_hf.prefill(model, cache, ids).argmax(-1)[:, None]
+    return cache, tok, cache.next_positions()[:, None]
+
+
+@torch.no_grad()
+def host_time_of(method: str, model, ids: torch.Tensor, steps: int, warmup: int = 4) -> tuple[list[float], float]:
+    """``(host ms of each decode step, Triton launches per step)``: each step's wall time less the time the
+    interpreter spent computing its kernels, i.e. the Python, tensor operations and launch decisions a GPU's host
+    would run for that step (the tensor operations here run on the CPU over small tensors, so they cost about what
+    dispatching them costs). ``warmup`` steps first, not timed; no counters installed while timing."""
+    census = Census()
+    census.timing = True
+    CURRENT.append(census)
+    try:
+        cache, tok, pos = _prefilled(method, model, ids)
+        times = []
+        with value_checks(False):
+            for step in range(warmup + steps):
+                if step == warmup:
+                    census.launches.clear()
+                census.kernel_s = 0.0
+                t0 = time.perf_counter()
+                out = model(input_ids=tok, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+                tok, pos = out.logits[:, -1].argmax(-1, keepdim=True), pos + 1
+                if step >= warmup:
+                    times.append(1e3 * (time.perf_counter() - t0 - census.kernel_s))
+    finally:
+        CURRENT.remove(census)
+    return times, sum(census.launches.values()) / steps
+
+
 @torch.no_grad()
 def census_of(method: str, model, ids: torch.Tensor, steps: int, ops: bool = False, checks: bool = False) -> Census:
     """Prefill ``ids`` and decode ``steps`` greedy tokens through ``method`` (``dynamic``: transformers'
@@ -213,17 +272,7 @@ def census_of(method: str, model, ids: torch.Tensor, steps: int, ops: bool = Fal
     census = Census()
     census.op_sites = Counter() if ops else None
     CURRENT.append(census)
-    if method == "dynamic":
-        cache = DynamicCache()
-        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        tok, pos = out.logits[:, -1].argmax(-1, keepdim=True), torch.tensor([[ids.shape[1]]])
-    else:
-        name, _, budget = method.partition("@")
-        spec = parse_budget(budget, "--methods budget").budget() if budget else None
-        compressor = tiny_sekv(model) if name == "sekv-tiny" else registry.build(name, spec, registry.discover())
-        cache = kv_hf.compressed_cache(model, compressor)
-        tok = kv_hf.prefill(model, cache, ids).argmax(-1)[:, None]
-        pos = cache.next_positions()[:, None]
+    cache, tok, pos = _prefilled(method, model, ids)
     census.phase = "decode"
     with _OpCounter(), census.reads, value_checks(checks):
         for step in range(1, steps + 1):
@@ -289,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--ops", action="store_true", help="also list the aten operations by call site")
     p.add_argument("--top", type=int, default=15, help="call sites shown per method (default: %(default)s)")
+    p.add_argument(
+        "--host-time",
+        action="store_true",
+        help="instead of the census, time each decode step's host work (wall time less the interpreted kernels)",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="--host-time: rounds over the methods (default: %(default)s)")
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     methods_found = registry.discover()
@@ -301,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tiny random Llama, {args.layers} layers; prompt {args.tokens} tokens; {args.steps} decode steps")
     model = tiny_llama(args.layers)
     ids = torch.randint(10, 500, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    if args.host_time:
+        return host_time_table(methods, model, ids, args.steps, args.rounds)
     late = 0
     for m in methods:
         late += report(
@@ -308,6 +365,29 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"\nvariants first needed in the last third of the decode: {late}")
     return 1 if late else 0
+
+
+def host_time_table(methods: list[str], model, ids: torch.Tensor, steps: int, rounds: int) -> int:
+    """Print each method's host milliseconds per decode step (mean over the steps, so periodic work such as a
+    re-plan counts at its rate; median over ``rounds`` alternating rounds), its Triton launches per step, and ``DynamicCache``'s host time over its own: the decode-rate ratio a
+    GPU that only waits on the host would show."""
+    torch.set_num_threads(1)
+    per: dict[str, list[float]] = defaultdict(list)
+    launches: dict[str, float] = {}
+    for _ in range(rounds):
+        for m in methods:
+            times, launches[m] = host_time_of(m, model, ids, steps)
+            per[m].append(statistics.fmean(times))
+    ms = {m: statistics.median(v) for m, v in per.items()}
+    base = ms.get("dynamic")
+    print(f"\nhost ms per decode step (mean of {steps} steps; median of {rounds} rounds; one torch thread)")
+    print("| cache | host ms / step | per round | Triton launches / step | DynamicCache / this |")
+    print("|---|---|---|---|---|")
+    for m in methods:
+        ratio = f"{base / ms[m]:.2f}x" if base else "–"
+        rounds_ms = ", ".join(f"{x:.2f}" for x in per[m])
+        print(f"| {m} | {ms[m]:.2f} | {rounds_ms} | {launches[m]:.0f} | {ratio} |")
+    return 0
 
 
 if __name__ == "__main__":

@@ -52,8 +52,9 @@ if has tests; then
       packages/kv-hqekv/tests/test_kernels.py packages/kv-hex/tests/test_kernels.py packages/kv-sekv/tests/test_kernels.py
 fi
 # end to end through the HF adapter: one process per method, so a failing method leaves the others' rates
-has hf && TAIL=60 step hf_decode 260 bash -c 'for m in full kivi-2 hqekv-2 hex-3 sekv; do echo "## $m";
-    timeout 50 python3 benchmarks/bench_hf_decode.py --random-model --tokens 4000 --steps 16 --rounds 3 --methods $m \
+# (64-step rounds: HqeKV re-plans every 32 decoded tokens, so each round times two re-plans at their rate)
+has hf && TAIL=60 step hf_decode 300 bash -c 'for m in full kivi-2 hqekv-2 hex-3 sekv; do echo "## $m";
+    timeout 58 python3 benchmarks/bench_hf_decode.py --random-model --tokens 4000 --steps 64 --rounds 3 --methods $m \
     2>&1 | grep -v "^|---" | tail -4; done'
 has sweep && TAIL=8 step bench_fused_sweep 60 python3 benchmarks/bench_fused_attend.py --sweep --lengths 16384 --batch 1 --bits 2
 has hqekv && step bench_hqekv 60 python3 benchmarks/bench_hqekv.py --lengths 4096,16384,65536

@@ -158,6 +158,36 @@ def test_compressor_declared_replan_runs_every_n_tokens_under_its_own_budget():
 
 
 @torch.no_grad()
+def test_a_rollback_uncounts_the_tokens_it_removes_from_the_replan_period():
+    """``replan_every`` counts the tokens the Store holds since the last re-plan: rolled-back tokens no longer count
+    (a decode rate measured in rounds rolled back to the context, or a multi-question protocol, would otherwise
+    re-plan on tokens that are gone), and tokens kept by a partial rollback still do."""
+    import dataclasses
+
+    model = tiny_model("llama")
+    comp = dataclasses.replace(make(WindowScorer(), ratio=0.0), replan_every=4, replanner=_own_replanner([], keep=10))
+    cache = kv_hf.compressed_cache(model, comp)
+    logits = model(prompt(16), past_key_values=cache).logits[:, -1]
+    tok = logits.argmax(-1, keepdim=True)
+
+    def step(n):
+        nonlocal tok
+        for _ in range(n):
+            tok = model(tok, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+
+    for _ in range(3):  # three rounds of 3 tokens, each rolled back: 9 decoded, never 4 held since the prefill
+        step(3)
+        cache.rollback(16)
+    assert all(layer.recompressions == 0 for layer in cache.layers)
+    step(3)
+    cache.rollback(18)  # keeps 2 of the 3
+    step(1)
+    assert all(layer.recompressions == 0 for layer in cache.layers)  # 3 held since the prefill
+    step(1)
+    assert all(layer.recompressions == 1 for layer in cache.layers)  # the 4th
+
+
+@torch.no_grad()
 def test_answer_pauses_a_declared_replan_so_the_context_comes_back():
     """kv_hf.generate_answer rolls the answer back; the compressor's own re-plan waits meanwhile, so the context
     held before the question is held again after it."""

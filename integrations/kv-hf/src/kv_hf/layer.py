@@ -462,6 +462,9 @@ class CompressedLayer(CacheLayerMixin):
         if self.pending is not None:
             first_slot = self.seen - self.pending.length
             self.pending = self.pending.head(max(length - first_slot, 0)) if length > first_slot else None
+        # the tokens committed since the last (re-)compression are the last _since slots: those cut are uncounted,
+        # so a re-plan still comes every replan_every tokens the Store actually took (not tokens since rolled back)
+        self._since = max(0, self._since - (self.seen - length))
         self.seen = length
         self.next_positions = torch.minimum(self.next_positions, torch.full_like(self.next_positions, limit))
 
