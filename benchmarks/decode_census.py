@@ -369,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def host_time_table(methods: list[str], model, ids: torch.Tensor, steps: int, rounds: int) -> int:
     """Print each method's host milliseconds per decode step (mean over the steps, so periodic work such as a
-    re-plan counts at its rate; median over ``rounds`` alternating rounds), its Triton launches per step, and ``DynamicCache``'s host time over its own: the decode-rate ratio a
-    GPU that only waits on the host would show."""
+    re-plan counts at its rate; median over ``rounds`` alternating rounds), its Triton launches per step, and
+    ``DynamicCache``'s host time over its own: the decode-rate ratio a GPU that only waits on the host would show."""
     torch.set_num_threads(1)
     per: dict[str, list[float]] = defaultdict(list)
     launches: dict[str, float] = {}
