@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import subprocess
 import tempfile
 
@@ -91,6 +92,38 @@ def resources(compiled) -> str:
     return " ".join(x for x in fields if x.split(":")[0] in ("REG", "STACK", "SHARED"))
 
 
+SASS = False  # also report the machine code's loop (set by sm90_resources.py --sass)
+_INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+_BRANCH = re.compile(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))")
+
+
+def sass_loops(compiled) -> str:
+    """Each backward branch of the kernel's machine code (a loop: the compiled ``for`` over tiles) as
+    ``loop: N instr (B BAR, M MMA, S LDS/STS)``: the instructions every warp issues per trip, the block-wide barriers
+    among them (Triton's register-layout conversions through shared memory), the matrix instructions and the
+    shared-memory loads and stores; then the kernel's total. Read with ``cuobjdump --dump-sass``."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True).stdout
+    ins = []  # (address, opcode, line)
+    for line in sass.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2), line))
+    out = []
+    for addr, op, line in ins:
+        b = _BRANCH.search(line) if op == "BRA" else None
+        if b and b.group(1) and int(b.group(1), 16) < addr:
+            body = [o for a, o, _ in ins if int(b.group(1), 16) <= a <= addr]
+            bars = sum(o == "BAR" for o in body)
+            mma = sum(o in ("HMMA", "HGMMA", "IMMA") for o in body)
+            shared = sum(o in ("LDS", "STS", "LDSM") for o in body)
+            out.append(f"loop: {len(body)} instr ({bars} BAR, {mma} MMA, {shared} LDS/STS)")
+    return "; ".join(out + [f"total {len(ins)} instr"])
+
+
 def _run(self, *args, grid, warmup=False, **kwargs):
     options = {k: kwargs.pop(k) for k in _OPTIONS if k in kwargs}
     bound = dict(zip([p.name for p in self.params], args))
@@ -100,7 +133,8 @@ def _run(self, *args, grid, warmup=False, **kwargs):
     key = f"{self.fn.__module__}.{self.fn.__name__} {sorted((k, str(v)) for k, v in constexprs.items())} {options}"
     if key not in REPORT:
         try:
-            REPORT[key] = "ok " + resources(compile_sm90(self, runtime, constexprs, **options))
+            compiled = compile_sm90(self, runtime, constexprs, **options)
+            REPORT[key] = "ok " + resources(compiled) + (f" | {sass_loops(compiled)}" if SASS else "")
         except Exception as e:  # every compile failure is reported, not raised
             REPORT[key] = f"FAIL {type(e).__name__}: {str(e).splitlines()[0][:300]}"
 

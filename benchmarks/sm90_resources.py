@@ -30,7 +30,11 @@ def main() -> None:
     ap.add_argument(
         "--kivi-shapes", action="store_true", help="only KIVI's decode-layout kernel, over head dims 64-256, 2-8 bits"
     )
+    ap.add_argument(
+        "--sass", action="store_true", help="also the machine code's loops: instructions, barriers, MMA per trip"
+    )
     args = ap.parse_args()
+    sm90.SASS = args.sass
     tc, dtype = not args.float32, getattr(torch, args.dtype)
     if args.kivi_shapes:
         return kivi_shapes(tc, dtype)

@@ -42,7 +42,7 @@ def _resources(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_decode_attention_kernels_compile_for_sm90_without_spills(dtype):
-    run = _resources("--dtype", dtype)
+    run = _resources("--dtype", dtype, *(["--sass"] if dtype == "float16" else []))
     rows = {}
     for line in run.stdout.splitlines():
         m = re.match(r"(\w+)\s+(ok|FAIL)\s*(.*)", line)
@@ -51,8 +51,15 @@ def test_decode_attention_kernels_compile_for_sm90_without_spills(dtype):
     assert set(rows) == KERNELS, run.stdout
     for name, (status, detail) in rows.items():
         assert status == "ok", f"{name} did not compile for sm_90: {detail}"
-        fields = dict(f.split(":") for f in detail.split())
+        resources, _, sass = detail.partition(" | ")
+        fields = dict(f.split(":") for f in resources.split())
         assert int(fields["STACK"]) == 0, f"{name} spills ({detail})"
+        if dtype == "float16":  # --sass: the machine code read back, each tile loop with its matrix instructions
+            total = re.search(r"total (\d+) instr", sass)
+            assert total and int(total.group(1)) > 100, detail
+            if name in ("_quantized_attention_kernel", "_kivi_decode_attention_kernel", "_tiered_attention_kernel"):
+                loops = re.findall(r"loop: (\d+) instr \((\d+) BAR, (\d+) MMA", sass)
+                assert any(int(mma) > 0 and int(n) < int(total.group(1)) for n, _, mma in loops), detail
 
 
 def test_kivi_decode_layout_kernel_compiles_without_spills_at_every_head_dim_and_width():
