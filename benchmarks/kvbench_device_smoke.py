@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=2000, help="prompt and window length (default: %(default)s)")
     p.add_argument("--samples", type=int, default=2, help="needle prompts (default: %(default)s)")
     p.add_argument("--windows", type=int, default=2, help="continuation windows (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (on stderr)")
     args = p.parse_args(argv)
 
     registry = discover()
@@ -80,7 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     model = random_smollm2(device, dtype)
     t0 = time.perf_counter()
     rows = run_grid(
-        model, ByteTokenizer(), registry, grid, workload(args.tokens, args.samples, args.windows), progress=False
+        model,
+        ByteTokenizer(),
+        registry,
+        grid,
+        workload(args.tokens, args.samples, args.windows),
+        progress=not args.no_progress,
     )
     rows = pair_rows(rows, "full")
     print(format_table(rows))
