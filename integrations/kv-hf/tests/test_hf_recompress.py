@@ -188,6 +188,27 @@ def test_a_rollback_uncounts_the_tokens_it_removes_from_the_replan_period():
 
 
 @torch.no_grad()
+def test_a_rollback_forgets_the_queries_of_the_slots_it_cuts():
+    """The remembered query window loses the queries of rolled-back tokens (a later compression would otherwise
+    score the context with a rolled-back question's queries) and keeps the others in order."""
+    model = tiny_model("llama")
+    cache = kv_hf.compressed_cache(model, make(WindowScorer(), ratio=0.5), query_window=3)
+    logits = model(prompt(16), past_key_values=cache).logits[:, -1]
+    q0 = [layer.queries.clone() for layer in cache.layers]  # the prompt's last 3 queries (slots 13-15)
+    tok = logits.argmax(-1, keepdim=True)
+    for _ in range(2):  # the window now holds slots 15, 16, 17
+        tok = model(tok, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+    assert all(not torch.equal(layer.queries, q) for layer, q in zip(cache.layers, q0))
+    cache.rollback(16)
+    assert all(torch.equal(layer.queries, q[:, :, -1:]) for layer, q in zip(cache.layers, q0))  # slot 15 only
+    model(tok, past_key_values=cache)
+    assert all(layer.queries.shape[2] == 2 and torch.equal(layer.queries[:, :, :1], q[:, :, -1:])
+               for layer, q in zip(cache.layers, q0))  # fmt: skip
+    cache.rollback(15)  # every remembered slot cut
+    assert all(layer.queries is None for layer in cache.layers)
+
+
+@torch.no_grad()
 def test_answer_pauses_a_declared_replan_so_the_context_comes_back():
     """kv_hf.generate_answer rolls the answer back; the compressor's own re-plan waits meanwhile, so the context
     held before the question is held again after it."""

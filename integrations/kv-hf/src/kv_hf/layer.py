@@ -100,6 +100,7 @@ class CompressedLayer(CacheLayerMixin):
         self.auto_compress = True
         self.pending: Pending | None = None
         self.queries: torch.Tensor | None = None  # last W committed queries [B, Hq, <=W, D]
+        self._queries_end = 0  # the token slot after the last remembered query (queries[..., -1, :] is slot - 1)
         self.next_positions: torch.Tensor | None = None  # [B] next true position per row
         self._since = 0
         self._step: Step | None = None
@@ -304,6 +305,7 @@ class CompressedLayer(CacheLayerMixin):
             q = torch.cat([self.queries.to(q.dtype), q], 2)
             q = q if W is None else q[:, :, -W:]
         self.queries = q.detach().clone()
+        self._queries_end = self.seen + query.shape[2]  # called before the step's tokens are counted in seen
 
     # -- compression -----------------------------------------------------------------------------------
     def held(self) -> bool:
@@ -462,6 +464,12 @@ class CompressedLayer(CacheLayerMixin):
         if self.pending is not None:
             first_slot = self.seen - self.pending.length
             self.pending = self.pending.head(max(length - first_slot, 0)) if length > first_slot else None
+        if self.queries is not None and length < self._queries_end:
+            # the queries of the slots cut go too: a later compression must not score with queries of tokens that
+            # are gone (a rolled-back question's queries would leak into the next question's compression)
+            cut, kept = self._queries_end - length, self.queries.shape[2]
+            self.queries = None if cut >= kept else self.queries[:, :, : kept - cut].clone()
+            self._queries_end = length
         # the tokens committed since the last (re-)compression are the last _since slots: those cut are uncounted,
         # so a re-plan still comes every replan_every tokens the Store actually took (not tokens since rolled back)
         self._since = max(0, self._since - (self.seen - length))
