@@ -197,7 +197,10 @@ class CompressedCache(Cache):
 
     def rollback(self, length: int) -> None:
         """Forget every token slot from ``length`` on (``get_seq_length()`` becomes ``length``): the
-        multi-question protocol's crop back to the context. Entries evicted by a re-compression stay gone."""
+        multi-question protocol's crop back to the context. Entries evicted by a re-compression stay gone. The
+        forgotten tokens also leave the re-plan period (``replan_every`` / ``recompress_every`` count the tokens the
+        Store still holds since its last compression) and the remembered query window (a later compression never
+        scores with the queries of forgotten tokens)."""
         if isinstance(length, bool) or not isinstance(length, int) or length < 0:
             raise ValueError(f"length must be an int >= 0, got {length!r}")
         for layer in self.layers:
