@@ -8,24 +8,7 @@
 # Each step runs under its own time limit, so one slow or failing step leaves the others' logs.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
-export PYTHONPATH=$(ls -d core/*/src packages/*/src integrations/*/src | tr '\n' ':')${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1
-# the members are not installed there: write each one's entry points as a minimal dist-info (what an install writes),
-# so the method registry finds the method packages
-META=$(mktemp -d)
-python3 - "$META" <<'PY'
-import pathlib, sys, tomllib
-out = pathlib.Path(sys.argv[1])
-for pp in sorted(pathlib.Path(".").glob("*/*/pyproject.toml")):
-    project = tomllib.loads(pp.read_text())["project"]
-    eps = project.get("entry-points", {})
-    d = out / f"{project['name'].replace('-', '_')}-0.0.dev0.dist-info"
-    d.mkdir()
-    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: 0.0.dev0\n")
-    (d / "entry_points.txt").write_text("".join(
-        f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in table.items()) + "\n" for g, table in eps.items()))
-PY
-export PYTHONPATH=$PYTHONPATH:$META
+source benchmarks/device_env.sh  # the members on PYTHONPATH, their entry points registered
 steps=",${1:-tests,attend,sweep,hubkv,hqekv,hex,smoke,hf,quant},"
 has() { [[ $steps == *",$1,"* ]]; }
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, log to $OUT/NAME.txt, print its tail
