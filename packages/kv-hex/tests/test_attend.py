@@ -193,6 +193,8 @@ def test_concat_layouts_address_every_part_in_one_layout():
     keys, values = zip(*(reference.dequantize_part(p) for p in parts))
     got_k, got_v = reference.dequantize_part(combined)
     assert torch.equal(got_k, torch.cat(keys)[order]) and torch.equal(got_v, torch.cat(values)[order])
+    # every part's values share their keys' entry maps (HEX keeps whole tokens), so the combined layout does too
+    assert all(p.v.idx is p.k.idx for p in parts) and combined.v.idx is combined.k.idx
 
 
 def test_the_fused_kernel_takes_an_upper_bound_of_the_longest_head():

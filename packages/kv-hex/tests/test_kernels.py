@@ -176,3 +176,35 @@ def test_decode_attention_on_the_matrix_units_in_float16():
             torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
     with pytest.raises(ValueError, match="tensor_cores"):
         part_attention_triton(q.float(), parts[0], 0.25, tensor_cores=True)
+
+
+@pytest.mark.parametrize(("dtype", "bits", "value_scope", "mask_scope", "mask_kind"), CASES)
+def test_values_share_the_keys_entry_maps_when_both_are_full_at_the_same_entries(
+    dtype, bits, value_scope, mask_scope, mask_kind
+):
+    """HEX keeps whole tokens in full precision, so a segment's key and value flags are equal
+    (``Segment.flags_shared``) and its layout builds the entry maps once: the values' ``idx`` and overlay offsets
+    are the keys' own tensors, and equal what the values' flags give on their own (statistics rows equal wherever
+    an entry is coded; a segment whose flags differ builds its own)."""
+    import dataclasses
+
+    from kv_hex.layout import _side, segment_layout
+    from kv_hex.segment import full_flags
+
+    store = hex_store(dtype, bits, value_scope, mask_scope, mask_kind)
+    for seg in store._segments:
+        assert seg.flags_shared
+        lay = segment_layout(store.config, seg)
+        assert lay.v.idx is lay.k.idx and lay.v.ooff is lay.k.ooff
+        own = _side(seg, "v", store.config, seg.seg(), lay.slot.long(), lay.hcols)
+        coded = own.idx >= 0
+        assert torch.equal(lay.v.idx, own.idx) and torch.equal(lay.v.ooff, own.ooff)
+        assert torch.equal(lay.v.grp[coded], own.grp[coded])
+        assert bool((lay.v.grp >= 0).all())  # in range at full rows too (their statistics row is read)
+    seg = store._segments[0]
+    flags = seg.full("v").clone()
+    flags[int((~flags).nonzero()[0])] = True  # one more full value than keys: the flags differ
+    other = dataclasses.replace(seg, v_full=full_flags(flags))
+    assert not other.flags_shared
+    lay = segment_layout(store.config, other)
+    assert lay.v.idx is not lay.k.idx and int((lay.v.idx < 0).sum()) == int((lay.k.idx < 0).sum()) + 1

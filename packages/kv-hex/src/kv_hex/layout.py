@@ -134,13 +134,23 @@ def head_columns(cfg: HEXConfig, n: int, H: int, D: int, device) -> torch.Tensor
     return _head_columns(cfg.mask_kind, cfg.mask_scope, cfg.rho, cfg.seed, n, H, D).to(device)
 
 
-def _side(seg: Segment, kind: str, cfg: HEXConfig, segid, slot, hcols) -> SideLayout:
-    full = seg.full(kind)
-    N = full.numel()
-    device = full.device
-    rank_full = torch.cumsum(full, 0) - 1
-    rank_code = torch.cumsum(~full, 0) - 1
-    idx = torch.where(full, -1 - rank_full, rank_code).to(torch.int32)
+def _side(seg: Segment, kind: str, cfg: HEXConfig, segid, slot, hcols, like: SideLayout | None = None) -> SideLayout:
+    """One side's addressing; ``like``: the other side's, when both are full precision at the same entries
+    (:attr:`Segment.flags_shared`), whose entry maps (``idx``, overlay offsets) this side then shares."""
+    if like is not None:
+        N = like.idx.numel()
+        device = like.idx.device
+        idx = like.idx
+        full = idx < 0
+        # the code rank where coded; 0 at full rows, whose statistics row is read and then overwritten (in range)
+        rank_code = idx.clamp(min=0)
+    else:
+        full = seg.full(kind)
+        N = full.numel()
+        device = full.device
+        rank_full = torch.cumsum(full, 0) - 1
+        rank_code = torch.cumsum(~full, 0) - 1
+        idx = torch.where(full, -1 - rank_full, rank_code).to(torch.int32)
     zi = torch.zeros(N, dtype=torch.int32, device=device)
     rows = getattr(seg, f"{kind}_rows")
     if getattr(seg, f"{kind}_full").numel() == 0:  # no flags held: every entry is full (no read of the flags)
@@ -153,7 +163,9 @@ def _side(seg: Segment, kind: str, cfg: HEXConfig, segid, slot, hcols) -> SideLa
         grp = (segid // seg.H) * seg.n + slot
     else:
         grp = rank_code
-    if hcols.shape[-1]:
+    if like is not None:
+        ooff = like.ooff  # the same mask rows over the same coded entries
+    elif hcols.shape[-1]:
         n_over = (hcols[slot, segid % seg.H] >= 0).sum(-1) * coded
         ooff = torch.cumsum(n_over, 0) - n_over
     else:
@@ -196,7 +208,7 @@ def segment_layout(cfg: HEXConfig, seg: Segment) -> PartLayout:
         hcols = torch.zeros(1, seg.H, 0, dtype=torch.int32, device=device)
     start, count, T = _starts(seg.counts, seg.longest_head)
     k = _side(seg, "k", cfg, segid, slot, hcols)
-    v = _side(seg, "v", cfg, segid, slot, hcols)
+    v = _side(seg, "v", cfg, segid, slot, hcols, k if seg.coded and seg.flags_shared else None)
     return PartLayout(
         seg.counts.numel() // seg.H, seg.H, seg.D, cfg.bits, start, count, T, slot.to(torch.int32), hcols, k, v
     )
@@ -259,28 +271,38 @@ def concat_layouts(parts: list[PartLayout], T: int | None = None) -> tuple[PartL
     slot_off = _offsets([p.hcols.shape[0] for p in parts])
     slot = torch.cat([p.slot + o for p, o in zip(parts, slot_off)])[order]
 
-    def side(kind: str) -> SideLayout:
+    def side(kind: str, like: SideLayout | None = None) -> SideLayout:
+        """``like``: the keys' combined side, whose entry maps the values share when every part shares them."""
         sides = [getattr(p, kind) for p in parts]
-        code_off = _offsets([s.codes.shape[0] for s in sides])
-        full_off = _offsets([s.rows.shape[0] for s in sides])
         grp_off = _offsets([s.scale.shape[0] for s in sides])
-        over_off = _offsets([s.over.numel() for s in sides])
-        idx = torch.cat([torch.where(s.idx >= 0, s.idx + c, s.idx - f) for s, c, f in zip(sides, code_off, full_off)])
+        if like is None:
+            code_off = _offsets([s.codes.shape[0] for s in sides])
+            full_off = _offsets([s.rows.shape[0] for s in sides])
+            over_off = _offsets([s.over.numel() for s in sides])
+            idx = torch.cat(
+                [torch.where(s.idx >= 0, s.idx + c, s.idx - f) for s, c, f in zip(sides, code_off, full_off)]
+            )
+            idx = idx[order].to(torch.int32)
+            ooff = torch.cat([s.ooff + o for s, o in zip(sides, over_off)])[order].to(torch.int32)
+        else:  # the same code and full rows and overlay counts in every part: the same offsets
+            idx, ooff = like.idx, like.ooff
         grp = torch.cat([torch.where(s.idx >= 0, s.grp + g, 0) for s, g in zip(sides, grp_off)])  # full: any row
-        ooff = torch.cat([s.ooff + o for s, o in zip(sides, over_off)])
         stats = [s for s in sides if s.scale.numel()]
         scale = torch.cat([s.scale for s in stats]) if stats else sides[0].scale
         zero = torch.cat([s.zero for s in stats]) if stats else sides[0].zero
         return SideLayout(
-            idx[order].to(torch.int32),
+            idx,
             torch.cat([s.codes for s in sides]),
             torch.cat([s.rows for s in sides]),
             scale,
             zero,
             grp[order].to(torch.int32),
             torch.cat([s.over for s in sides]),
-            ooff[order].to(torch.int32),
+            ooff,
             sides[0].per_channel,
         )
 
-    return PartLayout(B, H, D, bits, start, count, T, slot.to(torch.int32), hcols, side("k"), side("v")), order
+    k = side("k")
+    shared = all(p.v.idx is p.k.idx and p.v.ooff is p.k.ooff for p in parts)
+    v = side("v", k if shared else None)
+    return PartLayout(B, H, D, bits, start, count, T, slot.to(torch.int32), hcols, k, v), order

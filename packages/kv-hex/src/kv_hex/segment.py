@@ -95,6 +95,7 @@ class Segment:
         new = copy.copy(self)
         new.__dict__.pop("longest_head", None)  # derived from counts, which a copy is made to change
         new.__dict__.pop("uniform_length", None)
+        new.__dict__.pop("flags_shared", None)
         return new
 
     @property
@@ -111,6 +112,13 @@ class Segment:
     def uniform_length(self) -> int | None:
         """:func:`uniform_length` of the segment's heads, read once per segment, like :attr:`longest_head`."""
         return uniform_length(self.counts, self.num_entries)
+
+    @functools.cached_property
+    def flags_shared(self) -> bool:
+        """Keys and values are full precision at the same entries (HEX keeps whole tokens: heavy hitters and the
+        recent window), so one set of entry maps addresses both sides; read once per segment, like
+        :attr:`longest_head`."""
+        return self.k_full.numel() == self.v_full.numel() and bool(torch.equal(self.k_full, self.v_full))
 
     def full(self, kind: str) -> torch.Tensor:
         """``[N]`` bool: the entry's key (``"k"``) or value (``"v"``) is a full-precision row."""
@@ -342,4 +350,5 @@ def stack_segments(segs: list[Segment]) -> Segment:
     stack.__dict__["longest_head"] = max(s.longest_head for s in segs)
     lengths = {s.uniform_length for s in segs}
     stack.__dict__["uniform_length"] = lengths.pop() if len(lengths) == 1 else None
+    stack.__dict__["flags_shared"] = all(s.flags_shared for s in segs)
     return stack
