@@ -51,7 +51,13 @@ def _load_window(q_ptr, b, h, sqb, sqh, sqm, sqd, M_WIN, GROUP: tl.constexpr, D:
     return q.to(tl.float32), r, rmask, d, dmask
 
 
-@triton.jit
+# the held length, the split count and the strides that follow them change at every re-plan: not specialised (an
+# integer equal to 1 or divisible by 16 would compile a variant of its own, seen as a new compile at a re-plan in
+# benchmarks/decode_census.py). The unit strides and the key token stride (the head dim) stay specialised.
+_RUNTIME = ["sqb", "sqh", "sqm", "skb", "skh", "N", "M_WIN", "NSPLIT"]
+
+
+@triton.jit(do_not_specialize=_RUNTIME)
 def _window_lse_kernel(
     q_ptr, k_ptr, valid_ptr, max_ptr, sum_ptr,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, H, N, M_WIN, NSPLIT, sqrt_d,
@@ -79,7 +85,7 @@ def _window_lse_kernel(
     tl.store(sum_ptr + part, l_i, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[n for n in _RUNTIME if n != "NSPLIT"])
 def _window_sum_kernel(
     q_ptr, k_ptr, valid_ptr, lse_ptr, out_ptr,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, H, N, M_WIN, sqrt_d,
