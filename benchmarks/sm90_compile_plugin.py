@@ -81,20 +81,25 @@ def compile_sm90(kernel: JITFunction, runtime_args: dict, constexprs: dict, **op
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def resources(compiled) -> str:
-    """``REG:.. STACK:.. SHARED:..`` of a compiled kernel."""
+def _cuobjdump(compiled, flag: str) -> str:
+    """``cuobjdump <flag>`` (the one Triton's wheel carries) of a compiled kernel's cubin."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
+
+
+def resources(compiled) -> str:
+    """``REG:.. STACK:.. SHARED:..`` of a compiled kernel."""
+    out = _cuobjdump(compiled, "--dump-resource-usage")
     fields = " ".join(line.strip() for line in out.splitlines() if "REG" in line).split()
     return " ".join(x for x in fields if x.split(":")[0] in ("REG", "STACK", "SHARED"))
 
 
 SASS = False  # also report the machine code's loop (set by sm90_resources.py --sass)
 _INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
-_BRANCH = re.compile(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))")
+_BRANCH = re.compile(r"BRA\s+0x([0-9a-f]+)")  # cuobjdump prints branch targets as addresses
 
 
 def sass_loops(compiled) -> str:
@@ -102,21 +107,17 @@ def sass_loops(compiled) -> str:
     ``loop: N instr (B BAR, M MMA, S LDS/STS)``: the instructions every warp issues per trip, the block-wide barriers
     among them (Triton's register-layout conversions through shared memory), the matrix instructions and the
     shared-memory loads and stores; then the kernel's total. Read with ``cuobjdump --dump-sass``."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True).stdout
     ins = []  # (address, opcode, line)
-    for line in sass.splitlines():
+    for line in _cuobjdump(compiled, "--dump-sass").splitlines():
         m = _INSTR.match(line)
         if m:
             ins.append((int(m.group(1), 16), m.group(2), line))
     out = []
     for addr, op, line in ins:
         b = _BRANCH.search(line) if op == "BRA" else None
-        if b and b.group(1) and int(b.group(1), 16) < addr:
-            body = [o for a, o, _ in ins if int(b.group(1), 16) <= a <= addr]
+        target = int(b.group(1), 16) if b else addr
+        if target < addr:
+            body = [o for a, o, _ in ins if target <= a <= addr]
             bars = sum(o == "BAR" for o in body)
             mma = sum(o in ("HMMA", "HGMMA", "IMMA") for o in body)
             shared = sum(o in ("LDS", "STS", "LDSM") for o in body)
