@@ -62,6 +62,7 @@ from triton.runtime.interpreter import InterpretedFunction
 import kv_hf
 from kv_hf.testing import tiny_model
 from kvbench.budgets import parse_budget
+from kvbench.cli import _count  # whole-number arguments with a one-line error
 from kvcore import registry, value_checks
 from kvcore.testing.host_reads import HostReads, call_site
 
@@ -339,9 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         help="registry names, name@budget, dynamic (transformers' DynamicCache) or sekv-tiny (SEKV with an untrained "
         "router for the tiny model) (default: %(default)s)",
     )
-    p.add_argument("--tokens", type=int, default=200, help="prompt tokens (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=96, help="decode steps (default: %(default)s)")
-    p.add_argument("--layers", type=int, default=2, help="model layers (default: %(default)s)")
+    p.add_argument("--tokens", type=_count(2), default=200, help="prompt tokens (default: %(default)s)")
+    p.add_argument("--steps", type=_count(1), default=96, help="decode steps (default: %(default)s)")
+    p.add_argument("--layers", type=_count(1), default=2, help="model layers (default: %(default)s)")
     p.add_argument("--verbose", action="store_true", help="print every variant key")
     p.add_argument("--no-triton", action="store_true", help="keep the CPU paths (host reads only; much faster)")
     p.add_argument(
@@ -354,7 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="instead of the census, time each decode step's host work (wall time less the interpreted kernels)",
     )
-    p.add_argument("--rounds", type=int, default=3, help="--host-time: rounds over the methods (default: %(default)s)")
+    p.add_argument(
+        "--rounds", type=_count(1), default=3, help="--host-time: rounds over the methods (default: %(default)s)"
+    )
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     methods_found = registry.discover()

@@ -22,6 +22,7 @@ import torch
 from bench_hf_decode import random_smollm2
 
 from kvbench.budgets import parse_budgets
+from kvbench.cli import _count  # whole-number arguments with a one-line error
 from kvbench.methods import parse_methods, plan_grid
 from kvbench.paired import pair_rows
 from kvbench.report import format_table
@@ -65,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--methods", default=None, help="comma list of registered names (default: every registered one)")
     p.add_argument("--budgets", default="0.75", help="budgets for methods that take them (default: %(default)s)")
-    p.add_argument("--tokens", type=int, default=2000, help="prompt and window length (default: %(default)s)")
-    p.add_argument("--samples", type=int, default=2, help="needle prompts (default: %(default)s)")
-    p.add_argument("--windows", type=int, default=2, help="continuation windows (default: %(default)s)")
+    p.add_argument("--tokens", type=_count(16), default=2000, help="prompt and window length (default: %(default)s)")
+    p.add_argument("--samples", type=_count(0), default=2, help="needle prompts (default: %(default)s)")
+    p.add_argument("--windows", type=_count(0), default=2, help="continuation windows (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (on stderr)")
     args = p.parse_args(argv)
 

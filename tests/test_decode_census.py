@@ -47,3 +47,11 @@ def test_hqekv_window_kernels_compile_one_variant_whatever_the_held_length():
         "kv_hqekv._window_lse_kernel": 1,
         "kv_hqekv._window_sum_kernel": 1,
     }
+
+
+def test_bad_counts_are_refused_with_a_one_line_error(capsys):
+    for argv in (["--host-time", "--rounds", "0"], ["--steps", "x"]):
+        with pytest.raises(SystemExit) as exit_:
+            census.main(argv)
+        assert exit_.value.code == 2
+        assert "expected a whole number" in capsys.readouterr().err
