@@ -141,7 +141,6 @@ def _side(seg: Segment, kind: str, cfg: HEXConfig, segid, slot, hcols, like: Sid
         N = like.idx.numel()
         device = like.idx.device
         idx = like.idx
-        full = idx < 0
         # the code rank where coded; 0 at full rows, whose statistics row is read and then overwritten (in range)
         rank_code = idx.clamp(min=0)
     else:
@@ -156,7 +155,6 @@ def _side(seg: Segment, kind: str, cfg: HEXConfig, segid, slot, hcols, like: Sid
     if getattr(seg, f"{kind}_full").numel() == 0:  # no flags held: every entry is full (no read of the flags)
         empty = torch.zeros(0, dtype=torch.float32, device=device)
         return SideLayout(idx, getattr(seg, f"{kind}_codes"), rows, empty, empty, zi, rows[:0, 0], zi, kind == "k")
-    coded = ~full
     if kind == "k":
         grp = segid
     elif cfg.value_scope == "layer":
@@ -166,7 +164,7 @@ def _side(seg: Segment, kind: str, cfg: HEXConfig, segid, slot, hcols, like: Sid
     if like is not None:
         ooff = like.ooff  # the same mask rows over the same coded entries
     elif hcols.shape[-1]:
-        n_over = (hcols[slot, segid % seg.H] >= 0).sum(-1) * coded
+        n_over = (hcols[slot, segid % seg.H] >= 0).sum(-1) * ~full
         ooff = torch.cumsum(n_over, 0) - n_over
     else:
         ooff = zi
