@@ -100,13 +100,54 @@ def resources(compiled) -> str:
 SASS = False  # also report the machine code's loop (set by sm90_resources.py --sass)
 _INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 _BRANCH = re.compile(r"BRA\s+0x([0-9a-f]+)")  # cuobjdump prints branch targets as addresses
+_PREDICATED = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+@!?U?P")  # an instruction under a predicate (a conditional branch)
+
+
+def _paths(body: list[tuple[int, str, str]]) -> tuple[int, int]:
+    """Fewest and most instructions a warp issues from a loop's first instruction to its backward branch (the last
+    of ``body``): the loop's forward branches (``if`` inside it) split it into blocks, and each trip takes one path
+    through them."""
+    head, tail = body[0][0], body[-1][0]
+    at = {a: i for i, (a, _, _) in enumerate(body)}
+    lo, hi = {head: 0}, {head: 0}  # instructions issued before reaching an address, over the paths reaching it
+
+    def reach(a: int, low: int, high: int) -> None:
+        lo[a], hi[a] = min(lo.get(a, low), low), max(hi.get(a, high), high)
+
+    starts = {head} | {a for i, (a, o, _) in enumerate(body) if i and body[i - 1][1] == "BRA"}
+    for _, op, line in body:
+        b = _BRANCH.search(line) if op == "BRA" else None
+        if b and head < int(b.group(1), 16) <= tail:
+            starts.add(int(b.group(1), 16))
+    for start in sorted(starts):  # blocks in address order: forward edges only (the back edge ends the trip)
+        if start not in lo:
+            continue
+        n, i = 0, at[start]
+        while True:
+            a, op, line = body[i]
+            n += 1
+            if a == tail:
+                reach(-1, lo[start] + n, hi[start] + n)
+                break
+            b = _BRANCH.search(line) if op == "BRA" else None
+            if b and a < int(b.group(1), 16) <= tail:
+                reach(int(b.group(1), 16), lo[start] + n, hi[start] + n)
+                if not _PREDICATED.match(line):
+                    break  # an unconditional jump: no fall-through
+            if body[i + 1][0] in starts:
+                reach(body[i + 1][0], lo[start] + n, hi[start] + n)
+                break
+            i += 1
+    return lo[-1], hi[-1]
 
 
 def sass_loops(compiled) -> str:
     """Each backward branch of the kernel's machine code (a loop: the compiled ``for`` over tiles) as
     ``loop: N instr (B BAR, M MMA, S LDS/STS)``: the instructions every warp issues per trip, the block-wide barriers
     among them (Triton's register-layout conversions through shared memory), the matrix instructions and the
-    shared-memory loads and stores; then the kernel's total. Read with ``cuobjdump --dump-sass``."""
+    shared-memory loads and stores -- counted over the whole loop body; where an ``if`` inside the loop splits it,
+    ``paths A-B`` adds the fewest and most instructions one trip issues. Then the kernel's total. Read with
+    ``cuobjdump --dump-sass``."""
     ins = []  # (address, opcode, line)
     for line in _cuobjdump(compiled, "--dump-sass").splitlines():
         m = _INSTR.match(line)
@@ -117,11 +158,14 @@ def sass_loops(compiled) -> str:
         b = _BRANCH.search(line) if op == "BRA" else None
         target = int(b.group(1), 16) if b else addr
         if target < addr:
-            body = [o for a, o, _ in ins if target <= a <= addr]
+            full = [x for x in ins if target <= x[0] <= addr]
+            body = [o for _, o, _ in full]
             bars = sum(o == "BAR" for o in body)
             mma = sum(o in ("HMMA", "HGMMA", "IMMA") for o in body)
             shared = sum(o in ("LDS", "STS", "LDSM") for o in body)
-            out.append(f"loop: {len(body)} instr ({bars} BAR, {mma} MMA, {shared} LDS/STS)")
+            low, high = _paths(full)
+            paths = f", paths {low}-{high}" if (low, high) != (len(body), len(body)) else ""
+            out.append(f"loop: {len(body)} instr ({bars} BAR, {mma} MMA, {shared} LDS/STS{paths})")
     return "; ".join(out + [f"total {len(ins)} instr"])
 
 

@@ -169,3 +169,36 @@ def test_a_decode_step_on_the_gpu_path_reads_nothing_on_the_host(monkeypatch):
     ref_out, ref_lse = reference_attention(store.read(), q, 0.125)
     torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=1e-5)
+
+
+def _unaligned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` whose rows are one slot longer (strides no longer multiples of 16)."""
+    out = torch.empty(*t.shape[:-1], t.shape[-1] + 1, dtype=t.dtype, device=t.device)[..., : t.shape[-1]]
+    out.copy_(t)
+    return out
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_aligned_fast_path_equals_the_general_path(bits, dtype):
+    """Invariant: the decode layout keeps its code and parameter rows 16-slot aligned, so tiles whose entries are all
+    quantized take the unmasked path (codes read as 32-bit words); the same state with misaligned rows takes the
+    general (masked, byte-wise) path for every tile; both dequantize to the same entries, so they agree up to float32
+    summation order, and equal reference attention over read()."""
+    from kv_baselines.quant.kivi_decode import ALIGN
+
+    store, gen = _decoding(5, bits, 1, 2, 150, 32, 16, 32, 9, dtype)
+    dec = store._dec
+    assert dec.tk >= 64 and dec.tv >= 64  # several whole tiles of quantized entries on both sides
+    for t in (dec.kc, dec.vc, dec.vs, dec.vz):
+        assert t.stride(0) % ALIGN == 0 and t.stride(1) % ALIGN == 0
+    q = torch.randn(2, 3, 32, generator=gen).to(DEVICE, dtype)
+    out, lse = decode_attention_triton(dec, q, 0.3, block_t=16, tiles=2)
+    for name in ("kc", "vc", "vs", "vz"):
+        setattr(dec, name, _unaligned(getattr(dec, name)))
+    slow_out, slow_lse = decode_attention_triton(dec, q, 0.3, block_t=16, tiles=2)
+    torch.testing.assert_close(out, slow_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, slow_lse, atol=1e-5, rtol=1e-5)
+    ref_out, ref_lse = reference_attention(store.read(), q.view(1, 6, 1, 32), 0.3)
+    torch.testing.assert_close(out.view_as(ref_out), ref_out, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.view_as(ref_lse), ref_lse, atol=2e-5, rtol=1e-5)

@@ -83,16 +83,27 @@ def unpack_tokens(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     return out
 
 
+ALIGN = 16
+"""Token-inner buffers (codes, parameters) hold a multiple of this many slots per row, so every row starts 16-element
+aligned and the decode kernel reads them in vectors."""
+
+
+def aligned(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`ALIGN`."""
+    return -(-n // ALIGN) * ALIGN
+
+
 def _grow(
-    buf: torch.Tensor, used: int, need: int, extra: int, dim: int = -1, dtype: torch.dtype | None = None
-) -> torch.Tensor:
+    buf: torch.Tensor, used: int, need: int, extra: int, dim: int = -1, dtype: torch.dtype | None = None,
+    align: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """``buf`` if its capacity (size along ``dim``) holds ``need`` slots, else a new buffer of ``need + extra`` slots
-    with the first ``used`` copied (cast to ``dtype``)."""
+    (rounded up to a multiple of :data:`ALIGN` where ``align``) with the first ``used`` copied (cast to ``dtype``)."""
     dtype = buf.dtype if dtype is None else dtype
     if need <= buf.shape[dim] and dtype == buf.dtype:
         return buf
     shape = list(buf.shape)
-    shape[dim] = need + extra
+    shape[dim] = aligned(need + extra) if align else need + extra
     out = torch.empty(shape, dtype=dtype, device=buf.device)
     out.narrow(dim, 0, used).copy_(buf.narrow(dim, 0, used))
     return out
@@ -161,12 +172,13 @@ class DecodeState:
         st.tv = vs.codes.shape[0] // S
         G = ks.unit
         nG = st.tk // G
-        st.kc = _tokens_inner(ks.codes, S, st.tk).contiguous()
+        st.kc = torch.empty(S, ks.codes.shape[1], aligned(st.tk), dtype=torch.uint8, device=dev)
+        st.kc[:, :, : st.tk] = _tokens_inner(ks.codes, S, st.tk)
         st.ks = ks.scales.view(S, nG, D).transpose(1, 2).contiguous()
         st.kz = ks.zeros.view(S, nG, D).transpose(1, 2).contiguous()
         st.kr = torch.empty(S, min(R, st.nr + KEY_RESERVE), D, dtype=ks.dtype, device=dev)
         st.kr[:, : st.nr] = ks.resid.view(S, st.nr, D)
-        cap = st.tv + reserve(st.tv)
+        cap = aligned(st.tv + reserve(st.tv))
         C = vs.scales.shape[-1]
         st.vc = torch.empty(S, vs.codes.shape[1], cap, dtype=torch.uint8, device=dev)
         st.vc[:, :, : st.tv] = _tokens_inner(vs.codes, S, st.tv)
@@ -285,7 +297,7 @@ class DecodeState:
             kq, G = self.kinfo[0], self.kinfo[1]
             q = kq.quantize(block[:, : f * R].reshape(-1, G, D))
             nG, g0 = f * R // G, self.tk // G
-            kc = _grow(kc, self.tk, self.tk + f * R, 0)
+            kc = _grow(kc, self.tk, self.tk + f * R, 0, align=True)
             ks = _grow(ks, g0, g0 + nG, 0)
             kz = _grow(kz, g0, g0 + nG, 0)
             left = block[:, f * R :]
@@ -315,9 +327,9 @@ class DecodeState:
                 )
         tv, C = self.tv, self.vs.shape[1]
         extra = reserve(tv + out)
-        vc = _grow(self.vc, tv, tv + out, extra)
-        vs = _grow(self.vs, tv, tv + out, extra)
-        vz = _grow(self.vz, tv, tv + out, extra)
+        vc = _grow(self.vc, tv, tv + out, extra, align=True)
+        vs = _grow(self.vs, tv, tv + out, extra, align=True)
+        vz = _grow(self.vz, tv, tv + out, extra, align=True)
         T = self.length
         if checked:  # the positions' dtype is the narrowest that holds the largest one
             top = max(self.top, int(positions[:, -1].max()))

@@ -9,6 +9,12 @@ per-entry index maps: a tile of entries reads its code bytes, scales and zeros (
 arithmetic, dequantizes them in registers (``zero + code * scale`` in float32, rounded to the cache dtype exactly as
 ``read()`` hands them out) and never writes a dequantized cache.
 
+The layout keeps every row of codes and parameters 16-slot aligned (:data:`~kv_baselines.quant.kivi_decode.ALIGN`),
+so a tile whose entries are all quantized on both sides -- every tile but the last few, next to the residual --
+takes an unmasked path of vector loads that splits code bytes without any change of register layout (on sm_90 the
+machine code of a tile is ~40 % shorter than the general path's, which stays for the tiles at the residual and for
+misaligned buffers).
+
 Like :mod:`kvcodec.kernels.triton_attention` (FlashAttention's online softmax, Dao et al. 2022, §3.1; the
 Flash-Decoding split over programs with a log-sum-exp merge): one program per (KV head, split) owns the head's
 ``M`` query rows (GQA without repeating K/V), walks ``TILES`` (compile-time) tiles of ``BLOCK_T`` entries; the
@@ -82,6 +88,62 @@ def _codes_tile(
 
 
 @triton.jit
+def _dequantized(code, sc, zr, FMAX: tl.constexpr, OUT: tl.constexpr, DOT: tl.constexpr):
+    """``zero + code * scale`` in float32 (one rounding: the product of a code and a parameter is exact) rounded to
+    the cache dtype and clamped to its range, as ``read()`` hands it out; in the product dtype (``DOT``; float32 with
+    the cache dtype's values under ``DOT = 0``). The clamp runs after the rounding, on the narrow type (two values
+    per instruction): the same result, as every float32 beyond the range rounds to infinity or the largest value."""
+    deq = zr + code * sc
+    if DOT == 0:
+        return cache_round(tl.minimum(tl.maximum(deq, -FMAX), FMAX), OUT)
+    else:
+        x = as_dot(deq, DOT)
+        lim = as_dot(tl.full([1, 1], FMAX, tl.float32), DOT)
+        return tl.minimum(tl.maximum(x, -lim), lim)
+
+
+@triton.jit
+def _keys_aligned(
+    codes_ptr, scales_ptr, zeros_ptr, s64, t0, d, par, s_cs, s_cp, s_ps,
+    BITS: tl.constexpr, BLOCK_T: tl.constexpr, FMAX: tl.constexpr, OUT: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """``kᵀ [D, BLOCK_T]`` (channels ``d`` down, entries ``t0 ...`` across: the ``q · kᵀ`` operand as it lies) of a
+    tile of quantized keys, parameters at offsets ``par`` (``[D, 1]`` or ``[D, BLOCK_T]``), code rows 16-byte
+    aligned. The codes are read as 32-bit words of four entries: one shift and one mask leave a channel's code in
+    each byte, the bytes go to their entries' registers by a join (no layout change) and become float32 by their
+    bits (``2^23 + code``, no int -> float conversion, a slow instruction)."""
+    L: tl.constexpr = 8 // BITS
+    words = (codes_ptr + s64 * s_cs + t0).to(tl.pointer_type(tl.int32))
+    w = tl.load(words + ((d // L) * (s_cp // 4))[:, None] + tl.arange(0, BLOCK_T // 4)[None, :])
+    w = w >> ((d % L) * BITS)[:, None]
+    if BITS < 8:
+        w = w & (((1 << BITS) - 1) * 0x01010101)
+    c = tl.join(tl.join(w & 0xFF, (w >> 16) & 0xFF), tl.join((w >> 8) & 0xFF, (w >> 24) & 0xFF))
+    c = tl.reshape(c, (d.shape[0], BLOCK_T))  # entry 4j + i: byte i of word j
+    code = (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    sc = tl.load(scales_ptr + s64 * s_ps + par).to(tl.float32)
+    zr = tl.load(zeros_ptr + s64 * s_ps + par).to(tl.float32)
+    return _dequantized(code, sc, zr, FMAX, OUT, DOT)
+
+
+@triton.jit
+def _values_aligned(
+    codes_ptr, scales_ptr, zeros_ptr, s64, t, d, par, s_cs, s_cp, s_ps,
+    BITS: tl.constexpr, FMAX: tl.constexpr, OUT: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """``v [BLOCK_T, D]`` of a tile of quantized values (entries ``t``, channels ``d``), parameters at offsets
+    ``par [BLOCK_T, D]``, code rows 16-byte aligned. Each element reads its code byte by address, so a thread's
+    entries of one channel are one vector load (the lanes of a byte read it again, from the cache) and nothing is
+    reshaped; the words-and-join form of :func:`_keys_aligned` would need a transpose here, which costs more."""
+    L: tl.constexpr = 8 // BITS
+    byte = tl.load(codes_ptr + s64 * s_cs + ((d // L) * s_cp)[None, :] + t[:, None])
+    code = ((byte.to(tl.int32) >> ((d % L) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+    sc = tl.load(scales_ptr + s64 * s_ps + par).to(tl.float32)
+    zr = tl.load(zeros_ptr + s64 * s_ps + par).to(tl.float32)
+    return _dequantized(code, sc, zr, FMAX, OUT, DOT)
+
+
+@triton.jit
 def _rows_tile(rows_ptr, s64, r, ok, d, s_rs, D: tl.constexpr):
     """float32 ``[BLOCK_T, D]`` full-precision rows ``r`` (0 where not ``ok``) of ``[S, rows, D]`` (rows
     contiguous)."""
@@ -104,10 +166,17 @@ def _kivi_decode_attention_kernel(
     M, tk, nr, tv, nv, head, scale,
     D: tl.constexpr, G: tl.constexpr, GV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
     TILES: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, FMAX: tl.constexpr,
-    OUT: tl.constexpr, DOT: tl.constexpr,
+    OUT: tl.constexpr, DOT: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
     s = tl.program_id(0)
     sp = tl.program_id(1)
+    if ALIGNED:  # the host checked these strides are multiples of 16; `x // 16 * 16` (exact) tells the compiler
+        s_kcs = s_kcs // 16 * 16
+        s_kcp = s_kcp // 16 * 16
+        s_vcs = s_vcs // 16 * 16
+        s_vcp = s_vcp // 16 * 16
+        s_vps = s_vps // 16 * 16
+        s_vpc = s_vpc // 16 * 16
     s64 = s.to(tl.int64)
     m = tl.arange(0, BLOCK_M)
     mmask = m < M
@@ -120,27 +189,40 @@ def _kivi_decode_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
+    qend = tl.minimum(tk, tv)
     for blk in range(TILES):
         t0 = (sp * TILES + blk) * BLOCK_T
         t = t0 + tl.arange(0, BLOCK_T)
-        tmask = t < T
-        kq = tmask & (t < tk)
-        vq = tmask & (t < tv)
-        # the two parts' masks are disjoint and each is 0 outside its own: a sum, not a select
-        k = (
-            _codes_tile(kc_ptr, ks_ptr, kz_ptr, s64, t, t0, kq, s_kcs, s_kcp, s_kps, s_kpc, KBITS, G, 1, D, BLOCK_T,
-                        FMAX, OUT)
-            + _rows_tile(kr_ptr, s64, t - tk, tmask & (t >= tk), d, s_krs, D)
-        )  # fmt: skip
-        v = (
-            _codes_tile(vc_ptr, vs_ptr, vz_ptr, s64, t, t0, vq, s_vcs, s_vcp, s_vps, s_vpc, VBITS, 1, GV, D, BLOCK_T,
-                        FMAX, OUT)
-            + _rows_tile(ring_ptr, s64, (tl.maximum(t - tv, 0) + head) % ring, tmask & (t >= tv), d, s_rgs,
-                       D)
-        )  # fmt: skip
-        logits = qk_dot(qv, k, DOT) * scale
-        logits = tl.where(tmask[None, :], logits, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, logits, v, DOT)
+        if ALIGNED and t0 + BLOCK_T <= qend:
+            # every entry of the tile is quantized on both sides and the rows are aligned: no mask, no residual
+            # keys: one parameter per channel for the whole tile where the group spans it
+            kpar = d[:, None] * s_kpc + (t0 // G if G % BLOCK_T == 0 else t[None, :] // G)
+            kt = _keys_aligned(
+                kc_ptr, ks_ptr, kz_ptr, s64, t0, d, kpar, s_kcs, s_kcp, s_kps, KBITS, BLOCK_T, FMAX, OUT, DOT
+            )
+            vpar = (d[None, :] // GV) * s_vpc + t[:, None]
+            vf = _values_aligned(vc_ptr, vs_ptr, vz_ptr, s64, t, d, vpar, s_vcs, s_vcp, s_vps, VBITS, FMAX, OUT, DOT)
+            lf = qk_dot(qv, tl.trans(kt), DOT) * scale
+            m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, lf, vf, DOT)
+        else:
+            tmask = t < T
+            kq = tmask & (t < tk)
+            vq = tmask & (t < tv)
+            # the two parts' masks are disjoint and each is 0 outside its own: a sum, not a select
+            k = (
+                _codes_tile(kc_ptr, ks_ptr, kz_ptr, s64, t, t0, kq, s_kcs, s_kcp, s_kps, s_kpc, KBITS, G, 1, D,
+                            BLOCK_T, FMAX, OUT)
+                + _rows_tile(kr_ptr, s64, t - tk, tmask & (t >= tk), d, s_krs, D)
+            )  # fmt: skip
+            v = (
+                _codes_tile(vc_ptr, vs_ptr, vz_ptr, s64, t, t0, vq, s_vcs, s_vcp, s_vps, s_vpc, VBITS, 1, GV, D,
+                            BLOCK_T, FMAX, OUT)
+                + _rows_tile(ring_ptr, s64, (tl.maximum(t - tv, 0) + head) % ring, tmask & (t >= tv), d, s_rgs,
+                           D)
+            )  # fmt: skip
+            logits = qk_dot(qv, k, DOT) * scale
+            logits = tl.where(tmask[None, :], logits, float("-inf"))
+            m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, logits, v, DOT)
     out, lse = softmax_result(m_i, l_i, acc)
     row = (s64 * tl.num_programs(1) + sp) * M + m
     tl.store(outp_ptr + row[:, None] * D + d[None, :], out, mask=qmask)
@@ -205,6 +287,7 @@ def decode_attention_triton(
             raise ValueError(f"the decode layout's {name} must be contiguous in its last dimension (rows: in two)")
     if ks.stride() != kz.stride() or vs.stride() != vz.stride():
         raise ValueError("the decode layout's scales and zeros must share their strides")
+    aligned = all(x % 16 == 0 for t in (kc, vc, vs) for x in (t.stride(0), t.stride(1)))
     _kivi_decode_attention_kernel[(S, nsplit)](
         q, outp, lsep, kc, ks, kz, kr, vc, vs, vz, ring,
         kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), kr.stride(0),
@@ -212,8 +295,10 @@ def decode_attention_triton(
         M, state.tk, state.nr, state.tv, state.nv, state.head, float(scale),
         D=D, G=G, GV=vq.group_size, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_T=bt, TILES=tiles,
         KBITS=kq.bits, VBITS=vq.bits, FMAX=float(torch.finfo(cache_dtype).max), OUT=DOT_CODE[cache_dtype],
-        DOT=dot_mode(q, (cache_dtype,), tensor_cores), num_warps=num_warps,
-        enable_fp_fusion=False,  # dequantize bit-exactly like read()
+        DOT=dot_mode(q, (cache_dtype,), tensor_cores), ALIGNED=aligned, num_warps=num_warps,
+        # dequantize bit-exactly like read(): zero + code * scale rounds once either way where the product is exact
+        # (a code of <= 8 bits times a 16-bit float's <= 11-bit significand), not for float32 scales
+        enable_fp_fusion=cache_dtype != torch.float32,
     )  # fmt: skip
     out, lse = merge_splits(outp, lsep, num_warps)
     return out, lse.view(S, M, 1)
