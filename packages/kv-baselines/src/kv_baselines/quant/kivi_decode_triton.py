@@ -287,7 +287,8 @@ def decode_attention_triton(
             raise ValueError(f"the decode layout's {name} must be contiguous in its last dimension (rows: in two)")
     if ks.stride() != kz.stride() or vs.stride() != vz.stride():
         raise ValueError("the decode layout's scales and zeros must share their strides")
-    aligned = all(x % 16 == 0 for t in (kc, vc, vs) for x in (t.stride(0), t.stride(1)))
+    # the aligned path's vector and word loads need 16-slot rows starting at 16-byte addresses
+    aligned = all(x % 16 == 0 for t in (kc, vc, vs, vz) for x in (t.stride(0), t.stride(1), t.data_ptr()))
     _kivi_decode_attention_kernel[(S, nsplit)](
         q, outp, lsep, kc, ks, kz, kr, vc, vs, vz, ring,
         kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), kr.stride(0),
