@@ -12,9 +12,9 @@ matrix units (``tl.dot``) both run in one of two modes, picked at compile time b
   bfloat16 ``tl.dot`` is wrong.
 
 Operands need at least 16 rows and columns (pad query rows and tiles to 16). :func:`dot_mode` picks the mode on the
-host. The kernels also share their online-softmax tile step (:func:`online_softmax_step`), its result
-(:func:`softmax_result`) and the rounding of a dequantized entry to the cache dtype (:func:`cache_round`). This
-module needs ``triton``.
+host. The kernels also share their online-softmax tile step (:func:`online_softmax_step`;
+:func:`online_softmax_step_t` accumulates the output transposed), its result (:func:`softmax_result`) and the
+rounding of a dequantized entry to the cache dtype (:func:`cache_round`). This module needs ``triton``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,17 @@ import triton.language as tl
 
 from kvcodec.kernels.triton_quant import _bf16_rtne
 
-__all__ = ["DOT_CODE", "as_dot", "cache_round", "dot_mode", "online_softmax_step", "pv_dot", "qk_dot", "softmax_result"]
+__all__ = [
+    "DOT_CODE",
+    "as_dot",
+    "cache_round",
+    "dot_mode",
+    "online_softmax_step",
+    "online_softmax_step_t",
+    "pv_dot",
+    "qk_dot",
+    "softmax_result",
+]
 
 DOT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 """``DOT`` code of a cache dtype (0 = IEEE float32 products)."""
@@ -114,6 +124,31 @@ def online_softmax_step(m_i, l_i, acc, logits, v, DOT: tl.constexpr):
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + pv_dot(p, v, DOT)
     return m_new, l_i, acc
+
+
+@triton.jit
+def online_softmax_step_t(m_i, l_i, acc_t, logits, v_t, DOT: tl.constexpr):
+    """:func:`online_softmax_step` with the output accumulated transposed: ``acc_t [D, M]`` updated with ``v_t [D, N]``
+    (the values' transpose, in the product dtype or float32 holding values exact in the cache dtype). ``vᵀ · pᵀ`` puts
+    the head dim on the product's long side (on sm_90 a warp-group matrix instruction; the ``p · v`` form has the
+    padded query rows there), and a tile of values read channel-major needs no transpose. Returns
+    ``(m_i, l_i, acc_t)``; :func:`softmax_result` takes ``tl.trans(acc_t)``."""
+    m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(logits - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DOT == 0:
+        pv = tl.dot(v_t.to(tl.float32), tl.trans(p), input_precision="ieee")
+    else:  # p in two (bfloat16: three) parts of the cache dtype, as pv_dot
+        vd = as_dot(v_t, DOT)
+        p_hi = as_dot(p, DOT)
+        rest = p - p_hi.to(tl.float32)
+        p_mid = as_dot(rest, DOT)
+        pv = tl.dot(vd, tl.trans(p_hi)) + tl.dot(vd, tl.trans(p_mid))
+        if DOT == 2:
+            pv += tl.dot(vd, tl.trans(as_dot(rest - p_mid.to(tl.float32), DOT)))
+    return m_new, l_i, acc_t * alpha[None, :] + pv
 
 
 @triton.jit

@@ -40,6 +40,7 @@ from kvcodec.kernels.triton_dot import (
     cache_round,
     dot_mode,
     online_softmax_step,
+    online_softmax_step_t,
     qk_dot,
     softmax_result,
 )
@@ -103,15 +104,16 @@ def _dequantized(code, sc, zr, FMAX: tl.constexpr, OUT: tl.constexpr, DOT: tl.co
 
 
 @triton.jit
-def _keys_aligned(
+def _codes_aligned(
     codes_ptr, scales_ptr, zeros_ptr, s64, t0, d, par, s_cs, s_cp, s_ps,
     BITS: tl.constexpr, BLOCK_T: tl.constexpr, FMAX: tl.constexpr, OUT: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
-    """``kᵀ [D, BLOCK_T]`` (channels ``d`` down, entries ``t0 ...`` across: the ``q · kᵀ`` operand as it lies) of a
-    tile of quantized keys, parameters at offsets ``par`` (``[D, 1]`` or ``[D, BLOCK_T]``), code rows 16-byte
-    aligned. The codes are read as 32-bit words of four entries: one shift and one mask leave a channel's code in
-    each byte, the bytes go to their entries' registers by a join (no layout change) and become float32 by their
-    bits (``2^23 + code``, no int -> float conversion, a slow instruction)."""
+    """``[D, BLOCK_T]`` dequantized entries ``t0 ...`` (channels ``d`` down, entries across: ``kᵀ`` as ``q · kᵀ`` takes
+    it, ``vᵀ`` as :func:`~kvcodec.kernels.triton_dot.online_softmax_step_t` takes it) of a tile of quantized keys or
+    values, parameters at offsets ``par`` (``[D, 1]`` or ``[D, BLOCK_T]``), code rows 16-byte aligned. The codes
+    are read as 32-bit words of four entries: one shift and one mask leave a channel's code in each byte, the bytes
+    go to their entries' registers by a join (no layout change) and become float32 by their bits (``2^23 + code``,
+    no int -> float conversion, a slow instruction)."""
     L: tl.constexpr = 8 // BITS
     words = (codes_ptr + s64 * s_cs + t0).to(tl.pointer_type(tl.int32))
     w = tl.load(words + ((d // L) * (s_cp // 4))[:, None] + tl.arange(0, BLOCK_T // 4)[None, :])
@@ -121,23 +123,6 @@ def _keys_aligned(
     c = tl.join(tl.join(w & 0xFF, (w >> 16) & 0xFF), tl.join((w >> 8) & 0xFF, (w >> 24) & 0xFF))
     c = tl.reshape(c, (d.shape[0], BLOCK_T))  # entry 4j + i: byte i of word j
     code = (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    sc = tl.load(scales_ptr + s64 * s_ps + par).to(tl.float32)
-    zr = tl.load(zeros_ptr + s64 * s_ps + par).to(tl.float32)
-    return _dequantized(code, sc, zr, FMAX, OUT, DOT)
-
-
-@triton.jit
-def _values_aligned(
-    codes_ptr, scales_ptr, zeros_ptr, s64, t, d, par, s_cs, s_cp, s_ps,
-    BITS: tl.constexpr, FMAX: tl.constexpr, OUT: tl.constexpr, DOT: tl.constexpr,
-):  # fmt: skip
-    """``v [BLOCK_T, D]`` of a tile of quantized values (entries ``t``, channels ``d``), parameters at offsets
-    ``par [BLOCK_T, D]``, code rows 16-byte aligned. Each element reads its code byte by address, so a thread's
-    entries of one channel are one vector load (the lanes of a byte read it again, from the cache) and nothing is
-    reshaped; the words-and-join form of :func:`_keys_aligned` would need a transpose here, which costs more."""
-    L: tl.constexpr = 8 // BITS
-    byte = tl.load(codes_ptr + s64 * s_cs + ((d // L) * s_cp)[None, :] + t[:, None])
-    code = ((byte.to(tl.int32) >> ((d % L) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
     sc = tl.load(scales_ptr + s64 * s_ps + par).to(tl.float32)
     zr = tl.load(zeros_ptr + s64 * s_ps + par).to(tl.float32)
     return _dequantized(code, sc, zr, FMAX, OUT, DOT)
@@ -188,7 +173,10 @@ def _kivi_decode_attention_kernel(
     ring = tl.maximum(nv, 1)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    # on the matrix units the output accumulates transposed (online_softmax_step_t: the head dim on the product's
+    # long side); on the float32 path that form spills on sm_90, so it accumulates as [M, D]
+    TRANS: tl.constexpr = DOT != 0
+    acc = tl.zeros([D, BLOCK_M], tl.float32) if TRANS else tl.zeros([BLOCK_M, D], tl.float32)
     qend = tl.minimum(tk, tv)
     for blk in range(TILES):
         t0 = (sp * TILES + blk) * BLOCK_T
@@ -197,13 +185,18 @@ def _kivi_decode_attention_kernel(
             # every entry of the tile is quantized on both sides and the rows are aligned: no mask, no residual
             # keys: one parameter per channel for the whole tile where the group spans it
             kpar = d[:, None] * s_kpc + (t0 // G if G % BLOCK_T == 0 else t[None, :] // G)
-            kt = _keys_aligned(
+            kt = _codes_aligned(
                 kc_ptr, ks_ptr, kz_ptr, s64, t0, d, kpar, s_kcs, s_kcp, s_kps, KBITS, BLOCK_T, FMAX, OUT, DOT
             )
-            vpar = (d[None, :] // GV) * s_vpc + t[:, None]
-            vf = _values_aligned(vc_ptr, vs_ptr, vz_ptr, s64, t, d, vpar, s_vcs, s_vcp, s_vps, VBITS, FMAX, OUT, DOT)
+            vpar = ((d // GV) * s_vpc)[:, None] + t[None, :]
+            vt = _codes_aligned(
+                vc_ptr, vs_ptr, vz_ptr, s64, t0, d, vpar, s_vcs, s_vcp, s_vps, VBITS, BLOCK_T, FMAX, OUT, DOT
+            )
             lf = qk_dot(qv, tl.trans(kt), DOT) * scale
-            m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, lf, vf, DOT)
+            if TRANS:
+                m_i, l_i, acc = online_softmax_step_t(m_i, l_i, acc, lf, vt, DOT)
+            else:
+                m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, lf, tl.trans(vt), DOT)
         else:
             tmask = t < T
             kq = tmask & (t < tk)
@@ -222,7 +215,12 @@ def _kivi_decode_attention_kernel(
             )  # fmt: skip
             logits = qk_dot(qv, k, DOT) * scale
             logits = tl.where(tmask[None, :], logits, float("-inf"))
-            m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, logits, v, DOT)
+            if TRANS:
+                m_i, l_i, acc = online_softmax_step_t(m_i, l_i, acc, logits, tl.trans(v), DOT)
+            else:
+                m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, logits, v, DOT)
+    if TRANS:
+        acc = tl.trans(acc)
     out, lse = softmax_result(m_i, l_i, acc)
     row = (s64 * tl.num_programs(1) + sp) * M + m
     tl.store(outp_ptr + row[:, None] * D + d[None, :], out, mask=qmask)
