@@ -12,7 +12,9 @@ head dim 128), float16. Three ways to compute it, side by side in one run:
 * ``sdpa``    -- ``torch.nn.functional.scaled_dot_product_attention`` over the float16 cache (no compression);
 * ``layout``  -- what kv-hf decodes through: a ``KIVIStore`` (residual 128) holding the same cache in its decode
   layout, one token appended, attended by :meth:`DecodeState.attend` (on CUDA the Triton kernel of
-  :mod:`kv_baselines.quant.kivi_decode_triton`: no per-entry index maps, address arithmetic only).
+  :mod:`kv_baselines.quant.kivi_decode_triton`: no per-entry index maps, address arithmetic only); on CUDA also
+  ``layout general``, the same kernel with its aligned path off (every tile masked and byte-wise, as before that
+  path existed), and ``aligned gain``, its time over ``layout``'s.
 
 Reported per case: the median time of a call (``triton.testing.do_bench``, which clears the L2 cache before each
 run, so the bytes come from device memory), the bytes the fused kernel must read (codes, scales, zeros, the
@@ -156,6 +158,11 @@ def case(B: int, T: int, bits: int, device: torch.device, dtype: torch.dtype, be
     store = layout_store(k, v, bits)  # read() left the decode layout
     dec = store._dec
     row["layout"] = bench(lambda: dec.attend(qd, scale))
+    row["layout general"] = None
+    if device.type == "cuda":
+        from kv_baselines.quant.kivi_decode_triton import decode_attention_triton
+
+        row["layout general"] = bench(lambda: decode_attention_triton(dec, qd, scale, aligned_path=False))
     row["layout bytes"] = layout_bytes(dec) + nbytes(q)
     row["bytes"] = segment_bytes(seg) + nbytes(q)
     row["fp16 bytes"] = nbytes(k, v, q)
@@ -200,6 +207,7 @@ def main() -> None:
     cols = ["B", "T", "bits", "fused ms", "deq+mm ms", "sdpa ms", "fused/deq+mm", "fused/sdpa"]
     cols += ["fused MB", "fused GB/s", "% copy", "sdpa GB/s", "rel err"]
     cols += ["layout ms", "layout/sdpa", "layout MB", "layout GB/s", "layout % copy", "layout err"]
+    cols += ["layout general ms", "aligned gain"]
     rows = []
     for B in batches:
         for T in lengths:
@@ -228,6 +236,8 @@ def main() -> None:
                         f"{lgbs:.0f}",
                         f"{100 * lgbs / copy:.0f}%",
                         f"{r['layout err']:.1e}",
+                        "–" if r["layout general"] is None else f"{r['layout general']:.4f}",
+                        "–" if r["layout general"] is None else f"{r['layout general'] / r['layout']:.2f}x",
                     ]
                 )
                 if "best" in r:

@@ -202,3 +202,20 @@ def test_the_aligned_fast_path_equals_the_general_path(bits, dtype):
     ref_out, ref_lse = reference_attention(store.read(), q.view(1, 6, 1, 32), 0.3)
     torch.testing.assert_close(out.view_as(ref_out), ref_out, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(lse.view_as(ref_lse), ref_lse, atol=2e-5, rtol=1e-5)
+
+
+def test_aligned_path_can_be_forced_off_or_insisted_on():
+    # aligned_path=False runs every tile through the general path (a benchmark baseline) with the same result;
+    # True refuses misaligned buffers by name, and a non-bool is a TypeError
+    store, gen = _decoding(6, 2, 1, 2, 150, 32, 16, 32, 9, torch.float32)
+    dec = store._dec
+    q = torch.randn(2, 3, 32, generator=gen).to(DEVICE)
+    out, lse = decode_attention_triton(dec, q, 0.3, block_t=16, tiles=2, aligned_path=True)
+    off_out, off_lse = decode_attention_triton(dec, q, 0.3, block_t=16, tiles=2, aligned_path=False)
+    torch.testing.assert_close(out, off_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, off_lse, atol=1e-5, rtol=1e-5)
+    with pytest.raises(TypeError, match="aligned_path"):
+        decode_attention_triton(dec, q, 0.3, aligned_path="yes")
+    dec.vc = _unaligned(dec.vc)
+    with pytest.raises(ValueError, match="aligned_path=True"):
+        decode_attention_triton(dec, q, 0.3, aligned_path=True)

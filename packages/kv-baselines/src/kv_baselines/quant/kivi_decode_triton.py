@@ -247,6 +247,7 @@ def decode_attention_triton(
     tiles: int | None = None,
     num_warps: int = 8,
     tensor_cores: bool | None = None,
+    aligned_path: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`~kv_baselines.quant.kivi_decode.decode_attention_ref`: ``(out float32 [S, M, D], lse float32
     [S, M, 1])`` of ``query [S, M, D]`` (the ``M`` query rows of each of the ``S = B * H`` KV heads, any float
@@ -257,7 +258,12 @@ def decode_attention_triton(
     ``block_t`` entries per tile (default 32; 16 from head dim 256 on, where a 32-entry tile of 8-bit codes spills
     on sm_90) and ``tiles`` tiles per program (default: :func:`kvcodec.kernels.triton_attention.split_plan`);
     ``tensor_cores`` as :func:`kvcodec.kernels.triton_dot.dot_mode` (default: the cache dtype's matrix units on
-    CUDA when the query and the cache share float16 or bfloat16)."""
+    CUDA when the query and the cache share float16 or bfloat16). ``aligned_path``: tiles of quantized entries take
+    the aligned path (module docstring) where the buffers allow it (``None``, default), always (``True``:
+    ``ValueError`` for buffers that are not aligned) or never (``False``: every tile the general path, as a
+    baseline for benchmarks)."""
+    if aligned_path is not None and not isinstance(aligned_path, bool):
+        raise TypeError(f"aligned_path must be None, True or False, got {aligned_path!r}")
     S, M, D = query.shape
     dev = query.device
     T = state.length
@@ -287,6 +293,13 @@ def decode_attention_triton(
         raise ValueError("the decode layout's scales and zeros must share their strides")
     # the aligned path's vector and word loads need 16-slot rows starting at 16-byte addresses
     aligned = all(x % 16 == 0 for t in (kc, vc, vs, vz) for x in (t.stride(0), t.stride(1), t.data_ptr()))
+    if aligned_path and not aligned:
+        raise ValueError(
+            "aligned_path=True needs the decode layout's code and value-parameter rows 16-slot aligned (strides and "
+            "base addresses multiples of 16); got strides "
+            f"{[tuple(t.stride()[:2]) for t in (kc, vc, vs, vz)]}"
+        )
+    aligned = aligned and aligned_path is not False
     _kivi_decode_attention_kernel[(S, nsplit)](
         q, outp, lsep, kc, ks, kz, kr, vc, vs, vz, ring,
         kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), kr.stride(0),
