@@ -1,8 +1,9 @@
 """Registers, spills and shared memory of the decode-attention kernels at a serving shape, compiled for sm_90
 without a GPU (see :mod:`sm90_compile_plugin`): kvcodec's KIVI attention, KIVI's decode-layout attention,
-HqeKV's mixed-tier attention and HEX's part attention, Llama-3-8B's attention shape (32 query heads, 8 KV heads,
-head dim 128), float16, one query per head, 16,384 cached tokens, at each kernel's defaults (matrix-unit products)
-and, with ``--float32``, on the IEEE float32 path; and HubKV's two score-refinement kernels at Table 5's largest shape.
+HqeKV's mixed-tier attention, HEX's part attention and SEKV's biased attention, Llama-3-8B's attention shape (32
+query heads, 8 KV heads, head dim 128), float16, one query per head, 16,384 cached tokens, at each kernel's
+defaults (matrix-unit products) and, with ``--float32``, on the IEEE float32 path; and HubKV's two
+score-refinement kernels at Table 5's largest shape.
 
 Usage (Triton 3.6, as on the device machines)::
 
@@ -72,6 +73,12 @@ def main() -> None:
     hx.write(k, v, Plan(hex_tiers(torch.rand(B, H, T, generator=g), keep, torch.zeros_like(keep), 3, 0.02, 8, 96)),
              torch.arange(T).expand(B, T))  # fmt: skip
     part_attention_triton(q, hx._layouts()[0], 0.1, logits=True, tensor_cores=tc)
+    # SEKV's Stage-1 attention (biased, over resident + coarse entries) at the same shape, keys and values views of
+    # a growing buffer as the store passes them
+    from kv_sekv.kernels.triton_attention import biased_attention_triton
+
+    kb, vb = torch.randn(2, B, H, T + 100, D, generator=g).to(dtype)
+    biased_attention_triton(kb[:, :, :T], vb[:, :, :T], torch.zeros(B, H, T), q, 0.1)
     # HubKV's score refinement at the paper's largest Table 5 shape (36 layers x 4 rows x 8 heads x 32k tokens)
     from kv_hubkv.config import HubKVConfig
     from kv_hubkv.triton_kernel import _default_block_n, refine_triton_config

@@ -24,6 +24,7 @@ KERNELS = {
     "_tiered_attention_kernel",
     "_part_attention",
     "_kivi_decode_attention_kernel",
+    "_biased_attention_kernel",
     "_hubkv_stats_kernel",
     "_hubkv_mix_kernel",
 }

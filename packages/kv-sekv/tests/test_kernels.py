@@ -53,6 +53,25 @@ def test_biased_attention_any_split_matches_reference(block_n, tiles):
         biased_attention_triton(k, v, bias.to(DEVICE), q, 0.25, tiles=0)
 
 
+def test_biased_attention_over_buffer_views_aligned_or_not():
+    """Keys and values as views of a growing buffer (what the store passes): with head strides a multiple of 16 the
+    kernel is told so (vector loads, `_aligned`), with an odd capacity and head dim it is not; both match the
+    reference."""
+    from kv_sekv.kernels.triton_attention import _aligned
+
+    g = torch.Generator().manual_seed(5)
+    for cap, D, expect in ((100, 16, True), (101, 12, False)):
+        kb, vb = torch.randn(2, 1, 2, cap, D, generator=g).to(DEVICE)
+        k, v = kb[:, :, :70], vb[:, :, :70]
+        assert _aligned(k, v) is expect
+        bias = torch.log(torch.randint(1, 9, (1, 2, 70), generator=g).float()).to(DEVICE)
+        q = torch.randn(1, 4, 1, D, generator=g).to(DEVICE)
+        got = biased_attention_triton(k, v, bias, q, 0.25, block_n=16, tiles=2)
+        want = biased_attention_torch(k, v, bias, q, 0.25)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_factored_attention_batch_triton_equals_reference(dtype):
     """The Stage-2 Triton kernel (under the interpreter on CPU) = the batched PyTorch reference: spans of mixed

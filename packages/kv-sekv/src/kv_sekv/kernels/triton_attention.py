@@ -75,7 +75,16 @@ if HAS_TRITON:
         BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr,
         TILES: tl.constexpr,
+        ALIGNED: tl.constexpr,
     ):
+        # the host checked the key and value strides are multiples of 16 (and the bases 16-byte aligned): `x // 16 * 16`
+        # (exact) tells the compiler, which then loads rows as vectors instead of one element at a time. (The bias's
+        # head stride is its length, a multiple of 16 one step in 16: not hinted, or the variant would alternate.)
+        if ALIGNED:
+            skb = skb // 16 * 16
+            skh = skh // 16 * 16
+            svb = svb // 16 * 16
+            svh = svh // 16 * 16
         # program (batch x query head, query, split): TILES blocks of the split's entries; partial results
         # [(pid * Q + query) * splits + split] merged by log-sum-exp on the host
         pid = tl.program_id(0)
@@ -192,12 +201,19 @@ def biased_attention_triton(
         v.stride(0), v.stride(1), v.stride(2),
         b.stride(0), b.stride(1),
         HQ=Hq, GROUP=Hq // Hkv, D=D, BLOCK_D=BD, BLOCK_N=block_n, TILES=tiles,
+        ALIGNED=_aligned(k, v),
     )  # fmt: skip
     outp = outp[..., :D]
     if nsplit == 1:
         return outp[:, 0].reshape(B, Hq, Q, D), lsep[:, 0].reshape(B, Hq, Q)
     out, lse = merge_split_attention(outp, lsep, dim=1)  # lse -inf where no split saw an entry
     return out.reshape(B, Hq, Q, D), lse.reshape(B, Hq, Q)
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor's batch and head strides are multiples of 16 elements and its base 16-byte aligned: rows
+    then start 16-element aligned wherever the row stride is (the row strides, ``D`` or 1, are specialised)."""
+    return all(x % 16 == 0 for t in tensors for x in (t.stride(0), t.stride(1), t.data_ptr()))
 
 
 def factored_attention_batch_triton(query, key_factors, value_factors, scale, group, groups, block_n: int = 64):
