@@ -90,9 +90,10 @@ def _codes_tile(
 
 @triton.jit
 def _dequantized(code, sc, zr, FMAX: tl.constexpr, OUT: tl.constexpr, DOT: tl.constexpr):
-    """``zero + code * scale`` in float32 (one rounding: the product of a code and a parameter is exact) rounded to
-    the cache dtype and clamped to its range, as ``read()`` hands it out; in the product dtype (``DOT``; float32 with
-    the cache dtype's values under ``DOT = 0``). The clamp runs after the rounding, on the narrow type (two values
+    """``zero + code * scale`` in float32 as ``read()`` computes it (fused into one multiply-add only where the launch
+    allows it: 16-bit parameters, whose product with a code is exact, so one rounding either way), rounded to the
+    cache dtype and clamped to its range; in the product dtype (``DOT``; float32 with the cache dtype's values under
+    ``DOT = 0``). The clamp runs after the rounding, on the narrow type (two values
     per instruction): the same result, as every float32 beyond the range rounds to infinity or the largest value."""
     deq = zr + code * sc
     if DOT == 0:
@@ -310,7 +311,7 @@ def decode_attention_triton(
         DOT=dot_mode(q, (cache_dtype,), tensor_cores), ALIGNED=aligned, num_warps=num_warps,
         # dequantize bit-exactly like read(): zero + code * scale rounds once either way where the product is exact
         # (a code of <= 8 bits times a 16-bit float's <= 11-bit significand), not for float32 scales
-        enable_fp_fusion=cache_dtype != torch.float32,
+        enable_fp_fusion=all(t.dtype in (torch.float16, torch.bfloat16) for t in (ks, vs)),
     )  # fmt: skip
     out, lse = merge_splits(outp, lsep, num_warps)
     return out, lse.view(S, M, 1)

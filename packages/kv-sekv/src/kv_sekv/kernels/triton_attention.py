@@ -211,8 +211,9 @@ def biased_attention_triton(
 
 
 def _aligned(*tensors: torch.Tensor) -> bool:
-    """Whether every tensor's batch and head strides are multiples of 16 elements and its base 16-byte aligned: rows
-    then start 16-element aligned wherever the row stride is (the row strides, ``D`` or 1, are specialised)."""
+    """Whether every tensor's batch and head strides are multiples of 16 elements and its base 16-byte aligned: each
+    head's rows then start aligned, and rows load as vectors where the row stride (specialised: Triton marks a
+    multiple of 16 itself) allows."""
     return all(x % 16 == 0 for t in tensors for x in (t.stride(0), t.stride(1), t.data_ptr()))
 
 
