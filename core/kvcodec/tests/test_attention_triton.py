@@ -11,7 +11,7 @@ triton = pytest.importorskip("triton")
 from kvcodec.kernels.triton_attention import quantized_attention_triton
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_triton_matches_reference(bits, group, dtype):
@@ -20,6 +20,20 @@ def test_triton_matches_reference(bits, group, dtype):
     q = torch.randn(2, 2 * group, 2, 12, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
     out, lse = quantized_attention_triton(q, seg, 0.25, block_t=4)  # two T blocks, the last one partial
     ref_out, ref_lse = quantized_attention_ref(q, seg, 0.25)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_whole_byte_widths_at_a_power_of_two_head_dim(bits, dtype):
+    # head dim 32, widths that divide a byte: each code row is read as one run of bytes and split into its lanes
+    # (the path a padded head dim or a 3-bit width does not take); the result is the reference's
+    seg, _ = _case(2, 2, 9, 32, bits, 4, lengths=[[9, 4], [1, 7]], seed=20 + bits, dtype=dtype)
+    seg = _to(seg, DEVICE)
+    q = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    out, lse = quantized_attention_triton(q, seg, 0.2, block_t=4)
+    ref_out, ref_lse = quantized_attention_ref(q, seg, 0.2)
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
 

@@ -38,6 +38,29 @@ from kvcodec.kernels.triton_dot import (
 
 
 @triton.jit
+def _lanes(codes_ptr, r, ok, PW, BITS: tl.constexpr, D: tl.constexpr):
+    """int32 ``[BT, D]`` codes of code rows ``r`` (``PW`` bytes apart; 0 where not ``ok``) for widths that divide a
+    byte: each row's ``D / L`` bytes read as one contiguous run (``L = 8 // BITS`` lanes per byte, channel
+    ``p * L + lane``) and split into their lanes by joins, which keep every lane in the thread that loaded the byte
+    (no two overlapping byte reads per code, no change of register layout)."""
+    L: tl.constexpr = 8 // BITS
+    P: tl.constexpr = D // L
+    x = tl.load(codes_ptr + r[:, None] * PW + tl.arange(0, P)[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    mask: tl.constexpr = (1 << BITS) - 1
+    if L == 1:
+        c = x
+    elif L == 2:
+        c = tl.join(x & mask, (x >> 4) & mask)
+    elif L == 4:
+        c = tl.join(tl.join(x & mask, (x >> 4) & mask), tl.join((x >> 2) & mask, (x >> 6) & mask))
+    else:
+        lo = tl.join(tl.join(x & 1, (x >> 4) & 1), tl.join((x >> 2) & 1, (x >> 6) & 1))
+        hi = tl.join(tl.join((x >> 1) & 1, (x >> 5) & 1), tl.join((x >> 3) & 1, (x >> 7) & 1))
+        c = tl.join(lo, hi)
+    return tl.reshape(c, (x.shape[0], D))
+
+
+@triton.jit
 def _load_side(
     codes_ptr,
     scales_ptr,
@@ -66,10 +89,13 @@ def _load_side(
     byte = bitpos // 8
     sh = bitpos % 8
     m2 = quant[:, None] & dmask[None, :]
-    b0 = tl.load(codes_ptr + r[:, None] * PW + byte[None, :], mask=m2, other=0).to(tl.int32)
-    b1 = tl.load(codes_ptr + r[:, None] * PW + byte[None, :] + 1, mask=m2 & ((byte + 1) < PW)[None, :], other=0)
-    word = b0 | (b1.to(tl.int32) << 8)
-    code = (word >> sh[None, :]) & ((1 << BITS) - 1)
+    if (BITS == 1 or BITS == 2 or BITS == 4 or BITS == 8) and d.shape[0] == D:  # whole bytes, no padded channels
+        code = _lanes(codes_ptr, r, quant, PW, BITS, D)
+    else:
+        b0 = tl.load(codes_ptr + r[:, None] * PW + byte[None, :], mask=m2, other=0).to(tl.int32)
+        b1 = tl.load(codes_ptr + r[:, None] * PW + byte[None, :] + 1, mask=m2 & ((byte + 1) < PW)[None, :], other=0)
+        word = b0 | (b1.to(tl.int32) << 8)
+        code = (word >> sh[None, :]) & ((1 << BITS) - 1)
     col = d // GCOL
     s = tl.load(scales_ptr + g[:, None] * C + col[None, :], mask=m2, other=0.0).to(tl.float32)
     z = tl.load(zeros_ptr + g[:, None] * C + col[None, :], mask=m2, other=0.0).to(tl.float32)
