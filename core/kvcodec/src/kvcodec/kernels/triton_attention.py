@@ -38,11 +38,12 @@ from kvcodec.kernels.triton_dot import (
 
 
 @triton.jit
-def _lanes(codes_ptr, r, ok, PW, BITS: tl.constexpr, D: tl.constexpr):
+def code_lanes(codes_ptr, r, ok, PW, BITS: tl.constexpr, D: tl.constexpr):
     """int32 ``[BT, D]`` codes of code rows ``r`` (``PW`` bytes apart; 0 where not ``ok``) for widths that divide a
     byte: each row's ``D / L`` bytes read as one contiguous run (``L = 8 // BITS`` lanes per byte, channel
     ``p * L + lane``) and split into their lanes by joins, which keep every lane in the thread that loaded the byte
-    (no two overlapping byte reads per code, no change of register layout)."""
+    (no two overlapping byte reads per code, no change of register layout). ``D`` a power of two; shared with the
+    method packages' kernels over code rows."""
     L: tl.constexpr = 8 // BITS
     P: tl.constexpr = D // L
     x = tl.load(codes_ptr + r[:, None] * PW + tl.arange(0, P)[None, :], mask=ok[:, None], other=0).to(tl.int32)
@@ -90,7 +91,7 @@ def _load_side(
     sh = bitpos % 8
     m2 = quant[:, None] & dmask[None, :]
     if (BITS == 1 or BITS == 2 or BITS == 4 or BITS == 8) and d.shape[0] == D:  # whole bytes, no padded channels
-        code = _lanes(codes_ptr, r, quant, PW, BITS, D)
+        code = code_lanes(codes_ptr, r, quant, PW, BITS, D)
     else:
         b0 = tl.load(codes_ptr + r[:, None] * PW + byte[None, :], mask=m2, other=0).to(tl.int32)
         b1 = tl.load(codes_ptr + r[:, None] * PW + byte[None, :] + 1, mask=m2 & ((byte + 1) < PW)[None, :], other=0)

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcodec.kernels.triton_attention import code_lanes
 from kvcodec.kernels.triton_dot import DOT_CODE, cache_round
 
 OUT_CODE = DOT_CODE  # the cache dtype's rounding code, as kvcodec's kernels use it
@@ -37,16 +38,20 @@ def _tier_dequant(
     BITS: tl.constexpr,
     GCOL: tl.constexpr,
     CB: tl.constexpr,
+    D: tl.constexpr,
 ):
     """float32 ``[R, BLOCK_D]``: code rows ``row`` (group rows ``grp``) of one tier where ``sel``, 0 elsewhere."""
     m2 = sel[:, None] & dmask[None, :]
     r = tl.where(sel, row, 0).to(tl.int64)
     g = tl.where(sel, grp, 0).to(tl.int64)
-    CPB: tl.constexpr = 8 // BITS
-    byte = d // CPB
-    sh = (d % CPB) * BITS
-    packed = tl.load(codes_ptr + r[:, None] * PW + byte[None, :], mask=m2, other=0).to(tl.int32)
-    code = (packed >> sh[None, :]) & ((1 << BITS) - 1)
+    if d.shape[0] == D:  # a power-of-two head dim: each code row read as one run of bytes, split into lanes
+        code = code_lanes(codes_ptr, r, sel, PW, BITS, D)
+    else:
+        CPB: tl.constexpr = 8 // BITS
+        byte = d // CPB
+        sh = (d % CPB) * BITS
+        packed = tl.load(codes_ptr + r[:, None] * PW + byte[None, :], mask=m2, other=0).to(tl.int32)
+        code = (packed >> sh[None, :]) & ((1 << BITS) - 1)
     col = d // GCOL
     s = tl.load(scales_ptr + g[:, None] * C + col[None, :], mask=m2, other=0.0).to(tl.float32)
     z = tl.load(zeros_ptr + g[:, None] * C + col[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -104,15 +109,21 @@ def _side_tile(
     y = tl.zeros([ROWS, BLOCK_D], tl.float32)
     if HAS4:
         y = tl.where(
-            (tier == 4)[:, None], _tier_dequant(c4, s4, z4, k4, row, grp, tier == 4, d, dmask, PW4, C, 4, GCOL, CB4), y
+            (tier == 4)[:, None],
+            _tier_dequant(c4, s4, z4, k4, row, grp, tier == 4, d, dmask, PW4, C, 4, GCOL, CB4, D),
+            y,
         )
     if HAS2:
         y = tl.where(
-            (tier == 2)[:, None], _tier_dequant(c2, s2, z2, k2, row, grp, tier == 2, d, dmask, PW2, C, 2, GCOL, CB2), y
+            (tier == 2)[:, None],
+            _tier_dequant(c2, s2, z2, k2, row, grp, tier == 2, d, dmask, PW2, C, 2, GCOL, CB2, D),
+            y,
         )
     if HAS1:
         y = tl.where(
-            (tier == 1)[:, None], _tier_dequant(c1, s1, z1, k1, row, grp, tier == 1, d, dmask, PW1, C, 1, GCOL, CB1), y
+            (tier == 1)[:, None],
+            _tier_dequant(c1, s1, z1, k1, row, grp, tier == 1, d, dmask, PW1, C, 1, GCOL, CB1, D),
+            y,
         )
     y = cache_round(tl.minimum(tl.maximum(y, -FMAX), FMAX), OUT)
     full = tier == 16
