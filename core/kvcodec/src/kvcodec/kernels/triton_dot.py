@@ -95,19 +95,52 @@ def qk_dot(q, k, DOT: tl.constexpr):
 
 
 @triton.jit
+def _p_parts(p, DOT: tl.constexpr):
+    """float32 probabilities ``p`` as parts of the product dtype (``DOT`` 1 or 2): ``(hi, mid, lo)``, ``hi + mid``
+    ~2^-22 of ``p`` in float16, ``hi + mid + lo`` float32's precision in bfloat16 (a caller that does not use ``lo``
+    leaves it to the compiler to drop)."""
+    p_hi = as_dot(p, DOT)
+    rest = p - p_hi.to(tl.float32)
+    p_mid = as_dot(rest, DOT)
+    return p_hi, p_mid, as_dot(rest - p_mid.to(tl.float32), DOT)
+
+
+@triton.jit
 def pv_dot(p, v, DOT: tl.constexpr):
     """``p · v`` in float32: ``p`` ``[M, N]`` float32 probabilities (split in two float16 or three bfloat16 parts on
     the matrix units), ``v`` ``[N, D]`` float32 holding values exact in the cache dtype."""
     if DOT == 0:
         return tl.dot(p, v, input_precision="ieee")
     vd = as_dot(v, DOT)
-    p_hi = as_dot(p, DOT)
-    rest = p - p_hi.to(tl.float32)
-    p_mid = as_dot(rest, DOT)
+    p_hi, p_mid, p_lo = _p_parts(p, DOT)
     out = tl.dot(p_hi, vd) + tl.dot(p_mid, vd)
     if DOT == 2:  # bfloat16 keeps 8 bits per part: a third part brings p to float32's 24
-        out += tl.dot(as_dot(rest - p_mid.to(tl.float32), DOT), vd)
+        out += tl.dot(p_lo, vd)
     return out
+
+
+@triton.jit
+def _vp_dot(v_t, p, DOT: tl.constexpr):
+    """``vᵀ · pᵀ`` in float32 (:func:`pv_dot` transposed): ``v_t`` ``[D, N]``, ``p`` ``[M, N]``."""
+    if DOT == 0:
+        return tl.dot(v_t.to(tl.float32), tl.trans(p), input_precision="ieee")
+    vd = as_dot(v_t, DOT)
+    p_hi, p_mid, p_lo = _p_parts(p, DOT)
+    out = tl.dot(vd, tl.trans(p_hi)) + tl.dot(vd, tl.trans(p_mid))
+    if DOT == 2:
+        out += tl.dot(vd, tl.trans(p_lo))
+    return out
+
+
+@triton.jit
+def _weights(m_i, l_i, logits):
+    """A tile's step of the running max and sum: ``(m_new, l_i, alpha, p)``, ``alpha`` the factor that rescales what
+    was accumulated, ``p`` the tile's unnormalised probabilities."""
+    m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(logits - m_safe[:, None])
+    return m_new, l_i * alpha + tl.sum(p, axis=1), alpha, p
 
 
 @triton.jit
@@ -117,13 +150,8 @@ def online_softmax_step(m_i, l_i, acc, logits, v, DOT: tl.constexpr):
     tile's scaled ``logits [M, N]`` (``-inf`` where masked: a row that has seen nothing keeps ``m_i = -inf`` and
     ``l_i = 0``) and its values ``v [N, D]`` (float32 holding values exact in the cache dtype, :func:`pv_dot`).
     Returns ``(m_i, l_i, acc)``."""
-    m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(logits - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + pv_dot(p, v, DOT)
-    return m_new, l_i, acc
+    m_new, l_i, alpha, p = _weights(m_i, l_i, logits)
+    return m_new, l_i, acc * alpha[:, None] + pv_dot(p, v, DOT)
 
 
 @triton.jit
@@ -133,22 +161,8 @@ def online_softmax_step_t(m_i, l_i, acc_t, logits, v_t, DOT: tl.constexpr):
     the head dim on the product's long side (on sm_90 a warp-group matrix instruction; the ``p · v`` form has the
     padded query rows there), and a tile of values read channel-major needs no transpose. Returns
     ``(m_i, l_i, acc_t)``; :func:`softmax_result` takes ``tl.trans(acc_t)``."""
-    m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(logits - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if DOT == 0:
-        pv = tl.dot(v_t.to(tl.float32), tl.trans(p), input_precision="ieee")
-    else:  # p in two (bfloat16: three) parts of the cache dtype, as pv_dot
-        vd = as_dot(v_t, DOT)
-        p_hi = as_dot(p, DOT)
-        rest = p - p_hi.to(tl.float32)
-        p_mid = as_dot(rest, DOT)
-        pv = tl.dot(vd, tl.trans(p_hi)) + tl.dot(vd, tl.trans(p_mid))
-        if DOT == 2:
-            pv += tl.dot(vd, tl.trans(as_dot(rest - p_mid.to(tl.float32), DOT)))
-    return m_new, l_i, acc_t * alpha[None, :] + pv
+    m_new, l_i, alpha, p = _weights(m_i, l_i, logits)
+    return m_new, l_i, acc_t * alpha[None, :] + _vp_dot(v_t, p, DOT)
 
 
 @triton.jit
