@@ -1,8 +1,8 @@
 """Registers, spills and shared memory of the decode-attention kernels at a serving shape, compiled for sm_90
 without a GPU (see :mod:`sm90_compile_plugin`): kvcodec's KIVI attention, KIVI's decode-layout attention,
-HqeKV's mixed-tier attention, HEX's part attention and SEKV's biased attention, Llama-3-8B's attention shape (32
-query heads, 8 KV heads, head dim 128), float16, one query per head, 16,384 cached tokens, at each kernel's
-defaults (matrix-unit products) and, with ``--float32``, on the IEEE float32 path; and HubKV's two
+HqeKV's mixed-tier attention, HEX's part and uniform attention and SEKV's biased attention, Llama-3-8B's
+attention shape (32 query heads, 8 KV heads, head dim 128), float16, one query per head, 16,384 cached tokens,
+at each kernel's defaults (matrix-unit products) and, with ``--float32``, on the IEEE float32 path; and HubKV's two
 score-refinement kernels at Table 5's largest shape.
 
 Usage (Triton 3.6, as on the device machines)::
@@ -73,6 +73,13 @@ def main() -> None:
     hx.write(k, v, Plan(hex_tiers(torch.rand(B, H, T, generator=g), keep, torch.zeros_like(keep), 3, 0.02, 8, 96)),
              torch.arange(T).expand(B, T))  # fmt: skip
     part_attention_triton(q, hx._layouts()[0], 0.1, logits=True, tensor_cores=tc)
+    # HEX's uniform kernel: the prompt's segment addressed by arithmetic with a 40-token residual, one launch
+    from kv_hex.kernels.triton_uniform import uniform_attention_triton
+    from kv_hex.uniform import uniform_part
+
+    res = torch.randn(2, B * H, 40, D, generator=g).to(dtype)
+    uniform_attention_triton(q, uniform_part(hx.config, hx._segments[0]), res[0], res[1], 0.1, False, True,
+                             tensor_cores=tc)  # fmt: skip
     # SEKV's Stage-1 attention (biased, over resident + coarse entries) at the same shape, keys and values views of
     # a growing buffer as the store passes them
     from kv_sekv.kernels.triton_attention import biased_attention_triton

@@ -23,6 +23,7 @@ KERNELS = {
     "_merge_splits_kernel",
     "_tiered_attention_kernel",
     "_part_attention",
+    "_uniform_attention",
     "_kivi_decode_attention_kernel",
     "_biased_attention_kernel",
     "_hubkv_stats_kernel",

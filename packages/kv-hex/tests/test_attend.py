@@ -106,6 +106,30 @@ def test_attend_with_the_residual_only():
     check_attend(store, query(3))  # the accumulator grows again
 
 
+def test_fused_attend_falls_back_to_the_general_layout_for_ragged_parts(monkeypatch):
+    """After an eviction neither the prompt's segment nor the residual is uniform: the fused path attends them as
+    one general layout (kv_hex.layout.concat_layouts, one launch) and still equals reference attention over read();
+    appends keep the residual ragged (its length per head is not known on the host) until a flush."""
+    pytest.importorskip("triton")
+    store = written(config(), 37)
+    bits = store.tiers().key_bits.clone()
+    bits[0, 0, ::3] = 0  # every part loses entries of (b=0, h=0)
+    store.retier(Plan(bits))
+    x = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(4))
+    store.append(x, -x, torch.full((B, 1), 37))
+    launches = []
+    real = dispatch.part_attention
+
+    def spy(q, part, scale, logits=False):
+        launches.append(part.num_entries)
+        return real(q, part, scale, logits)
+
+    monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
+    monkeypatch.setattr(dispatch, "part_attention", spy)
+    check_attend(store, query(4))
+    assert launches == [sum(s.num_entries for s in store._segments) + int(store.residual_lengths().sum())]
+
+
 def test_attend_ragged_heads_and_a_head_with_nothing():
     """Eviction through retier leaves heads of different lengths, one of them empty: out 0 and lse -inf there."""
     store = written(config(), 37)
@@ -227,8 +251,9 @@ def test_the_fused_kernel_takes_an_upper_bound_of_the_longest_head():
 @pytest.mark.parametrize(("value_scope", "mask_scope"), [("layer", "layer"), ("head", "head")])
 def test_decode_blocks_through_the_triton_kernels_in_two_launches(monkeypatch, value_scope, mask_scope):
     """A long decode on the Triton path (interpreted on CPU): the decode blocks are attended as one stack and the
-    prompt's segment with the residual as one layout: two launches of the fused kernel however many blocks the layer
-    holds, with attend, lse and the residual's accumulator equal to the PyTorch path's."""
+    prompt's segment with the residual in one launch, both addressed by arithmetic (kv_hex.uniform): two launches
+    of the fused kernel however many blocks the layer holds, with attend, lse and the residual's accumulator equal
+    to the PyTorch path's."""
     pytest.importorskip("triton")
     from kvcore import value_checks
     from kvcore.testing.host_reads import HostReads
@@ -241,11 +266,15 @@ def test_decode_blocks_through_the_triton_kernels_in_two_launches(monkeypatch, v
         return store
 
     launches = []
-    real = dispatch.part_attention
+    real, real_uniform = dispatch.part_attention, dispatch.uniform_attention
 
     def spy(q, part, scale, logits=False):
-        launches.append(part.num_entries)
+        launches.append(("layout", part.num_entries))
         return real(q, part, scale, logits)
+
+    def spy_uniform(q, part, rk, rv, scale, seg_logits=False, res_logits=False):
+        launches.append(("uniform", part.num_entries))
+        return real_uniform(q, part, rk, rv, scale, seg_logits, res_logits)
 
     for blocks in (3, 5):
         store = grown(blocks)
@@ -256,9 +285,12 @@ def test_decode_blocks_through_the_triton_kernels_in_two_launches(monkeypatch, v
         with monkeypatch.context() as mp:
             mp.setattr(dispatch, "use_triton", lambda t: True)
             mp.setattr(dispatch, "part_attention", spy)
+            mp.setattr(dispatch, "uniform_attention", spy_uniform)
             launches.clear()
             got = store.attend(query(7))
-        assert len(launches) == 2, launches  # the stack of decode blocks; the prompt's segment + the residual
+        # the stack of decode blocks; the prompt's segment + the residual: both uniform, addressed by arithmetic
+        n = store.config.block_size
+        assert launches == [("uniform", blocks * B * H * n), ("uniform", store._segments[0].num_entries)], launches
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(held_accumulators(store)[-1][0], want_acc, rtol=1e-5, atol=1e-6)

@@ -7,8 +7,12 @@ import torch
 
 triton = pytest.importorskip("triton")  # conftest.py set TRITON_INTERPRET=1 first when CUDA is absent
 
+from kv_hex.kernels import reference
 from kv_hex.kernels.reference import attention_column_sums
 from kv_hex.kernels.triton_colsum import attention_column_sums_triton
+from kv_hex.layout import segment_layout
+from kv_hex.uniform import as_part_layout, uniform_part
+from kvcore import Plan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -208,3 +212,69 @@ def test_values_share_the_keys_entry_maps_when_both_are_full_at_the_same_entries
     assert not other.flags_shared
     lay = segment_layout(store.config, other)
     assert lay.v.idx is not lay.k.idx and int((lay.v.idx < 0).sum()) == int((lay.k.idx < 0).sum()) + 1
+
+
+# -- uniform segments addressed by arithmetic (kv_hex.uniform, kv_hex.kernels.triton_uniform) -----------------
+@pytest.mark.parametrize(("dtype", "bits", "value_scope", "mask_scope", "mask_kind"), CASES)
+def test_a_uniform_part_addresses_the_same_entries_as_the_general_layout(
+    dtype, bits, value_scope, mask_scope, mask_kind
+):
+    """Every entry of the prompt's segment and of a decode block, read through the uniform part's two running counts
+    (full rows, code rows, statistics rows, slots, overlay offsets), is bit for bit the entry the general layout
+    reads (keys and values; codes, overlay values and full rows all present)."""
+    store = hex_store(dtype, bits, value_scope, mask_scope, mask_kind)
+    for seg in store._segments:
+        part = uniform_part(store.config, seg)
+        assert part is not None and part.num_entries == seg.num_entries
+        full = seg.full("k")
+        assert bool(full.any()) and bool((~full).any())
+        assert torch.equal(part.before[0].long(), torch.cumsum(full.long(), 0) - full.long())
+        want = reference.dequantize_part(segment_layout(store.config, seg))
+        got = reference.dequantize_part(as_part_layout(part))
+        for a, b in zip(got, want):
+            assert a.dtype == dtype and torch.equal(a, b)
+
+
+def test_segments_that_are_not_uniform_take_the_general_layout():
+    """After an eviction a head misses slots: no uniform part (the store falls back to the general layout)."""
+    store = hex_store(torch.float32, 3, "layer", "layer", "expander", ragged=True)
+    assert uniform_part(store.config, store._segments[0]) is None
+
+
+@pytest.mark.parametrize(("dtype", "bits", "value_scope", "mask_scope", "mask_kind"), CASES)
+@pytest.mark.parametrize("residual", [0, 5])
+def test_uniform_kernel_equals_reference(dtype, bits, value_scope, mask_scope, mask_kind, residual):
+    """The fused kernel over a uniform segment and the residual's rows: out, lse and both sets of logits equal the
+    reference (float32 tolerance); GQA (2 query heads per KV head, 2 queries), the segment split over programs
+    (tiles of 16, one a program), residual rows in tiles of 16 over two splits, or no residual rows at all."""
+    from kv_hex.kernels.triton_uniform import uniform_attention_triton
+
+    store = hex_store(dtype, bits, value_scope, mask_scope, mask_kind)
+    seg = store._segments[0]
+    part = uniform_part(store.config, seg)
+    S = part.B * part.H
+    g = torch.Generator().manual_seed(11)
+    rk = torch.randn(S, residual, 16, generator=g).to(dtype).to(DEVICE)
+    rv = torch.randn(S, residual, 16, generator=g).to(dtype).to(DEVICE)
+    q = torch.randn(2, 4, 2, 16, generator=g).to(dtype).to(DEVICE)
+    want = reference.uniform_attention(q, part, rk, rv, 0.25, True, True)
+    got = uniform_attention_triton(q, part, rk, rv, 0.25, True, True, block_t=16, max_blocks=1, res_blocks=1)
+    assert got[2].shape == (part.num_entries, 4) and got[3].shape == (S * residual, 4)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # without the residual's rows: the segment alone, as the general kernel attends it
+    want = reference.part_attention(q, segment_layout(store.config, seg), 0.25, True)
+    got = uniform_attention_triton(q, part, None, None, 0.25, True, False, block_t=16, max_blocks=2)
+    for a, b in zip(got[:3], want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert got[3] is None
+
+
+def test_the_store_keeps_uniform_segments_after_appends_and_loses_them_after_an_eviction():
+    """HEX's own writes and appends leave every segment uniform; a plan that evicts makes the touched one ragged."""
+    store = hex_store(torch.float32, 3, "layer", "layer", "expander")
+    assert all(uniform_part(store.config, s) is not None for s in store._segments)
+    bits = store.tiers().key_bits.clone()
+    bits[0, 0, 2] = 0
+    store.retier(Plan(bits))
+    assert uniform_part(store.config, store._segments[0]) is None

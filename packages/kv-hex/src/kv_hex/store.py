@@ -9,9 +9,10 @@ import torch
 from kv_hex.config import HEXConfig
 from kv_hex.kernels import dispatch
 from kv_hex.layout import PartLayout, concat_layouts, decode_segment, residual_layout, segment_layout
-from kv_hex.segment import Segment, compress_segment
+from kv_hex.segment import Segment, compress_segment, uniform_length
 from kv_hex.segment_attention import residual_attention, segment_attention, segments_attention, stackable
 from kv_hex.selector import hex_tiers
+from kv_hex.uniform import uniform_part
 from kvcodec.narrow import narrow, narrow_positions
 from kvcodec.segments import segment_ids
 from kvcore import EVICT, FULL, KVView, Plan, Store, check_retier_plan, merge_attention, reachable_bytes
@@ -27,6 +28,7 @@ from kvcore.checks import (
 
 __all__ = ["HEXStore"]
 
+_RAGGED = -1  # HEXStore._res_T: the residual's heads hold different numbers of entries
 _STACK_TOKENS = 2048  # CPU attend: decode blocks of one size dequantized together, up to this many slots a call
 
 
@@ -79,6 +81,7 @@ class HEXStore(Store):
         self._res: dict[str, torch.Tensor | None] = {}
         self._last_pos: torch.Tensor | None = None
         self._res_distinct: list[int] | None = None  # distinct residual positions per batch row, when known
+        self._res_T: int | None = None  # residual entries of every head when all hold as many, _RAGGED; None: unknown
 
     def _empty_residual(self, S: int, D: int, dtype, device) -> dict[str, torch.Tensor | None]:
         return {
@@ -108,14 +111,18 @@ class HEXStore(Store):
         T = int(counts.max()) if counts.numel() and seg.numel() else 0
         return perm, seg_sorted, slot, T
 
-    def _commit(self, segments: list[Segment], res: dict, shape=None, dtype=None, last=None, distinct=None) -> None:
+    def _commit(
+        self, segments: list[Segment], res: dict, shape=None, dtype=None, last=None, distinct=None, res_T=None
+    ) -> None:
         """Make the new parts the held state (the last step of every mutation: all-or-nothing). ``last [B]`` (each
         batch row's last position) is recomputed unless given; ``distinct`` (the residual's distinct positions per
-        batch row, on the host) is forgotten unless given."""
+        batch row, on the host) and ``res_T`` (the residual's entries per head when every head holds as many) are
+        forgotten unless given."""
         if shape is not None:
             self._shape, self._dtype = shape, dtype
         self._segments, self._res = segments, res
         self._res_distinct = distinct
+        self._res_T = res_T
         if last is not None:
             self._last_pos = last
             return
@@ -190,51 +197,80 @@ class HEXStore(Store):
             segments: list[Segment] = []
         else:
             res, segments = dict(self._res), list(self._segments)
-        seg = torch.cat(
-            [segment_ids(res["counts"], res["pos"].numel()), torch.arange(S, device=keys.device).repeat_interleave(n)]
-        )
-        pos = torch.cat([res["pos"].int(), positions[:, None, :].expand(B, H, n).reshape(-1).int()])
-        pos = narrow_positions(pos, like=keys)  # read only where the value checks run
-        order = torch.argsort((seg.long() << 32) | pos.long())
-        new_acc = None
-        if res["acc"] is not None:
-            new_acc = torch.cat([res["acc"], torch.zeros(S * n, device=keys.device)])[order]
-        res = {
-            "counts": torch.bincount(seg, minlength=S),
-            "pos": pos[order],
-            "k": torch.cat([res["k"], keys.reshape(S * n, D)])[order],
-            "v": torch.cat([res["v"], values.reshape(S * n, D)])[order],
-            "acc": new_acc,
-        }
+        T0 = self._res_T if self._shape is not None else None
+        if T0 is not None and T0 != _RAGGED:
+            res = self._grow_uniform(res, keys, values, positions, T0)
+        else:
+            seg = torch.cat(
+                [
+                    segment_ids(res["counts"], res["pos"].numel()),
+                    torch.arange(S, device=keys.device).repeat_interleave(n),
+                ]
+            )
+            pos = torch.cat([res["pos"].int(), positions[:, None, :].expand(B, H, n).reshape(-1).int()])
+            pos = narrow_positions(pos, like=keys)  # read only where the value checks run
+            order = torch.argsort((seg.long() << 32) | pos.long())
+            new_acc = None
+            if res["acc"] is not None:
+                new_acc = torch.cat([res["acc"], torch.zeros(S * n, device=keys.device)])[order]
+            res = {
+                "counts": torch.bincount(seg, minlength=S),
+                "pos": pos[order],
+                "k": torch.cat([res["k"], keys.reshape(S * n, D)])[order],
+                "v": torch.cat([res["v"], values.reshape(S * n, D)])[order],
+                "acc": new_acc,
+            }
         new_last = positions.long().amax(1)  # past every held position (checked above, or promised)
         if self._shape is None:
             self._shape, self._dtype = (B, H, D), keys.dtype
             try:
-                segments, res, distinct = self._flush(segments, res, None)
+                segments, res, distinct, res_T = self._flush(segments, res, None, n)
             except Exception:
                 self._shape, self._dtype = None, None
                 raise
-            self._commit(segments, res, last=new_last, distinct=distinct)
+            self._commit(segments, res, last=new_last, distinct=distinct, res_T=res_T)
             return
-        # each batch row gains n new distinct positions
+        # each batch row gains n new distinct positions, each head n entries
         distinct = None if self._res_distinct is None else [c + n for c in self._res_distinct]
-        segments, res, distinct = self._flush(segments, res, distinct)
-        self._commit(segments, res, last=torch.maximum(last, new_last), distinct=distinct)
+        res_T = self._res_T + n if self._res_T is not None and self._res_T != _RAGGED else None
+        segments, res, distinct, res_T = self._flush(segments, res, distinct, res_T)
+        self._commit(segments, res, last=torch.maximum(last, new_last), distinct=distinct, res_T=res_T)
+
+    @staticmethod
+    def _grow_uniform(res: dict, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, T0: int) -> dict:
+        """The residual after an append when each of its heads holds ``T0`` entries: every head gains the ``n`` new
+        tokens after its own (their positions follow every held one), so each tensor grows by one concatenation per
+        head, with no sort (what a decode step does on a GPU)."""
+        B, H, n, D = keys.shape
+        S = B * H
+        new_pos = positions[:, None, :].expand(B, H, n).reshape(S, n).int()
+        pos = torch.cat([res["pos"].int().view(S, T0), new_pos], 1).view(-1)
+        acc = res["acc"]
+        if acc is not None:
+            acc = torch.cat([acc.view(S, T0), acc.new_zeros(S, n)], 1).view(-1)
+        return {
+            "counts": res["counts"] + n,
+            "pos": narrow_positions(pos, like=keys),  # read only where the value checks run
+            "k": torch.cat([res["k"].view(S, T0, D), keys.reshape(S, n, D)], 1).view(S * (T0 + n), D),
+            "v": torch.cat([res["v"].view(S, T0, D), values.reshape(S, n, D)], 1).view(S * (T0 + n), D),
+            "acc": acc,
+        }
 
     # -- streaming compression -------------------------------------------------------------------------
     def _flush(
-        self, segments: list[Segment], res: dict, distinct: list[int] | None
-    ) -> tuple[list[Segment], dict, list[int]]:
+        self, segments: list[Segment], res: dict, distinct: list[int] | None, res_T: int | None
+    ) -> tuple[list[Segment], dict, list[int], int | None]:
         """Compress every full block of the residual (rows with ``block_size`` distinct residual positions).
 
         ``distinct``: the residual's distinct positions per batch row when the caller knows them on the host (then
-        a step that fills no block reads nothing), else ``None`` (found on the device). Returns them after the
-        flush."""
+        a step that fills no block reads nothing), else ``None`` (found on the device). ``res_T``: the residual's
+        entries per head when the caller knows every head holds as many, else ``None``. Returns both after the
+        flush (``res_T`` known when every head held every position of its row and every row flushed alike)."""
         B, H, D = self._shape
         nb = self.config.block_size
         while True:
             if distinct is not None and max(distinct, default=0) < nb:
-                return segments, res, distinct
+                return segments, res, distinct, res_T
             seg = segment_ids(res["counts"], res["pos"].numel())
             row = seg // H
             pos = res["pos"].long()
@@ -245,7 +281,10 @@ class HEXStore(Store):
                 sizes.append(u.numel())
                 first.append(u[:nb] if u.numel() >= nb else None)
             if all(f is None for f in first):
-                return segments, res, sizes
+                return segments, res, sizes, res_T
+            # every head held all of its row's positions (res_T of them) and every row flushes: each loses nb
+            uniform = res_T is not None and all(f is not None and c == res_T for c, f in zip(sizes, first))
+            res_T = res_T - nb if uniform else None
             distinct = [n - nb if f is not None else n for n, f in zip(sizes, first)]
             slot_pos = torch.full((B, nb), -1, dtype=torch.long, device=pos.device)
             for b, f in enumerate(first):
@@ -451,6 +490,15 @@ class HEXStore(Store):
             for i in which
         ]
 
+    def _residual_T(self) -> int:
+        """Entries of every residual head when all hold as many (0 when empty), else ``_RAGGED``: known on the host
+        through appends (each head gains the same entries); after any other mutation read once and remembered."""
+        if self._res_T is None:
+            N = int(self._res["pos"].numel())
+            T = uniform_length(self._res["counts"], N) if N else 0
+            self._res_T = _RAGGED if T is None else T
+        return self._res_T
+
     def _stacks(self, segments: list[int], cap: int | None) -> tuple[list[list[int]], list[int]]:
         """The held segments ``segments`` (indices) split into stacks of two or more decode blocks of one size
         (:func:`kv_hex.segment_attention.stackable`), each of at most ``cap`` slots when given, and the rest."""
@@ -525,7 +573,22 @@ class HEXStore(Store):
                 logits.update(zip(idx, lg))
         if held[-1] == n_parts - 1:
             rest.append(n_parts - 1)
-        if fused and rest:
+        # the prompt's segment and the residual addressed by arithmetic (kv_hex.uniform) when both are uniform
+        uniform = None
+        if fused and rest and rest[0] == 0 and len(rest) <= 2 and (len(rest) == 1 or rest[1] == n_parts - 1):
+            TR = self._residual_T()
+            uniform = uniform_part(self.config, self._segments[0]) if TR != _RAGGED else None
+        if uniform is not None:
+            S = B * H
+            rk = self._res["k"].view(S, TR, D) if TR else None
+            rv = self._res["v"].view(S, TR, D) if TR else None
+            out, lse, slg, rlg = dispatch.uniform_attention(q, uniform, rk, rv, scale, full_mode, TR > 0)
+            parts.append((out, lse))
+            if slg is not None:
+                logits[0] = slg
+            if rlg is not None:
+                logits[n_parts - 1] = rlg
+        elif fused and rest:
             # the other parts in one launch and one softmax (the kernel dequantizes in registers; the longest
             # head's length bounded by the parts' own, on the host)
             layouts = self._layouts(bound=True, which=rest)
@@ -547,9 +610,15 @@ class HEXStore(Store):
         out, lse = merge_attention(parts) if len(parts) > 1 else parts[0]
         rows_lse = lse.reshape(B * H, (Hq // H) * Q)
         sums: list[torch.Tensor | None] = [None] * n_parts
+        # entries per head of the parts the uniform path attended (their logits are [S, T, R] blocks)
+        per_head = {} if uniform is None else {0: uniform.n, n_parts - 1: TR}
         for i, lg in logits.items():
             if i < n_parts - 1 and not full_mode:
                 continue  # append mode accumulates into the residual only
+            if i in per_head:
+                p = torch.exp(lg.view(B * H, per_head[i], -1) - rows_lse[:, None, :])
+                sums[i] = p.nan_to_num_(0.0).sum(-1).view(-1)
+                continue
             seg = self._segments[i].seg() if i < n_parts - 1 else segment_ids(self._res["counts"], lg.shape[0])
             sums[i] = torch.exp(lg - rows_lse[seg]).nan_to_num_(0.0).sum(-1)
         self._accumulate(sums)

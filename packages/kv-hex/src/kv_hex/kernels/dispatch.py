@@ -13,6 +13,7 @@ __all__ = [
     "kcvt_codes",
     "part_attention",
     "triton_available",
+    "uniform_attention",
     "use_triton",
 ]
 
@@ -67,3 +68,13 @@ def part_attention(query, part, scale, logits=False):
 
         return part_attention_triton(query, part, scale, logits)
     return reference.part_attention(query, part, scale, logits)
+
+
+def uniform_attention(query, part, res_k, res_v, scale, seg_logits=False, res_logits=False):
+    """:func:`kv_hex.kernels.reference.uniform_attention`, or the fused Triton kernel that addresses the segment by
+    arithmetic (:mod:`kv_hex.kernels.triton_uniform`) on CUDA."""
+    if use_triton(part.before):
+        from kv_hex.kernels.triton_uniform import uniform_attention_triton
+
+        return uniform_attention_triton(query, part, res_k, res_v, scale, seg_logits, res_logits)
+    return reference.uniform_attention(query, part, res_k, res_v, scale, seg_logits, res_logits)

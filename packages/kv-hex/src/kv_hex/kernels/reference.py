@@ -7,7 +7,14 @@ import torch
 from kvcodec.packing import unpack_unchecked
 from kvcodec.stats import minmax_scale, minmax_stats, scale_dtype_for
 
-__all__ = ["attention_column_sums", "decode_attention", "dequantize_part", "kcvt_codes", "part_attention"]
+__all__ = [
+    "attention_column_sums",
+    "decode_attention",
+    "dequantize_part",
+    "kcvt_codes",
+    "part_attention",
+    "uniform_attention",
+]
 
 
 def kcvt_codes(
@@ -200,3 +207,41 @@ def part_attention(
     else:
         lg_entries = lg[seg, :, t]
     return out.reshape(B, Hq, Q, D), lse.reshape(B, Hq, Q), lg_entries
+
+
+def uniform_attention(
+    query: torch.Tensor,
+    part,
+    res_k: torch.Tensor | None,
+    res_v: torch.Tensor | None,
+    scale: float,
+    seg_logits: bool = False,
+    res_logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Attention of ``query [B, Hq, Q, D]`` over a uniform segment (:class:`kv_hex.uniform.UniformPart`) and the
+    residual's full-precision rows ``res_k/res_v [S, T_r, D]`` (``None``: no residual), one softmax over both.
+
+    The segment is attended through its general layout (:func:`kv_hex.uniform.as_part_layout`, :func:`part_attention`)
+    and the residual densely; the two are merged by log-sum-exp. Returns ``(out, lse, segment logits, residual
+    logits)``: float32 ``[B, Hq, Q, D]`` and ``[B, Hq, Q]``; with ``seg_logits`` / ``res_logits`` the scaled logits
+    ``[N, G·Q]`` of the segment's entries (entry order) / ``[S·T_r, G·Q]`` of the residual's (``s·T_r + t``), else
+    ``None``.
+    """
+    from kv_hex.uniform import as_part_layout  # kv_hex.uniform imports the layouts, which dispatch here
+    from kvcore import merge_attention
+
+    out, lse, slg = part_attention(query, as_part_layout(part), scale, seg_logits)
+    rlg = None
+    if res_k is not None and res_k.shape[1]:
+        B, Hq, Q, D = query.shape
+        S, TR, _ = res_k.shape
+        q = query.float().reshape(S, Hq * Q * B // S, D)
+        lg = torch.einsum("srd,std->srt", q, res_k.float()) * scale
+        rlse = torch.logsumexp(lg, dim=-1)
+        rout = torch.einsum("srt,std->srd", torch.exp(lg - rlse[..., None]), res_v.float())
+        out, lse = merge_attention([(out, lse), (rout.reshape(out.shape), rlse.reshape(lse.shape))])
+        if res_logits:
+            rlg = lg.transpose(1, 2).reshape(S * TR, -1)
+    elif res_logits:
+        rlg = torch.zeros(0, query.shape[1] // part.H * query.shape[2], device=query.device)
+    return out, lse, slg, rlg

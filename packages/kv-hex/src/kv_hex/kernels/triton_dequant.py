@@ -19,7 +19,7 @@ import triton.language as tl
 
 from kvcodec.kernels.triton_dot import DOT_CODE, cache_round
 
-__all__ = ["dequantize_part_triton", "side_args"]
+__all__ = ["dequantize_part_triton", "side_args"]  # _side_tile, _entry_tile: kernel helpers
 
 _OUT = DOT_CODE  # the cache dtype's rounding code, as kvcodec's kernels use it
 
@@ -37,6 +37,22 @@ def _side_tile(
     isfull = (idx < 0) & emask
     r = tl.where(quant, idx, 0).to(tl.int64)
     f = tl.where(isfull, -1 - idx, 0).to(tl.int64)
+    g = tl.load(GRP + e, mask=quant, other=0).to(tl.int64)
+    off = tl.load(OOFF + e, mask=quant, other=0).to(tl.int64) if W > 0 else r  # r: never read without an overlay
+    return _entry_tile(CODES, ROWS, SCALE, ZERO, OVER, HCOLS, quant, isfull, r, f, g, off, slot, h, d, PW,
+                       H, D, BITS, PER_CHANNEL, W, OUT)  # fmt: skip
+
+
+@triton.jit
+def _entry_tile(
+    CODES, ROWS, SCALE, ZERO, OVER, HCOLS,
+    quant, isfull, r, f, g, off, slot, h, d, PW,
+    H: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, PER_CHANNEL: tl.constexpr, W: tl.constexpr,
+    OUT: tl.constexpr,
+):  # fmt: skip
+    """float32 ``[BT, BLOCK_D]`` tile of entries whose addresses are given: ``quant`` / ``isfull`` (coded / full
+    entries; neither: masked off), code row ``r``, full row ``f``, statistics row ``g``, first overlay value
+    ``off``, mask row ``slot`` and head ``h`` (int64 where they index)."""
     dmask = d < D
     m2 = quant[:, None] & dmask[None, :]
     bitpos = d * BITS
@@ -46,7 +62,6 @@ def _side_tile(
     b1 = tl.load(CODES + r[:, None] * PW + byte[None, :] + 1, mask=m2 & ((byte + 1) < PW)[None, :], other=0)
     word = b0 | (b1.to(tl.int32) << 8)
     code = ((word >> sh[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
-    g = tl.load(GRP + e, mask=quant, other=0).to(tl.int64)
     if PER_CHANNEL:
         s = tl.load(SCALE + g[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
         z = tl.load(ZERO + g[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -56,7 +71,6 @@ def _side_tile(
     deq = code * s + z
     deq = cache_round(deq, OUT)
     if W > 0:
-        off = tl.load(OOFF + e, mask=quant, other=0).to(tl.int64)
         hc = (slot.to(tl.int64) * H + h) * W
         for j in range(W):
             c = tl.load(HCOLS + hc + j, mask=quant, other=-1)

@@ -1,0 +1,158 @@
+"""Triton kernel: fused decode attention over a uniform HEX segment and the residual, addressed by arithmetic (HEX
+§3.5; online softmax as in FlashAttention, Dao et al. 2022 §3.1; splits merged as in Flash-Decoding).
+
+One program per (batch row, KV head, split) owns the ``G·Q`` query rows of that head (GQA without repeating K/V).
+The first ``seg_splits`` splits walk the segment's entries ``e = s·n + t`` in tiles of ``BLOCK_T``: an entry's
+"full-precision row" bit is read from the segment's packed flags, its full row / code row from one running count
+(:attr:`kv_hex.uniform.UniformPart.before`), its key statistics are the head's row, its value statistics the
+(batch row, slot)'s or the code row's, its mask row is its slot ``t`` and its overlay values start at the second
+running count; codes are dequantized and the overlay merged in registers by the same tile loader as the general
+kernel (:func:`kv_hex.kernels.triton_dequant._entry_tile`). The remaining splits walk the residual's full-precision
+rows ``[S, T_r, D]``. Every split returns its normalized output and log-sum-exp, merged by one launch of kvcodec's
+merge kernel; the scaled logits of the residual (and, in full mode, of the segment) are written for the heavy-hitter
+accumulator. The segment's length, the residual's length and the split count are run-time arguments that are not
+specialised, so a decode compiles one variant. GPU speed is unmeasured.
+
+This module needs ``triton``; :mod:`kv_hex.kernels.dispatch` imports it lazily.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kv_hex.kernels.triton_dequant import _OUT, _entry_tile, _nonempty
+from kvcodec.kernels.triton_attention import merge_splits
+from kvcodec.kernels.triton_dot import as_dot, dot_mode, online_softmax_step, qk_dot, softmax_result
+
+__all__ = ["uniform_attention_triton"]
+
+
+@triton.jit(do_not_specialize=["n", "TR", "SEG_SPLITS"])
+def _uniform_attention(
+    Q, OUTP, LSEP, SLOG, RLOG,
+    FLAGS, BEFORE, HCOLS,
+    KCODES, KROWS, KSCALE, KZERO, KOVER,
+    VCODES, VROWS, VSCALE, VZERO, VOVER,
+    RK, RV,
+    n, TR, SEG_SPLITS, KPW, VPW, scale,
+    H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr, OUT: tl.constexpr,
+    VLAYER: tl.constexpr, SEG_BLOCKS: tl.constexpr, RES_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SEG_LOGITS: tl.constexpr, RES_LOGITS: tl.constexpr,
+    DOT: tl.constexpr,
+):  # fmt: skip
+    s = tl.program_id(0)
+    sp = tl.program_id(1)
+    h = s % H
+    b = s // H
+    m = tl.arange(0, BLOCK_M)
+    mmask = m < R
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    qmask = mmask[:, None] & dmask[None, :]
+    q = as_dot(tl.load(Q + (s * R + m[:, None]) * D + d[None, :], mask=qmask, other=0.0), DOT)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    N = tl.num_programs(0).to(tl.int64) * n  # entries of the segment
+    if sp < SEG_SPLITS:
+        for blk in range(SEG_BLOCKS):
+            t = (sp * SEG_BLOCKS + blk) * BLOCK_T + tl.arange(0, BLOCK_T)
+            tmask = t < n
+            e = s.to(tl.int64) * n + t
+            bit = (tl.load(FLAGS + (e >> 3), mask=tmask, other=0) >> (e & 7).to(tl.uint8)) & 1
+            isfull = tmask & (bit != 0)
+            quant = tmask & (bit == 0)
+            cf = tl.load(BEFORE + e, mask=tmask, other=0).to(tl.int64)
+            r = tl.where(quant, e - cf, 0)
+            f = tl.where(isfull, cf, 0)
+            off = tl.load(BEFORE + N + e, mask=quant, other=0).to(tl.int64) if W > 0 else r  # r: never read
+            kg = tl.zeros([BLOCK_T], tl.int64) + s
+            vg = b.to(tl.int64) * n + t if VLAYER else r
+            k = _entry_tile(KCODES, KROWS, KSCALE, KZERO, KOVER, HCOLS, quant, isfull, r, f, kg, off, t, h, d, KPW,
+                            H, D, BITS, True, W, OUT)  # fmt: skip
+            v = _entry_tile(VCODES, VROWS, VSCALE, VZERO, VOVER, HCOLS, quant, isfull, r, f, vg, off, t, h, d, VPW,
+                            H, D, BITS, False, W, OUT)  # fmt: skip
+            logits = qk_dot(q, k, DOT) * scale
+            logits = tl.where(tmask[None, :], logits, float("-inf"))
+            if SEG_LOGITS:
+                tl.store(SLOG + e[None, :] * R + m[:, None], logits, mask=mmask[:, None] & tmask[None, :])
+            m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, logits, v, DOT)
+    else:
+        for blk in range(RES_BLOCKS):
+            t = ((sp - SEG_SPLITS) * RES_BLOCKS + blk) * BLOCK_T + tl.arange(0, BLOCK_T)
+            tmask = t < TR
+            e = s.to(tl.int64) * TR + t
+            rmask = tmask[:, None] & dmask[None, :]
+            k = tl.load(RK + e[:, None] * D + d[None, :], mask=rmask, other=0.0).to(tl.float32)
+            v = tl.load(RV + e[:, None] * D + d[None, :], mask=rmask, other=0.0).to(tl.float32)
+            logits = qk_dot(q, k, DOT) * scale
+            logits = tl.where(tmask[None, :], logits, float("-inf"))
+            if RES_LOGITS:
+                tl.store(RLOG + e[None, :] * R + m[:, None], logits, mask=mmask[:, None] & tmask[None, :])
+            m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, logits, v, DOT)
+    out, lse = softmax_result(m_i, l_i, acc)
+    row = (s * tl.num_programs(1) + sp) * R + m
+    tl.store(OUTP + row[:, None] * D + d[None, :], out, mask=qmask)
+    tl.store(LSEP + row, lse, mask=mmask)
+
+
+def uniform_attention_triton(
+    query: torch.Tensor,
+    part,
+    res_k: torch.Tensor | None,
+    res_v: torch.Tensor | None,
+    scale: float,
+    seg_logits: bool = False,
+    res_logits: bool = False,
+    *,
+    res_blocks: int = 4,
+    block_t: int = 32,
+    max_blocks: int = 8,
+    tensor_cores: bool | None = None,
+    num_warps: int = 8,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Triton :func:`~kv_hex.kernels.reference.uniform_attention` (same arguments, same results up to float32
+    summation order). Segment splits walk at most ``max_blocks`` tiles of ``block_t`` entries (at least 16, for
+    ``tl.dot``); residual splits ``res_blocks`` tiles (a constant, so the residual's growth compiles nothing).
+    ``tensor_cores``: products in the cache dtype on the matrix units (as :mod:`kv_hex.kernels.triton_attention`)."""
+    block_t = max(16, triton.next_power_of_2(block_t))
+    dot = dot_mode(query, (part.dtype,), tensor_cores)
+    B, Hq, Q, D = query.shape
+    H, n, N = part.H, part.n, part.num_entries
+    S = part.B * H
+    G = Hq // H
+    R = G * Q
+    TR = 0 if res_k is None else res_k.shape[1]
+    device = query.device
+    slg = torch.empty(N, R, device=device, dtype=torch.float32) if seg_logits else None
+    rlg = torch.empty(S * TR, R, device=device, dtype=torch.float32) if res_logits else None
+    nblk = min(triton.cdiv(n, block_t), max_blocks)
+    seg_splits = triton.cdiv(n, nblk * block_t)
+    res_splits = max(1, triton.cdiv(TR, res_blocks * block_t))
+    nsplit = seg_splits + res_splits
+    outp = torch.empty(S, nsplit, R, D, device=device, dtype=torch.float32)
+    lsep = torch.empty(S, nsplit, R, device=device, dtype=torch.float32)
+    q = (query if dot else query.float()).reshape(B, H, G, Q, D).reshape(S, R, D).contiguous()
+    rk = _nonempty(res_k.reshape(-1, D) if res_k is not None else part.k_rows[:0], (1, D), part.dtype)
+    rv = _nonempty(res_v.reshape(-1, D) if res_v is not None else part.v_rows[:0], (1, D), part.dtype)
+    pw = part.k_codes.shape[1]
+    _uniform_attention[(S, nsplit)](
+        q, outp, lsep, slg if seg_logits else lsep, rlg if res_logits else lsep,
+        part.flags, part.before, _nonempty(part.hcols, (1,)),
+        _nonempty(part.k_codes, (1, max(pw, 1))), _nonempty(part.k_rows, (1, D)),
+        _nonempty(part.k_scale, (1,), torch.float32), _nonempty(part.k_zero, (1,), torch.float32),
+        _nonempty(part.k_over, (1,), part.dtype),
+        _nonempty(part.v_codes, (1, max(pw, 1))), _nonempty(part.v_rows, (1, D)),
+        _nonempty(part.v_scale, (1,), torch.float32), _nonempty(part.v_zero, (1,), torch.float32),
+        _nonempty(part.v_over, (1,), part.dtype),
+        rk, rv, n, TR, seg_splits, pw, part.v_codes.shape[1], float(scale),
+        H=H, D=D, R=R, BITS=part.bits, W=part.hcols.shape[-1], OUT=_OUT[part.dtype], VLAYER=part.value_layer,
+        SEG_BLOCKS=nblk, RES_BLOCKS=res_blocks, BLOCK_T=block_t, BLOCK_M=max(16, triton.next_power_of_2(R)),
+        BLOCK_D=max(16, triton.next_power_of_2(D)), SEG_LOGITS=seg_logits, RES_LOGITS=res_logits, DOT=dot,
+        num_warps=num_warps,
+        enable_fp_fusion=False,  # keys and values dequantize bit-exactly as in read()
+    )  # fmt: skip
+    out, lse = merge_splits(outp, lsep)  # [S, R, D], [S, R]
+    return out.reshape(B, Hq, Q, D), lse.reshape(B, Hq, Q), slg, rlg
