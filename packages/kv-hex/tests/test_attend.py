@@ -276,7 +276,7 @@ def test_decode_blocks_through_the_triton_kernels_in_two_launches(monkeypatch, v
         launches.append(("uniform", part.num_entries))
         return real_uniform(q, part, rk, rv, scale, seg_logits, res_logits)
 
-    for blocks in (3, 5):
+    for blocks in (1, 3, 5):  # one block: a stack of one
         store = grown(blocks)
         want = store.attend(query(7))
         want_acc = held_accumulators(store)[-1][0]

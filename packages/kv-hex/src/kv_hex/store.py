@@ -499,8 +499,8 @@ class HEXStore(Store):
             self._res_T = _RAGGED if T is None else T
         return self._res_T
 
-    def _stacks(self, segments: list[int], cap: int | None) -> tuple[list[list[int]], list[int]]:
-        """The held segments ``segments`` (indices) split into stacks of two or more decode blocks of one size
+    def _stacks(self, segments: list[int], cap: int | None, least: int = 2) -> tuple[list[list[int]], list[int]]:
+        """The held segments ``segments`` (indices) split into stacks of at least ``least`` decode blocks of one size
         (:func:`kv_hex.segment_attention.stackable`), each of at most ``cap`` slots when given, and the rest."""
         by_size: dict[int, list[list[int]]] = {}
         rest = []
@@ -514,8 +514,8 @@ class HEXStore(Store):
                 group.append([])
             group[-1].append(i)
         groups = [g for size in by_size.values() for g in size]
-        stacks = [g for g in groups if len(g) > 1]
-        rest = sorted(rest + [g[0] for g in groups if len(g) == 1])
+        stacks = [g for g in groups if len(g) >= least]
+        rest = sorted(rest + [i for g in groups if len(g) < least for i in g])
         return stacks, rest
 
     def attend(self, query: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -561,8 +561,9 @@ class HEXStore(Store):
         if fused:
             # the first segment (the prompt's) is always attended with the residual, in the launch it had before
             # decode blocks existed: a residual-only launch would compile new kernel variants (no overlay, a tile
-            # count that follows the residual's length)
-            stacks, rest = self._stacks(segments[1:], None)
+            # count that follows the residual's length); a lone decode block is a stack of one (its own launch, so
+            # the prompt's segment and the residual keep the uniform path)
+            stacks, rest = self._stacks(segments[1:], None, least=1)
             rest = segments[:1] + rest
         else:
             stacks, rest = self._stacks(segments, _STACK_TOKENS)
