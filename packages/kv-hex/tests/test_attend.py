@@ -334,3 +334,60 @@ def test_a_fused_decode_step_does_not_grow_with_the_decode_blocks(monkeypatch):
             store.attend(q)
         counts[blocks] = ops.n
     assert counts[2] == counts[6] > 0, counts
+
+
+def test_stacks_of_decode_blocks_are_kept_between_steps_without_holding_bytes_twice():
+    """The decode blocks' stack is built once per set of blocks: the blocks then hold views of it, so a step
+    concatenates nothing and the store holds exactly the bytes of the same store never attended (a copy per step, or
+    a stack kept beside the blocks, would show); attend stays equal to reference attention over read()."""
+
+    def grown(steps, attend):
+        store = written(config(), 37)
+        for step in range(steps):
+            x = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(step))
+            store.append(x, -x, torch.full((B, 1), 37 + step))
+            if attend:
+                store.attend(query(step))
+        return store
+
+    quiet, busy = grown(16 * 3 + 5, False), grown(16 * 3 + 5, True)
+    assert len(busy._segments) == 4 and len(busy._stack_cache) == 1
+    acc = busy._res["acc"].numel() * 4  # the residual's heavy-hitter accumulator, which only attend creates
+    assert quiet._res["acc"] is None and busy.nbytes() == quiet.nbytes() + acc
+    (blocks, stack) = next(iter(busy._stack_cache.values()))
+    assert [b.k_codes.untyped_storage().data_ptr() for b in blocks] == [stack.k_codes.untyped_storage().data_ptr()] * 3
+    check_attend(busy, query(99))
+    cats = []
+    real = torch.cat
+
+    def counting_cat(*args, **kwargs):
+        cats.append(1)
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "cat", counting_cat)
+        busy.attend(query(98))
+        busy.attend(query(97))
+    quiet.attend(query(98))  # builds the stack (concatenations the kept one spares) and the accumulator
+    assert busy.nbytes() == quiet.nbytes()
+    assert len(cats) == 0, f"{len(cats)} concatenations in two steps with a kept stack"
+
+
+def test_a_dropped_stack_leaves_its_blocks_holding_only_their_own_bytes():
+    """kv_hex.segment.compact: a block that stays held after its stack is dropped gets storages of its own (a view
+    of the stack would keep every block's bytes alive and counted); its values are unchanged."""
+    from kv_hex.segment import compact, share_stack, stack_segments
+    from kvcore import reachable_bytes
+
+    store = written(config(), 37)
+    for step in range(32):
+        x = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(step))
+        store.append(x, -x, torch.full((B, 1), 37 + step))
+    blocks = store._segments[1:]
+    own = [reachable_bytes(b) for b in blocks]
+    before = [b.k_codes.clone() for b in blocks]
+    assert share_stack(blocks, stack_segments(blocks))
+    assert reachable_bytes(blocks[0]) == sum(own)  # a view keeps the whole stack's storages
+    compact(blocks[0])
+    assert reachable_bytes(blocks[0]) == own[0] and torch.equal(blocks[0].k_codes, before[0])
+    assert torch.equal(blocks[1].k_codes, before[1])

@@ -202,9 +202,9 @@ def test_attend_over_many_decode_blocks_in_stacks_of_bounded_size(monkeypatch, s
     calls = []  # (segments, slots) of every segment read: stacks and segments read on their own
     stacked, single = segment_attention.segments_attention, segment_attention.segment_attention
 
-    def spy_stack(q, c, segs, scale, logits=False):
+    def spy_stack(q, c, segs, scale, logits=False, stack=None):
         calls.append((len(segs), sum(s.n for s in segs)))
-        return stacked(q, c, segs, scale, logits)
+        return stacked(q, c, segs, scale, logits, stack)
 
     def spy_single(q, c, seg, scale, logits=False):
         calls.append((1, seg.n))

@@ -28,7 +28,15 @@ from kvcodec.packing import pack_unchecked, unpack_unchecked
 from kvcodec.segments import segment_ids
 from kvcore import packed_width
 
-__all__ = ["Segment", "compress_segment", "segment_mask", "stack_segments", "uniform_length"]
+__all__ = [
+    "Segment",
+    "compact",
+    "compress_segment",
+    "segment_mask",
+    "share_stack",
+    "stack_segments",
+    "uniform_length",
+]
 
 
 def full_flags(flags: torch.Tensor) -> torch.Tensor:
@@ -352,3 +360,36 @@ def stack_segments(segs: list[Segment]) -> Segment:
     stack.__dict__["uniform_length"] = lengths.pop() if len(lengths) == 1 else None
     stack.__dict__["flags_shared"] = all(s.flags_shared for s in segs)
     return stack
+
+
+#: the tensors of a segment that :func:`stack_segments` concatenates along their first dimension
+_STACKED = (
+    "slot_pos", "counts", "pos", "k_full", "v_full", "k_rows", "v_rows", "k_codes", "v_codes",
+    "k_scale", "k_zero", "v_scale", "v_zero", "k_over", "v_over",
+)  # fmt: skip
+
+
+def share_stack(segs: list[Segment], stack: Segment) -> bool:
+    """Make every segment of ``segs`` hold views of ``stack``'s tensors (``stack = stack_segments(segs)``): their
+    own storages are freed, so the stack can be kept and attended again without a copy per use and without holding
+    the segments' bytes twice. Possible when the flags concatenated as whole bytes and no accumulator is held;
+    returns whether it was done (else nothing changes). Values are unchanged (a view of the same bytes)."""
+    if len(segs) < 2 or stack.acc is not None or any(s.num_entries % 8 for s in segs):
+        return False
+    for name in _STACKED:
+        whole = getattr(stack, name)
+        start = 0
+        for seg in segs:
+            n = getattr(seg, name).shape[0]
+            setattr(seg, name, whole[start : start + n])
+            start += n
+    return True
+
+
+def compact(seg: Segment) -> None:
+    """Give ``seg`` storages of its own again (after :func:`share_stack`, when its stack is dropped while it stays
+    held): views of a larger storage would keep the whole storage alive and counted."""
+    for name in _STACKED:
+        t = getattr(seg, name)
+        if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            setattr(seg, name, t.clone())

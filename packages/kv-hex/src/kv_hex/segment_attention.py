@@ -153,7 +153,12 @@ def stackable(seg: Segment) -> int | None:
 
 
 def segments_attention(
-    query: torch.Tensor, cfg: HEXConfig, segs: list[Segment], scale: float, logits: bool = False
+    query: torch.Tensor,
+    cfg: HEXConfig,
+    segs: list[Segment],
+    scale: float,
+    logits: bool = False,
+    stack: Segment | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None]:
     """Attention of ``query [B, Hq, Q, D]`` over several compressed segments of one size at once, in a number of
     operations that does not grow with their number: the segments stacked as the batch rows of one
@@ -163,12 +168,14 @@ def segments_attention(
     with the same ``n`` (a decode writes one such segment per ``block_size`` tokens, so a long decode would
     otherwise pay a part's fixed cost per block).
 
+    ``stack``: ``stack_segments(segs)`` when the caller keeps it (``HEXStore`` builds it once per set of blocks).
+
     Returns ``(out, lse, logits)``: ``logits`` (with ``logits=True``) one float32 ``[N_i, G·Q]`` per segment, in its
     entry order."""
     if any(stackable(s) is None or s.n != segs[0].n for s in segs):
         raise ValueError("segments_attention stacks segments that hold all of their n slots in every head, same n")
     m = len(segs)
-    stack = stack_segments(segs)
+    stack = stack_segments(segs) if stack is None else stack
     q = query if m == 1 else query.repeat(m, 1, 1, 1)  # row i·B + b: segment i, batch row b
     if dispatch.use_triton(query):
         part = uniform_part(cfg, stack)  # addressed by arithmetic (kv_hex.uniform) when its sides share their flags

@@ -9,7 +9,7 @@ import torch
 from kv_hex.config import HEXConfig
 from kv_hex.kernels import dispatch
 from kv_hex.layout import PartLayout, concat_layouts, decode_segment, residual_layout, segment_layout
-from kv_hex.segment import Segment, compress_segment, uniform_length
+from kv_hex.segment import Segment, compact, compress_segment, share_stack, stack_segments, uniform_length
 from kv_hex.segment_attention import residual_attention, segment_attention, segments_attention, stackable
 from kv_hex.selector import hex_tiers
 from kv_hex.uniform import uniform_part
@@ -82,6 +82,8 @@ class HEXStore(Store):
         self._last_pos: torch.Tensor | None = None
         self._res_distinct: list[int] | None = None  # distinct residual positions per batch row, when known
         self._res_T: int | None = None  # residual entries of every head when all hold as many, _RAGGED; None: unknown
+        # stacks of decode blocks kept between calls (kv_hex.segment.share_stack): (blocks, stack) by block ids
+        self._stack_cache: dict[tuple[int, ...], tuple[tuple[Segment, ...], Segment]] = {}
 
     def _empty_residual(self, S: int, D: int, dtype, device) -> dict[str, torch.Tensor | None]:
         return {
@@ -123,6 +125,7 @@ class HEXStore(Store):
         self._segments, self._res = segments, res
         self._res_distinct = distinct
         self._res_T = res_T
+        self._keep_stacks()
         if last is not None:
             self._last_pos = last
             return
@@ -490,6 +493,38 @@ class HEXStore(Store):
             for i in which
         ]
 
+    def _keep_stacks(self) -> None:
+        """Keep the cached stacks whose blocks are all still held; the held blocks of a dropped stack get storages of
+        their own again (kv_hex.segment.compact), so no dropped entry's bytes stay reachable."""
+        held = {id(s) for s in self._segments}
+        kept = {}
+        for key, (blocks, stack) in self._stack_cache.items():
+            if all(id(b) in held for b in blocks):
+                kept[key] = (blocks, stack)
+            else:
+                for b in blocks:
+                    if id(b) in held:
+                        compact(b)
+        self._stack_cache = kept
+
+    def _stack(self, idx: list[int]) -> Segment:
+        """The decode blocks ``idx`` as one segment (:func:`kv_hex.segment.stack_segments`), built once per set of
+        blocks: the blocks then hold views of the stack (:func:`kv_hex.segment.share_stack`), so later calls copy
+        nothing and the stack holds no bytes of its own. Keys are the blocks' identities, valid while the cache
+        holds them (it keeps only stacks whose blocks are all held, see :meth:`_keep_stacks`)."""
+        blocks = tuple(self._segments[i] for i in idx)
+        key = tuple(id(b) for b in blocks)
+        hit = self._stack_cache.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], blocks)):
+            return hit[1]
+        stack = stack_segments(list(blocks))
+        if share_stack(list(blocks), stack):
+            # an older stack of some of these blocks (the set before a new block) no longer backs them: drop it
+            ids = set(key)
+            self._stack_cache = {k: v for k, v in self._stack_cache.items() if ids.isdisjoint(k)}
+            self._stack_cache[key] = (blocks, stack)
+        return stack
+
     def _residual_T(self) -> int:
         """Entries of every residual head when all hold as many (0 when empty), else ``_RAGGED``: known on the host
         through appends (each head gains the same entries); after any other mutation read once and remembered."""
@@ -568,7 +603,8 @@ class HEXStore(Store):
         else:
             stacks, rest = self._stacks(segments, _STACK_TOKENS)
         for idx in stacks:
-            out, lse, lg = segments_attention(q, self.config, [self._segments[i] for i in idx], scale, full_mode)
+            segs = [self._segments[i] for i in idx]
+            out, lse, lg = segments_attention(q, self.config, segs, scale, full_mode, self._stack(idx))
             parts.append((out, lse))
             if lg is not None:
                 logits.update(zip(idx, lg))
