@@ -272,9 +272,9 @@ def test_decode_blocks_through_the_triton_kernels_in_two_launches(monkeypatch, v
         launches.append(("layout", part.num_entries))
         return real(q, part, scale, logits)
 
-    def spy_uniform(q, part, rk, rv, scale, seg_logits=False, res_logits=False):
-        launches.append(("uniform", part.num_entries))
-        return real_uniform(q, part, rk, rv, scale, seg_logits, res_logits)
+    def spy_uniform(q, calls, scale):
+        launches.extend(("uniform", c.part.num_entries) for c in calls)  # one kernel launch per call, one merge
+        return real_uniform(q, calls, scale)
 
     for blocks in (1, 3, 5):  # one block: a stack of one
         store = grown(blocks)

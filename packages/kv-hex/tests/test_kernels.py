@@ -241,13 +241,25 @@ def test_segments_that_are_not_uniform_take_the_general_layout():
     assert uniform_part(store.config, store._segments[0]) is None
 
 
+def _close(got, want):
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    for (gs, gr), (ws, wr) in zip(got[2], want[2]):
+        for a, b in ((gs, ws), (gr, wr)):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(("dtype", "bits", "value_scope", "mask_scope", "mask_kind"), CASES)
 @pytest.mark.parametrize("residual", [0, 5])
 def test_uniform_kernel_equals_reference(dtype, bits, value_scope, mask_scope, mask_kind, residual):
     """The fused kernel over a uniform segment and the residual's rows: out, lse and both sets of logits equal the
     reference (float32 tolerance); GQA (2 query heads per KV head, 2 queries), the segment split over programs
-    (tiles of 16, one a program), residual rows in tiles of 16 over two splits, or no residual rows at all."""
+    (tiles of 16, one a program), residual rows in tiles of 16 over two splits, or no residual rows at all; and the
+    segment alone equals the general kernel's reference over its layout."""
     from kv_hex.kernels.triton_uniform import uniform_attention_triton
+    from kv_hex.uniform import UniformCall
 
     store = hex_store(dtype, bits, value_scope, mask_scope, mask_kind)
     seg = store._segments[0]
@@ -257,17 +269,47 @@ def test_uniform_kernel_equals_reference(dtype, bits, value_scope, mask_scope, m
     rk = torch.randn(S, residual, 16, generator=g).to(dtype).to(DEVICE)
     rv = torch.randn(S, residual, 16, generator=g).to(dtype).to(DEVICE)
     q = torch.randn(2, 4, 2, 16, generator=g).to(dtype).to(DEVICE)
-    want = reference.uniform_attention(q, part, rk, rv, 0.25, True, True)
-    got = uniform_attention_triton(q, part, rk, rv, 0.25, True, True, block_t=16, max_blocks=1, res_blocks=1)
-    assert got[2].shape == (part.num_entries, 4) and got[3].shape == (S * residual, 4)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    calls = [UniformCall(part, rk, rv, seg_logits=True, res_logits=True)]
+    want = reference.uniform_attention(q, calls, 0.25)
+    got = uniform_attention_triton(q, calls, 0.25, block_t=16, max_blocks=1, res_blocks=1)
+    assert got[2][0][0].shape == (part.num_entries, 4) and got[2][0][1].shape == (S * residual, 4)
+    _close(got, want)
     # without the residual's rows: the segment alone, as the general kernel attends it
     want = reference.part_attention(q, segment_layout(store.config, seg), 0.25, True)
-    got = uniform_attention_triton(q, part, None, None, 0.25, True, False, block_t=16, max_blocks=2)
-    for a, b in zip(got[:3], want):
+    got = uniform_attention_triton(q, [UniformCall(part, seg_logits=True)], 0.25, block_t=16, max_blocks=2)
+    for a, b in zip((got[0], got[1], got[2][0][0]), want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert got[3] is None
+    assert got[2][0][1] is None
+
+
+@pytest.mark.parametrize(("dtype", "bits", "value_scope", "mask_scope", "mask_kind"), CASES)
+def test_uniform_kernel_over_a_stack_and_a_segment_in_one_merge(dtype, bits, value_scope, mask_scope, mask_kind):
+    """Two calls, one merge: a stack of three decode blocks (addressed in the kernel: block ``i`` of batch row ``b``
+    is the stack's row ``i·B + b``; no repeated query) and the prompt's segment with residual rows, each launch
+    writing its splits into one buffer of partial results; equal to the reference (each attended on its own, the
+    stack with the query repeated per block, then merged), logits of every part in entry order."""
+    from kv_hex.kernels.triton_uniform import uniform_attention_triton
+    from kv_hex.segment import stack_segments
+    from kv_hex.uniform import UniformCall
+
+    store = hex_store(dtype, bits, value_scope, mask_scope, mask_kind)
+    g = torch.Generator().manual_seed(5)
+    B, H, D = store._shape
+    for step in range(16):  # two more decode blocks of 8
+        x = torch.randn(B, H, 1, D, generator=g).to(dtype).to(DEVICE)
+        store.append(x, -x, torch.full((B, 1), 25 + step, device=DEVICE))
+    blocks = store._segments[1:]
+    assert len(blocks) == 3
+    stack = uniform_part(store.config, stack_segments(blocks))
+    main = uniform_part(store.config, store._segments[0])
+    rk = torch.randn(B * H, 3, D, generator=g).to(dtype).to(DEVICE)
+    q = torch.randn(B, 4, 2, D, generator=g).to(dtype).to(DEVICE)
+    calls = [UniformCall(stack, stack=3, seg_logits=True), UniformCall(main, rk, -rk, seg_logits=True, res_logits=True)]
+    want = reference.uniform_attention(q, calls, 0.25)
+    got = uniform_attention_triton(q, calls, 0.25, block_t=16, max_blocks=1, res_blocks=1)
+    _close(got, want)
+    with pytest.raises(ValueError, match="needs 2 rows and 2 heads, got 6"):
+        uniform_attention_triton(q, [UniformCall(stack, stack=1)], 0.25)
 
 
 def test_the_store_keeps_uniform_segments_after_appends_and_loses_them_after_an_eviction():

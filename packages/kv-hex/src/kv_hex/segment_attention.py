@@ -25,7 +25,7 @@ from kv_hex.config import HEXConfig
 from kv_hex.kernels import dispatch
 from kv_hex.layout import head_columns, residual_layout, segment_layout
 from kv_hex.segment import Segment, stack_segments, uniform_length
-from kv_hex.uniform import uniform_part
+from kv_hex.uniform import UniformCall, uniform_part
 from kvcodec.packing import unpack_unchecked
 from kvcore import merge_split_attention
 
@@ -176,13 +176,15 @@ def segments_attention(
         raise ValueError("segments_attention stacks segments that hold all of their n slots in every head, same n")
     m = len(segs)
     stack = stack_segments(segs) if stack is None else stack
-    q = query if m == 1 else query.repeat(m, 1, 1, 1)  # row i·B + b: segment i, batch row b
     if dispatch.use_triton(query):
         part = uniform_part(cfg, stack)  # addressed by arithmetic (kv_hex.uniform) when its sides share their flags
-        if part is not None:
-            out, lse, lg, _ = dispatch.uniform_attention(q, part, None, None, scale, logits)
-        else:
-            out, lse, lg = dispatch.part_attention(q, segment_layout(cfg, stack), scale, logits)
+        if part is not None:  # the stack's segments addressed in the kernel: no repeated query, one softmax
+            out, lse, lg = dispatch.uniform_attention(query, [UniformCall(part, stack=m, seg_logits=logits)], scale)
+            lg = lg[0][0]
+            return out, lse, None if lg is None else list(lg.split([s.num_entries for s in segs]))
+    q = query if m == 1 else query.repeat(m, 1, 1, 1)  # row i·B + b: segment i, batch row b
+    if dispatch.use_triton(query):
+        out, lse, lg = dispatch.part_attention(q, segment_layout(cfg, stack), scale, logits)
     else:
         out, lse, lg = segment_attention(q, cfg, stack, scale, logits)
     if m > 1:

@@ -12,7 +12,7 @@ from kv_hex.layout import PartLayout, concat_layouts, decode_segment, residual_l
 from kv_hex.segment import Segment, compact, compress_segment, share_stack, stack_segments, uniform_length
 from kv_hex.segment_attention import residual_attention, segment_attention, segments_attention, stackable
 from kv_hex.selector import hex_tiers
-from kv_hex.uniform import uniform_part
+from kv_hex.uniform import UniformCall, uniform_part
 from kvcodec.narrow import narrow, narrow_positions
 from kvcodec.segments import segment_ids
 from kvcore import EVICT, FULL, KVView, Plan, Store, check_retier_plan, merge_attention, reachable_bytes
@@ -602,7 +602,15 @@ class HEXStore(Store):
             rest = segments[:1] + rest
         else:
             stacks, rest = self._stacks(segments, _STACK_TOKENS)
+        # uniform sources of the fused path (kv_hex.uniform): attended by one kernel launch each, one merge
+        calls: list[UniformCall] = []
+        owners: list[list[int]] = []  # the held parts of each call (segment indices; n_parts - 1: the residual)
         for idx in stacks:
+            up = uniform_part(self.config, self._stack(idx)) if fused else None
+            if up is not None:
+                calls.append(UniformCall(up, stack=len(idx), seg_logits=full_mode))
+                owners.append(idx)
+                continue
             segs = [self._segments[i] for i in idx]
             out, lse, lg = segments_attention(q, self.config, segs, scale, full_mode, self._stack(idx))
             parts.append((out, lse))
@@ -610,7 +618,7 @@ class HEXStore(Store):
                 logits.update(zip(idx, lg))
         if held[-1] == n_parts - 1:
             rest.append(n_parts - 1)
-        # the prompt's segment and the residual addressed by arithmetic (kv_hex.uniform) when both are uniform
+        # the prompt's segment and the residual addressed by arithmetic when both are uniform
         uniform = None
         if fused and rest and rest[0] == 0 and len(rest) <= 2 and (len(rest) == 1 or rest[1] == n_parts - 1):
             TR = self._residual_T()
@@ -619,13 +627,18 @@ class HEXStore(Store):
             S = B * H
             rk = self._res["k"].view(S, TR, D) if TR else None
             rv = self._res["v"].view(S, TR, D) if TR else None
-            out, lse, slg, rlg = dispatch.uniform_attention(q, uniform, rk, rv, scale, full_mode, TR > 0)
+            calls.append(UniformCall(uniform, rk, rv, seg_logits=full_mode, res_logits=True))
+            owners.append([0, n_parts - 1] if TR else [0])
+        if calls:
+            out, lse, lgs = dispatch.uniform_attention(q, calls, scale)
             parts.append((out, lse))
-            if slg is not None:
-                logits[0] = slg
-            if rlg is not None:
-                logits[n_parts - 1] = rlg
-        elif fused and rest:
+            for own, (slg, rlg) in zip(owners, lgs):
+                if slg is not None:
+                    sizes = [self._segments[i].num_entries for i in own if i < n_parts - 1]
+                    logits.update(zip(own, slg.split(sizes)))
+                if rlg is not None and own[-1] == n_parts - 1:
+                    logits[n_parts - 1] = rlg
+        if uniform is None and fused and rest:
             # the other parts in one launch and one softmax (the kernel dequantizes in registers; the longest
             # head's length bounded by the parts' own, on the host)
             layouts = self._layouts(bound=True, which=rest)
@@ -634,7 +647,7 @@ class HEXStore(Store):
             lg = torch.empty_like(lg).index_copy_(0, order, lg)  # back to the parts' own entry order
             parts.append((out, lse))
             logits.update(zip(rest, lg.split([p.num_entries for p in layouts])))
-        elif rest:
+        elif not fused and rest:
             # one part at a time, read in place
             for i in rest:
                 if i < n_parts - 1:

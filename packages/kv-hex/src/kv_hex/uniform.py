@@ -23,7 +23,7 @@ from kv_hex.config import HEXConfig
 from kv_hex.layout import PartLayout, SideLayout, head_columns
 from kv_hex.segment import Segment
 
-__all__ = ["UniformPart", "as_part_layout", "overlay_counts", "uniform_part"]
+__all__ = ["UniformCall", "UniformPart", "as_part_layout", "overlay_counts", "uniform_part"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,31 @@ class UniformPart:
     @property
     def dtype(self) -> torch.dtype:
         return self.k_rows.dtype
+
+
+@dataclass(frozen=True)
+class UniformCall:
+    """One source of entries for :func:`kv_hex.kernels.dispatch.uniform_attention`.
+
+    Attributes
+    ----------
+    part : UniformPart
+        A uniform segment, or a stack of ``stack`` segments of one size (:func:`kv_hex.segment.stack_segments`:
+        row ``i·B + b`` is batch row ``b`` of segment ``i``), every one attended by batch row ``b``'s queries.
+    res_k, res_v : Tensor, optional
+        ``[B·H, T_r, D]`` full-precision residual rows attended in the same launch (each head holds ``T_r``).
+    stack : int
+        Segments in ``part`` (1: a segment of the query's batch rows).
+    seg_logits, res_logits : bool
+        Return the scaled logits of the part's entries (entry order) / of the residual's (``s·T_r + t``).
+    """
+
+    part: UniformPart
+    res_k: torch.Tensor | None = None
+    res_v: torch.Tensor | None = None
+    stack: int = 1
+    seg_logits: bool = False
+    res_logits: bool = False
 
 
 @functools.lru_cache(maxsize=64)

@@ -70,11 +70,11 @@ def part_attention(query, part, scale, logits=False):
     return reference.part_attention(query, part, scale, logits)
 
 
-def uniform_attention(query, part, res_k, res_v, scale, seg_logits=False, res_logits=False):
-    """:func:`kv_hex.kernels.reference.uniform_attention`, or the fused Triton kernel that addresses the segment by
-    arithmetic (:mod:`kv_hex.kernels.triton_uniform`) on CUDA."""
-    if use_triton(part.before):
+def uniform_attention(query, calls, scale):
+    """:func:`kv_hex.kernels.reference.uniform_attention`, or the fused Triton kernel that addresses segments by
+    arithmetic (:mod:`kv_hex.kernels.triton_uniform`: one launch per call, one merge) on CUDA."""
+    if use_triton(calls[0].part.before):
         from kv_hex.kernels.triton_uniform import uniform_attention_triton
 
-        return uniform_attention_triton(query, part, res_k, res_v, scale, seg_logits, res_logits)
-    return reference.uniform_attention(query, part, res_k, res_v, scale, seg_logits, res_logits)
+        return uniform_attention_triton(query, calls, scale)
+    return reference.uniform_attention(query, calls, scale)

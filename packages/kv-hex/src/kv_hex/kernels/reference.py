@@ -210,38 +210,41 @@ def part_attention(
 
 
 def uniform_attention(
-    query: torch.Tensor,
-    part,
-    res_k: torch.Tensor | None,
-    res_v: torch.Tensor | None,
-    scale: float,
-    seg_logits: bool = False,
-    res_logits: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Attention of ``query [B, Hq, Q, D]`` over a uniform segment (:class:`kv_hex.uniform.UniformPart`) and the
-    residual's full-precision rows ``res_k/res_v [S, T_r, D]`` (``None``: no residual), one softmax over both.
+    query: torch.Tensor, calls: list, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor | None, torch.Tensor | None]]]:
+    """Attention of ``query [B, Hq, Q, D]`` over uniform segments and the residual
+    (:class:`kv_hex.uniform.UniformCall` s), one softmax over all of them.
 
-    The segment is attended through its general layout (:func:`kv_hex.uniform.as_part_layout`, :func:`part_attention`)
-    and the residual densely; the two are merged by log-sum-exp. Returns ``(out, lse, segment logits, residual
-    logits)``: float32 ``[B, Hq, Q, D]`` and ``[B, Hq, Q]``; with ``seg_logits`` / ``res_logits`` the scaled logits
-    ``[N, G·Q]`` of the segment's entries (entry order) / ``[S·T_r, G·Q]`` of the residual's (``s·T_r + t``), else
-    ``None``.
+    Each call's segment (or stack of segments, attended with the query repeated per segment) goes through its general
+    layout (:func:`kv_hex.uniform.as_part_layout`, :func:`part_attention`), its residual rows densely; everything is
+    merged by log-sum-exp. Returns ``(out, lse, logits)``: float32 ``[B, Hq, Q, D]`` and ``[B, Hq, Q]``, and per call
+    ``(segment logits, residual logits)``: the scaled logits ``[N, G·Q]`` of the segment's entries (entry order) and
+    ``[B·H·T_r, G·Q]`` of the residual's (``s·T_r + t``) where the call asks for them, else ``None``.
     """
     from kv_hex.uniform import as_part_layout  # kv_hex.uniform imports the layouts, which dispatch here
-    from kvcore import merge_attention
+    from kvcore import merge_attention, merge_split_attention
 
-    out, lse, slg = part_attention(query, as_part_layout(part), scale, seg_logits)
-    rlg = None
-    if res_k is not None and res_k.shape[1]:
-        B, Hq, Q, D = query.shape
-        S, TR, _ = res_k.shape
-        q = query.float().reshape(S, Hq * Q * B // S, D)
-        lg = torch.einsum("srd,std->srt", q, res_k.float()) * scale
-        rlse = torch.logsumexp(lg, dim=-1)
-        rout = torch.einsum("srt,std->srd", torch.exp(lg - rlse[..., None]), res_v.float())
-        out, lse = merge_attention([(out, lse), (rout.reshape(out.shape), rlse.reshape(lse.shape))])
-        if res_logits:
-            rlg = lg.transpose(1, 2).reshape(S * TR, -1)
-    elif res_logits:
-        rlg = torch.zeros(0, query.shape[1] // part.H * query.shape[2], device=query.device)
-    return out, lse, slg, rlg
+    B, Hq, Q, D = query.shape
+    parts, logits = [], []
+    for call in calls:
+        m = call.stack
+        q = query if m == 1 else query.repeat(m, 1, 1, 1)  # row i·B + b: segment i, batch row b
+        out, lse, slg = part_attention(q, as_part_layout(call.part), scale, call.seg_logits)
+        if m > 1:
+            out, lse = merge_split_attention(out.reshape(m, B, Hq, Q, D), lse.reshape(m, B, Hq, Q), 0)
+        parts.append((out, lse))
+        rlg = None
+        if call.res_k is not None and call.res_k.shape[1]:
+            S, TR, _ = call.res_k.shape
+            qr = query.float().reshape(S, Hq * Q * B // S, D)
+            lg = torch.einsum("srd,std->srt", qr, call.res_k.float()) * scale
+            rlse = torch.logsumexp(lg, dim=-1)
+            rout = torch.einsum("srt,std->srd", torch.exp(lg - rlse[..., None]), call.res_v.float())
+            parts.append((rout.reshape(B, Hq, Q, D), rlse.reshape(B, Hq, Q)))
+            if call.res_logits:
+                rlg = lg.transpose(1, 2).reshape(S * TR, -1)
+        elif call.res_logits:
+            rlg = torch.zeros(0, Hq // call.part.H * Q, device=query.device)
+        logits.append((slg, rlg))
+    out, lse = merge_attention(parts)
+    return out, lse, logits
