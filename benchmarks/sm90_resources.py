@@ -75,11 +75,11 @@ def main() -> None:
     part_attention_triton(q, hx._layouts()[0], 0.1, logits=True, tensor_cores=tc)
     # HEX's uniform kernel: the prompt's segment addressed by arithmetic with a 40-token residual, one launch
     from kv_hex.kernels.triton_uniform import uniform_attention_triton
-    from kv_hex.uniform import uniform_part
+    from kv_hex.uniform import UniformCall, uniform_part
 
     res = torch.randn(2, B * H, 40, D, generator=g).to(dtype)
-    uniform_attention_triton(q, uniform_part(hx.config, hx._segments[0]), res[0], res[1], 0.1, False, True,
-                             tensor_cores=tc)  # fmt: skip
+    call = UniformCall(uniform_part(hx.config, hx._segments[0]), res[0], res[1], res_logits=True)
+    uniform_attention_triton(q, [call], 0.1, tensor_cores=tc)
     # SEKV's Stage-1 attention (biased, over resident + coarse entries) at the same shape, keys and values views of
     # a growing buffer as the store passes them
     from kv_sekv.kernels.triton_attention import biased_attention_triton

@@ -52,7 +52,9 @@ def _entry_tile(
 ):  # fmt: skip
     """float32 ``[BT, BLOCK_D]`` tile of entries whose addresses are given: ``quant`` / ``isfull`` (coded / full
     entries; neither: masked off), code row ``r``, full row ``f``, statistics row ``g``, first overlay value
-    ``off``, mask row ``slot`` and head ``h`` (int64 where they index)."""
+    ``off``, mask row ``slot`` and head ``h`` (int64 where they index). ``PER_CHANNEL``: 0, one statistic per
+    entry (values); 1, a row of per-channel statistics per entry; 2, one row for every entry of the tile (``g`` a
+    scalar: a segment's keys of one head)."""
     dmask = d < D
     m2 = quant[:, None] & dmask[None, :]
     bitpos = d * BITS
@@ -62,7 +64,10 @@ def _entry_tile(
     b1 = tl.load(CODES + r[:, None] * PW + byte[None, :] + 1, mask=m2 & ((byte + 1) < PW)[None, :], other=0)
     word = b0 | (b1.to(tl.int32) << 8)
     code = ((word >> sh[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
-    if PER_CHANNEL:
+    if PER_CHANNEL == 2:  # one statistics row for the whole tile: ``g`` is a scalar row
+        s = tl.load(SCALE + g * D + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        z = tl.load(ZERO + g * D + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    elif PER_CHANNEL:
         s = tl.load(SCALE + g[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
         z = tl.load(ZERO + g[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
     else:

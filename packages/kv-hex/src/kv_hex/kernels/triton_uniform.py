@@ -72,12 +72,11 @@ def _uniform_attention(
             r = tl.where(quant, e - cf, 0)
             f = tl.where(isfull, cf, 0)
             off = tl.load(BEFORE + N + e, mask=quant, other=0).to(tl.int64) if W > 0 else r  # r: never read
-            kg = tl.zeros([BLOCK_T], tl.int64) + sx
             vg = bx.to(tl.int64) * n + t if VLAYER else r
-            k = _entry_tile(KCODES, KROWS, KSCALE, KZERO, KOVER, HCOLS, quant, isfull, r, f, kg, off, t, h, d, KPW,
-                            H, D, BITS, True, W, OUT)  # fmt: skip
+            k = _entry_tile(KCODES, KROWS, KSCALE, KZERO, KOVER, HCOLS, quant, isfull, r, f, sx.to(tl.int64), off,
+                            t, h, d, KPW, H, D, BITS, 2, W, OUT)  # fmt: skip
             v = _entry_tile(VCODES, VROWS, VSCALE, VZERO, VOVER, HCOLS, quant, isfull, r, f, vg, off, t, h, d, VPW,
-                            H, D, BITS, False, W, OUT)  # fmt: skip
+                            H, D, BITS, 0, W, OUT)  # fmt: skip
             logits = qk_dot(q, k, DOT) * scale
             logits = tl.where(tmask[None, :], logits, float("-inf"))
             if SEG_LOGITS:
