@@ -129,6 +129,8 @@ def uniform_attention_triton(
     nothing). A stack's segments are addressed in the kernel (no repeated query, no merge of its own).
     ``tensor_cores``: products in the cache dtype on the matrix units (as :mod:`kv_hex.kernels.triton_attention`)."""
     block_t = max(16, triton.next_power_of_2(block_t))
+    if not dot_mode(query, (calls[0].part.dtype,), tensor_cores):
+        block_t = 16  # the IEEE float32 products: 32-entry tiles spill on sm_90 (144 bytes at Llama-3-8B's shape)
     B, Hq, Q, D = query.shape
     H = calls[0].part.H
     S = B * H
