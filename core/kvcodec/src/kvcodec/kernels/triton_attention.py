@@ -304,12 +304,14 @@ def quantized_attention_triton(
     if B * H == 0 or Q == 0 or D == 0 or T == 0:
         out = torch.zeros(B, Hq, Q, D, dtype=torch.float32, device=query.device)
         return out, torch.full((B, Hq, Q), float("-inf"), dtype=torch.float32, device=query.device)
+    dot = dot_mode(query, (segment.keys.full.dtype, segment.values.full.dtype), tensor_cores)
+    if block_t is None and not dot:
+        block_t = 16  # IEEE float32 products: 32-entry tiles spill on sm_90 with Triton 3.9 (296 bytes)
     bt, tiles, nsplit = split_plan(T, B * H, block_t, tiles)
     outp = torch.empty(B * H, nsplit, M, D, dtype=torch.float32, device=query.device)
     lsep = torch.empty(B * H, nsplit, M, dtype=torch.float32, device=query.device)
     kc, ks, kz, kf, kpw, kC, kg, (kfmax, kout) = _params(segment.keys)
     vc, vs, vz, vf, vpw, vC, vg, (vfmax, vout) = _params(segment.values)
-    dot = dot_mode(query, (segment.keys.full.dtype, segment.values.full.dtype), tensor_cores)
     _quantized_attention_kernel[(B * H, nsplit)](
         query,
         outp,
