@@ -128,10 +128,16 @@ def _head_columns(kind: str, scope: str, rho: float, seed: int | None, n: int, H
     return torch.where(cols < D, cols, -1).to(torch.int32).contiguous()
 
 
+@functools.lru_cache(maxsize=64)
+def _head_columns_on(kind: str, scope: str, rho: float, seed: int | None, n: int, H: int, D: int, device: str):
+    return _head_columns(kind, scope, rho, seed, n, H, D).to(device)
+
+
 def head_columns(cfg: HEXConfig, n: int, H: int, D: int, device) -> torch.Tensor:
     """int32 ``[n, H, W]``: the channels (within the head, ascending, ``-1`` padded) the static mask keeps in full
-    precision for each (slot, head) of an ``n``-slot segment; ``W`` is the largest count (0 without a mask)."""
-    return _head_columns(cfg.mask_kind, cfg.mask_scope, cfg.rho, cfg.seed, n, H, D).to(device)
+    precision for each (slot, head) of an ``n``-slot segment; ``W`` is the largest count (0 without a mask). Cached
+    per device as well: a decode step on a GPU copies nothing from the host for it."""
+    return _head_columns_on(cfg.mask_kind, cfg.mask_scope, cfg.rho, cfg.seed, n, H, D, str(torch.device(device)))
 
 
 def _side(seg: Segment, kind: str, cfg: HEXConfig, segid, slot, hcols, like: SideLayout | None = None) -> SideLayout:
