@@ -2,16 +2,18 @@
 §3.5; online softmax as in FlashAttention, Dao et al. 2022 §3.1; splits merged as in Flash-Decoding).
 
 One program per (batch row, KV head, split) owns the ``G·Q`` query rows of that head (GQA without repeating K/V).
-The first ``seg_splits`` splits walk the segment's entries ``e = s·n + t`` in tiles of ``BLOCK_T``: an entry's
-"full-precision row" bit is read from the segment's packed flags, its full row / code row from one running count
-(:attr:`kv_hex.uniform.UniformPart.before`), its key statistics are the head's row, its value statistics the
-(batch row, slot)'s or the code row's, its mask row is its slot ``t`` and its overlay values start at the second
-running count; codes are dequantized and the overlay merged in registers by the same tile loader as the general
-kernel (:func:`kv_hex.kernels.triton_dequant._entry_tile`). The remaining splits walk the residual's full-precision
-rows ``[S, T_r, D]``. Every split returns its normalized output and log-sum-exp, merged by one launch of kvcodec's
-merge kernel; the scaled logits of the residual (and, in full mode, of the segment) are written for the heavy-hitter
-accumulator. The segment's length, the residual's length and the split count are run-time arguments that are not
-specialised, so a decode compiles one variant. GPU speed is unmeasured.
+The first ``stack · seg_splits`` splits walk the segment's entries ``e = s·n + t`` in tiles of ``BLOCK_T`` (for a
+stack of ``m`` segments, :func:`kv_hex.segment.stack_segments`, segment ``i`` holds this head's entries as its head
+``(i·B + b)·H + h``): an entry's "full-precision row" bit is read from the segment's packed flags, its full row / code
+row from one running count (:attr:`kv_hex.uniform.UniformPart.before`), its key statistics are the head's row (one
+row per tile), its value statistics the (batch row, slot)'s or the code row's, its mask row is its slot ``t`` and its
+overlay values start at the second running count; codes are dequantized and the overlay merged in registers by the
+same tile loader as the general kernel (:func:`kv_hex.kernels.triton_dequant._entry_tile`). The remaining splits walk
+the residual's full-precision rows ``[S, T_r, D]``. Every split writes its normalized output and log-sum-exp into one
+buffer shared by all the calls of a step, merged by one launch of kvcodec's merge kernel; the scaled logits of the
+residual (and, in full mode, of the segment) are written for the heavy-hitter accumulator. Lengths, stack size,
+split counts and offsets are run-time arguments that are not specialised, so a decode compiles one variant per kind
+of call. GPU speed is unmeasured.
 
 This module needs ``triton``; :mod:`kv_hex.kernels.dispatch` imports it lazily.
 """
