@@ -30,6 +30,23 @@ __all__ = ["part_attention_triton"]
 
 
 @triton.jit
+def _head_queries(
+    Q, s, D: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr
+):
+    """Head ``s``'s ``R`` query rows (``Q`` is ``[S, R, D]``) as a matrix-unit operand, their row and channel
+    indices and masks, and an empty online-softmax state ``(m_i, l_i, acc)``."""
+    m = tl.arange(0, BLOCK_M)
+    mmask = m < R
+    d = tl.arange(0, BLOCK_D)
+    qmask = mmask[:, None] & (d < D)[None, :]
+    q = as_dot(tl.load(Q + (s * R + m[:, None]) * D + d[None, :], mask=qmask, other=0.0), DOT)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    return m, mmask, d, qmask, q, m_i, l_i, acc
+
+
+@triton.jit
 def _part_attention(
     Q, OUTP, LSEP, LOGITS, START, COUNT, SLOT, HCOLS,
     KIDX, KCODES, KROWS, KSCALE, KZERO, KGRP, KOVER, KOOFF,
@@ -44,15 +61,7 @@ def _part_attention(
     h = s % H
     start = tl.load(START + s).to(tl.int64)
     count = tl.load(COUNT + s)
-    m = tl.arange(0, BLOCK_M)
-    mmask = m < R
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    qmask = mmask[:, None] & dmask[None, :]
-    q = as_dot(tl.load(Q + (s * R + m[:, None]) * D + d[None, :], mask=qmask, other=0.0), DOT)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m, mmask, d, qmask, q, m_i, l_i, acc = _head_queries(Q, s, D, R, BLOCK_M, BLOCK_D, DOT)
     for blk in range(NUM_T_BLOCKS):
         t = (sp * NUM_T_BLOCKS + blk) * BLOCK_T + tl.arange(0, BLOCK_T)
         tmask = t < count

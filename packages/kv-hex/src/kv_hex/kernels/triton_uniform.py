@@ -24,9 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kv_hex.kernels.triton_attention import _head_queries
 from kv_hex.kernels.triton_dequant import _OUT, _entry_tile, _nonempty
 from kvcodec.kernels.triton_attention import merge_splits
-from kvcodec.kernels.triton_dot import as_dot, dot_mode, online_softmax_step, qk_dot, softmax_result
+from kvcodec.kernels.triton_dot import dot_mode, online_softmax_step, qk_dot, softmax_result
 
 __all__ = ["uniform_attention_triton"]
 
@@ -48,15 +49,8 @@ def _uniform_attention(
     sp = tl.program_id(1)
     h = s % H
     b = s // H
-    m = tl.arange(0, BLOCK_M)
-    mmask = m < R
-    d = tl.arange(0, BLOCK_D)
+    m, mmask, d, qmask, q, m_i, l_i, acc = _head_queries(Q, s, D, R, BLOCK_M, BLOCK_D, DOT)
     dmask = d < D
-    qmask = mmask[:, None] & dmask[None, :]
-    q = as_dot(tl.load(Q + (s * R + m[:, None]) * D + d[None, :], mask=qmask, other=0.0), DOT)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     N = STACK * tl.num_programs(0).to(tl.int64) * n  # entries of the segment (of every segment of a stack)
     if sp < STACK * SEG_SPLITS:
         # segment i of a stack holds this head's entries as its head (i·B + b)·H + h
