@@ -12,14 +12,13 @@ one call and dropped: the store holds only the segment (its bytes are what ``nby
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
 from kv_hex.config import HEXConfig
 from kv_hex.kernels import dispatch
+from kv_hex.kernels.layouts import PartLayout, SideLayout
 from kv_hex.segment import Segment, segment_mask
-from kvcodec.segments import segment_ids
 
 __all__ = [
     "PartLayout",
@@ -30,88 +29,6 @@ __all__ = [
     "residual_layout",
     "segment_layout",
 ]
-
-
-@dataclass(frozen=True)
-class SideLayout:
-    """Keys or values of one part.
-
-    Attributes
-    ----------
-    idx : Tensor
-        int32 ``[N]``: ``>= 0`` code row ``idx``, ``< 0`` full-precision row ``-1 - idx`` (code rows and full rows
-        are each in entry order: the coded entries' ``idx`` run ``0 .. Nq-1``).
-    codes : Tensor
-        uint8 ``[Nq, packed_width(D, bits)]`` packed codes (the :mod:`kvcodec.packing` bit stream).
-    rows : Tensor
-        ``[Nf, D]`` full-precision rows, in the cache dtype (code rows dequantize to it as well).
-    scale, zero : Tensor
-        ``[Ng, D]`` (``per_channel``: keys, one statistic per channel of the group) or ``[Ng]`` (values, one per
-        token group).
-    grp : Tensor
-        int32 ``[N]``: the statistics row of each coded entry.
-    over : Tensor
-        ``[No]`` overlay values of the coded entries, entry after entry, channels ascending.
-    ooff : Tensor
-        int32 ``[N]``: first overlay value of each coded entry in ``over``.
-    per_channel : bool
-    """
-
-    idx: torch.Tensor
-    codes: torch.Tensor
-    rows: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor
-    grp: torch.Tensor
-    over: torch.Tensor
-    ooff: torch.Tensor
-    per_channel: bool
-
-
-@dataclass(frozen=True)
-class PartLayout:
-    """One part of a HEX layer: ``S = B·H`` ragged heads of entries, addressed for the kernels.
-
-    Attributes
-    ----------
-    B, H, D : int
-        Batch rows, KV heads, head dim.
-    bits : int
-        Code width (3 or 4 for HEX-3 / HEX-4; any of 2, 3, 4, 8).
-    start, count : Tensor
-        int32 ``[S]``: first entry and number of entries of each head (entries are contiguous per head).
-    T : int
-        The largest ``count``.
-    slot : Tensor
-        int32 ``[N]``: the mask row (segment slot) of each entry.
-    hcols : Tensor
-        int32 ``[n, H, W]``: the overlay channels of (slot, head), ``-1`` padded (``W = 0``: no overlay).
-    k, v : SideLayout
-    """
-
-    B: int
-    H: int
-    D: int
-    bits: int
-    start: torch.Tensor
-    count: torch.Tensor
-    T: int
-    slot: torch.Tensor
-    hcols: torch.Tensor
-    k: SideLayout
-    v: SideLayout
-
-    @property
-    def num_entries(self) -> int:
-        return int(self.k.idx.numel())
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.k.rows.dtype
-
-    def seg(self) -> torch.Tensor:
-        """int64 ``[N]``: the head ``b·H + h`` of every entry."""
-        return segment_ids(self.count, self.num_entries)  # the total from a shape: no host read
 
 
 @functools.lru_cache(maxsize=64)

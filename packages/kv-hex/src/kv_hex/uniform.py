@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from kv_hex.config import HEXConfig
-from kv_hex.layout import PartLayout, SideLayout, head_columns
+from kv_hex.kernels.layouts import as_part_layout
+from kv_hex.layout import head_columns
 from kv_hex.segment import Segment
 
 __all__ = ["UniformCall", "UniformPart", "as_part_layout", "overlay_counts", "uniform_part"]
@@ -146,28 +147,3 @@ def uniform_part(cfg: HEXConfig, seg: Segment) -> UniformPart | None:
         seg.v_codes, seg.v_rows, seg.v_scale.reshape(-1), seg.v_zero.reshape(-1), seg.v_over,
         cfg.value_scope == "layer",
     )  # fmt: skip
-
-
-def as_part_layout(part: UniformPart) -> PartLayout:
-    """The general :class:`~kv_hex.layout.PartLayout` of a uniform part (its per-entry maps materialised): what the
-    reference path attends, and the definition the uniform kernel is tested against."""
-    B, H, n = part.B, part.H, part.n
-    S, N = B * H, part.num_entries
-    device = part.before.device
-    e = torch.arange(N, device=device)
-    full = ((part.flags[e // 8] >> (e % 8).to(torch.uint8)) & 1).bool()
-    cf = part.before[0].long()
-    idx = torch.where(full, -1 - cf, e - cf).to(torch.int32)
-    s, t = e // n, e % n
-    code_row = torch.where(full, 0, e - cf)
-    vgrp = (s // H) * n + t if part.value_layer else code_row
-    ooff = part.before[1] if part.hcols.shape[-1] else torch.zeros(N, dtype=torch.int32, device=device)
-    k = SideLayout(
-        idx, part.k_codes, part.k_rows, part.k_scale, part.k_zero, s.to(torch.int32), part.k_over, ooff, True
-    )
-    v = SideLayout(
-        idx, part.v_codes, part.v_rows, part.v_scale, part.v_zero, vgrp.to(torch.int32), part.v_over, ooff, False
-    )
-    start = torch.arange(S, device=device, dtype=torch.int32) * n
-    count = torch.full((S,), n, dtype=torch.int32, device=device)
-    return PartLayout(B, H, part.D, part.bits, start, count, n, t.to(torch.int32), part.hcols, k, v)

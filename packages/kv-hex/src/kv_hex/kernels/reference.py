@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kv_hex.kernels.layouts import as_part_layout
 from kvcodec.packing import unpack_unchecked
 from kvcodec.stats import minmax_scale, minmax_stats, scale_dtype_for
 
@@ -215,13 +216,13 @@ def uniform_attention(
     """Attention of ``query [B, Hq, Q, D]`` over uniform segments and the residual
     (:class:`kv_hex.uniform.UniformCall` s), one softmax over all of them.
 
-    Each call's segment (or stack of segments, attended with the query repeated per segment) goes through its general
-    layout (:func:`kv_hex.uniform.as_part_layout`, :func:`part_attention`), its residual rows densely; everything is
-    merged by log-sum-exp. Returns ``(out, lse, logits)``: float32 ``[B, Hq, Q, D]`` and ``[B, Hq, Q]``, and per call
-    ``(segment logits, residual logits)``: the scaled logits ``[N, G·Q]`` of the segment's entries (entry order) and
-    ``[B·H·T_r, G·Q]`` of the residual's (``s·T_r + t``) where the call asks for them, else ``None``.
+    Each call's segment (or stack of segments, attended with the query repeated per segment) goes through its
+    general layout (:func:`kv_hex.kernels.layouts.as_part_layout`, :func:`part_attention`), its residual rows
+    densely; everything is merged by log-sum-exp. Returns ``(out, lse, logits)``: float32 ``[B, Hq, Q, D]`` and
+    ``[B, Hq, Q]``, and per call ``(segment logits, residual logits)``: the scaled logits ``[N, G·Q]`` of the
+    segment's entries (entry order) and ``[B·H·T_r, G·Q]`` of the residual's (``s·T_r + t``) where the call asks for
+    them, else ``None``.
     """
-    from kv_hex.uniform import as_part_layout  # kv_hex.uniform imports the layouts, which dispatch here
     from kvcore import merge_attention, merge_split_attention
 
     B, Hq, Q, D = query.shape
