@@ -13,6 +13,8 @@ This module needs ``triton``; :mod:`kv_hex.kernels.dispatch` imports it lazily.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -110,11 +112,17 @@ def _dequantize(
     tl.store(OUTV + e[:, None] * D + d[None, :], v.to(OUTV.dtype.element_ty), mask=omask)
 
 
+@functools.lru_cache(maxsize=64)
+def _dummy(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def _nonempty(t: torch.Tensor, shape: tuple[int, ...], dtype=None) -> torch.Tensor:
-    """``t`` contiguous, or a one-element dummy of ``dtype`` when it is empty (never read: masked off)."""
+    """``t`` contiguous, or a small dummy of ``dtype`` when it is empty (never read: masked off; cached per shape,
+    dtype and device, so a decode step allocates none)."""
     if t.numel():
         return t.contiguous()
-    return torch.zeros(shape, dtype=dtype or t.dtype, device=t.device)
+    return _dummy(tuple(shape), dtype or t.dtype, str(t.device))
 
 
 def side_args(side, D: int) -> tuple:
