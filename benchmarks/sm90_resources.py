@@ -80,6 +80,15 @@ def main() -> None:
     res = torch.randn(2, B * H, 40, D, generator=g).to(dtype)
     call = UniformCall(uniform_part(hx.config, hx._segments[0]), res[0], res[1], res_logits=True)
     uniform_attention_triton(q, [call], 0.1, tensor_cores=tc)
+    # its other variants: HEX-4 KCVT (no mask), per-head value statistics, full mode's segment logits, a stack of two
+    from kv_hex.segment import stack_segments
+
+    kc = HEXStore(HEXConfig(bits=4, mask_kind="none", value_scope="head", mode="full"))
+    kc.write(k[:, :, :4096], v[:, :, :4096], Plan(hex_tiers(torch.rand(B, H, 4096, generator=g), keep[..., :4096],
+             torch.zeros_like(keep[..., :4096]), 4, 0.02, 8, 96)), torch.arange(4096).expand(B, 4096))  # fmt: skip
+    seg = kc._segments[0]
+    calls = [UniformCall(uniform_part(kc.config, stack_segments([seg, seg])), stack=2, seg_logits=True)]
+    uniform_attention_triton(q, calls, 0.1, tensor_cores=tc)
     # SEKV's Stage-1 attention (biased, over resident + coarse entries) at the same shape, keys and values views of
     # a growing buffer as the store passes them
     from kv_sekv.kernels.triton_attention import biased_attention_triton
