@@ -1,5 +1,6 @@
 """Triton kernels == their PyTorch references, under ``TRITON_INTERPRET=1`` on CPU (conftest.py), compiled on CUDA."""
 
+import dataclasses
 import math
 
 import pytest
@@ -310,6 +311,10 @@ def test_uniform_kernel_over_a_stack_and_a_segment_in_one_merge(dtype, bits, val
     _close(got, want)
     with pytest.raises(ValueError, match="needs 2 rows and 2 heads, got 6"):
         uniform_attention_triton(q, [UniformCall(stack, stack=1)], 0.25)
+    if dtype != torch.float32:
+        other = dataclasses.replace(main, k_rows=main.k_rows.float())
+        with pytest.raises(ValueError, match="share one cache dtype"):
+            uniform_attention_triton(q, [calls[0], UniformCall(other)], 0.25)
 
 
 def test_the_store_keeps_uniform_segments_after_appends_and_loses_them_after_an_eviction():

@@ -8,6 +8,8 @@ only works for b dividing 32 and rows that are a multiple of 32/b codes; this la
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -87,6 +89,12 @@ def unpack_codes(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     return unpack_unchecked(packed, bits, d)
 
 
+@functools.lru_cache(maxsize=32)
+def _shifts(count: int, bits: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """``[0, bits, 2·bits, ...]`` (``count`` of them), cached per device: an unpack on a GPU launches no arange."""
+    return torch.arange(count, device=device, dtype=dtype) * bits
+
+
 def unpack_unchecked(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     """:func:`unpack_codes` without argument checks."""
     *lead, width = packed.shape
@@ -94,7 +102,7 @@ def unpack_unchecked(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
         return packed.clone(memory_format=torch.contiguous_format)
     if 8 % bits == 0:  # 1, 2, 4 bits
         per = 8 // bits
-        shifts = torch.arange(per, device=packed.device, dtype=torch.uint8) * bits
+        shifts = _shifts(per, bits, torch.uint8, str(packed.device))
         codes = ((packed[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*lead, width * per)
     else:
         chunks = -(-d // 8)
@@ -103,6 +111,6 @@ def unpack_unchecked(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
         word = p[..., 0].to(wide)
         for i in range(1, bits):  # OR the bytes in (a reduction over a 3-7 wide axis is ~2x slower on CPU)
             word |= p[..., i].to(wide) << (8 * i)
-        shifts = torch.arange(8, device=packed.device, dtype=wide) * bits
+        shifts = _shifts(8, bits, wide, str(packed.device))
         codes = ((word[..., None] >> shifts) & ((1 << bits) - 1)).to(torch.uint8).view(*lead, chunks * 8)
     return codes if codes.shape[-1] == d else codes[..., :d].clone(memory_format=torch.contiguous_format)

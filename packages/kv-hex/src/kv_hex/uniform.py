@@ -23,6 +23,7 @@ from kv_hex.config import HEXConfig
 from kv_hex.kernels.layouts import as_part_layout
 from kv_hex.layout import head_columns
 from kv_hex.segment import Segment
+from kvcodec.packing import unpack_unchecked
 
 __all__ = ["UniformCall", "UniformPart", "as_part_layout", "overlay_counts", "uniform_part"]
 
@@ -116,11 +117,6 @@ def overlay_counts(cfg: HEXConfig, n: int, H: int, D: int, device) -> torch.Tens
     return _overlay_counts(cfg.mask_kind, cfg.mask_scope, cfg.rho, cfg.seed, n, H, D, str(torch.device(device)))
 
 
-@functools.lru_cache(maxsize=8)
-def _bit_shifts(device: str) -> torch.Tensor:
-    return torch.arange(8, dtype=torch.uint8, device=device)
-
-
 def uniform_part(cfg: HEXConfig, seg: Segment) -> UniformPart | None:
     """The :class:`UniformPart` of ``seg``, or ``None`` when the segment is not uniform (a head missing slots after
     an eviction, keys and values full at different entries, or a side holding no codes): such segments take the
@@ -131,8 +127,7 @@ def uniform_part(cfg: HEXConfig, seg: Segment) -> UniformPart | None:
     B, H, D, n = seg.counts.numel() // seg.H, seg.H, seg.D, seg.n
     N = B * H * n
     device = seg.pos.device
-    bits = (seg.k_full[:, None] >> _bit_shifts(str(device))) & 1  # little-endian bit stream (kvcodec.packing)
-    full = bits.view(-1)[:N].view(B, H, n)
+    full = unpack_unchecked(seg.k_full[None], 1, N).view(B, H, n)  # the flags' bit stream (kvcodec.packing)
     per = torch.empty(2, B, H, n, dtype=torch.int32, device=device)
     per[0] = full
     hcols = head_columns(cfg, n, H, D, device)

@@ -125,7 +125,8 @@ def uniform_attention_triton(
     nothing). A stack's segments are addressed in the kernel (no repeated query, no merge of its own).
     ``tensor_cores``: products in the cache dtype on the matrix units (as :mod:`kv_hex.kernels.triton_attention`)."""
     block_t = max(16, triton.next_power_of_2(block_t))
-    if not dot_mode(query, (calls[0].part.dtype,), tensor_cores):
+    dot = dot_mode(query, (calls[0].part.dtype,), tensor_cores)  # the calls' parts share the cache dtype
+    if not dot:
         block_t = 16  # the IEEE float32 products: 32-entry tiles spill on sm_90 (144 bytes at Llama-3-8B's shape)
     B, Hq, Q, D = query.shape
     H = calls[0].part.H
@@ -137,17 +138,18 @@ def uniform_attention_triton(
     nsplit = sum(x[2] for x in shapes)
     outp = torch.empty(S, nsplit, R, D, device=device, dtype=torch.float32)
     lsep = torch.empty(S, nsplit, R, device=device, dtype=torch.float32)
+    q = (query if dot else query.float()).reshape(B, H, G, Q, D).reshape(S, R, D).contiguous()
     split0 = 0
     logits = []
     for call, (nblk, seg_splits, splits) in zip(calls, shapes):
         part = call.part
+        if part.dtype != calls[0].part.dtype:
+            raise ValueError(f"the calls' parts must share one cache dtype, got {calls[0].part.dtype} and {part.dtype}")
         if B * call.stack != part.B or part.H != H:
             raise ValueError(
                 f"a call of {call.stack} segment(s) over batch {B}, {H} KV heads needs {B * call.stack} rows and "
                 f"{H} heads, got {part.B} and {part.H}"
             )
-        dot = dot_mode(query, (part.dtype,), tensor_cores)
-        q = (query if dot else query.float()).reshape(B, H, G, Q, D).reshape(S, R, D).contiguous()
         TR = 0 if call.res_k is None else call.res_k.shape[1]
         slg = torch.empty(part.num_entries, R, device=device, dtype=torch.float32) if call.seg_logits else None
         rlg = torch.empty(S * TR, R, device=device, dtype=torch.float32) if call.res_logits else None
