@@ -128,3 +128,57 @@ def test_push_without_value_checks_reads_nothing_and_holds_int32_positions():
     assert reads.total == 0
     assert unchecked.pos.dtype == torch.int32 and checked.pos.dtype == torch.int16
     assert torch.equal(unchecked.rows, checked.rows) and torch.equal(unchecked.pos.int(), checked.pos.int())
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    S=st.integers(1, 4),
+    first=st.integers(0, 5),
+    pushes=st.lists(st.integers(0, 3), min_size=1, max_size=4),
+    ragged=st.booleans(),
+)
+def test_push_by_concatenation_equals_the_scatter(seed, S, first, pushes, ragged):
+    """Invariant: where every segment holds as many rows (``uniform_count``, learnt once), a push appends by
+    concatenation and holds exactly what the general push holds (rows, positions, counts, dtypes); segments that
+    differ give ``None`` and the general push; any other edit forgets the count."""
+    gen = torch.Generator().manual_seed(seed)
+    D = 3
+    x = torch.randn(1, S, first, D, generator=gen)
+    mask = torch.ones(1, S, first, dtype=torch.bool)
+    if ragged and first:
+        mask[0, 0, 0] = False
+    pos = torch.arange(first).expand(1, S, first).int()
+    fast, slow = Residual.from_mask(x, mask, pos), Residual.from_mask(x, mask, pos)
+    even = fast.uniform_count()
+    assert even == (None if ragged and first and S > 1 else int(mask[0, 0].sum()))
+    at = first
+    for n in pushes:
+        rows = torch.randn(S, n, D, generator=gen)
+        p = (at + torch.arange(n)).expand(S, n)
+        fast.push(rows, p)
+        slow._even = None  # the general push
+        slow.push(rows, p)
+        at += n
+        for a, b in ((fast.rows, slow.rows), (fast.pos, slow.pos), (fast.counts, slow.counts)):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    if even is not None:
+        assert fast._even == even + sum(pushes)
+    fast.pop_front(torch.ones(S, dtype=torch.long).clamp_max(fast.counts))
+    assert fast._even is None  # forgotten until asked again
+
+
+def test_uniform_count_reads_once_and_pushes_read_nothing():
+    from kvcore import value_checks
+    from kvcore.testing.host_reads import HostReads
+
+    r = _empty(3, 4)
+    r.push(torch.randn(3, 2, 4), torch.arange(2).expand(3, 2))
+    r._even = None
+    with value_checks(False), HostReads() as learn:
+        assert r.uniform_count() == 2
+    with value_checks(False), HostReads() as reads:
+        for t in range(2, 6):
+            r.push(torch.randn(3, 1, 4), torch.full((3, 1), t))
+        assert r.uniform_count() == 6
+    assert learn.total > 0 and reads.total == 0

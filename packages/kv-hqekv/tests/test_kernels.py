@@ -501,3 +501,111 @@ def test_a_decode_step_on_the_fused_path_reads_nothing_on_the_host(monkeypatch):
     ref_out, ref_lse = reference_attention(store.read(), q)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def _blocked_store(g, B, H, blocks, tail, G=4, D=16, steps=0):
+    """A store of ``blocks`` whole blocks and ``tail`` full rows per head (random tiers per block, a head with a
+    block evicted), extended by ``steps`` decode tokens."""
+    T = blocks * G + tail
+    plan = _plan(g, B, H, blocks * G, G)
+    full = torch.full((B, H, tail), FULL, dtype=torch.uint8)
+    store = HqeKVStore(block=G)
+    k, v = torch.randn(2, B, H, T, D, generator=g)
+    plan = Plan(torch.cat([plan.key_bits, full], -1), torch.cat([plan.bits_for_values, full], -1))
+    store.write(k, v, plan, torch.arange(T).expand(B, T))
+    for i in range(steps):
+        kv = torch.randn(2, B, H, 1, D, generator=g)
+        store.append(kv[0], kv[1], torch.full((B, 1), T + i))
+    return store
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    B=st.integers(1, 2),
+    H=st.integers(1, 3),
+    blocks=st.integers(1, 6),
+    tail=st.integers(0, 6),
+    before=st.integers(0, 3),
+    after=st.integers(0, 5),
+)
+def test_the_block_layout_stands_for_the_per_entry_maps(seed, B, H, blocks, tail, before, after):
+    """Invariant: a store of whole blocks has a block layout (``decode_layout``), and the per-entry maps it stands
+    for -- taken after ``before`` decode tokens and advanced through ``after`` more -- are the maps
+    ``tiered_sides`` builds (tiers everywhere, rows and parameter rows wherever an entry is held), so attention over
+    it (reference, and the Triton kernel under the interpreter) equals reference attention over ``read()``."""
+    from kv_hqekv.kernels import blocked_attention_ref, expand_side
+    from kv_hqekv.kernels.triton_attention import blocked_attention_triton
+
+    g = torch.Generator().manual_seed(seed)
+    store = _blocked_store(g, B, H, blocks, tail, steps=before)
+    assert store.decode_layout() is not None
+    for i in range(after):
+        kv = torch.randn(2, B, H, 1, 16, generator=g)
+        store.append(kv[0], kv[1], torch.full((B, 1), 100 + i))
+    layout, keys, values = store.decode_layout()
+    assert layout.appended == after and layout.width == store.held_max_length()
+    for got, want in zip((keys, values), tiered_sides(store)):
+        got = expand_side(layout, got)
+        assert torch.equal(got.tier, want.tier)
+        held = want.tier != 0
+        assert torch.equal(got.row[held], want.row[held])
+        coded = held & (want.tier != FULL)
+        assert torch.equal(got.group[coded], want.group[coded])
+    q = torch.randn(B, 2 * H, 1, 16, generator=g)
+    ref_out, ref_lse = reference_attention(store.read(), q)
+    for fn in (blocked_attention_ref, blocked_attention_triton):
+        out, lse = fn(q, layout, keys, values, 0.25)
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_a_cache_not_in_whole_blocks_has_no_block_layout_and_edits_retake_it(monkeypatch):
+    """A quantized block cut short (here by a crop inside it) leaves no block layout, and the fused path falls back
+    to the per-entry maps with the same result; a re-tier, crop or reorder takes the layout again (never the one
+    before the edit)."""
+    pytest.importorskip("triton")
+    from kv_hqekv import attention
+    from kv_hqekv.kernels import dispatch
+
+    monkeypatch.setattr(attention, "use_triton", lambda t: True)
+    monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
+    g = torch.Generator().manual_seed(3)
+    store = _blocked_store(g, 1, 2, blocks=4, tail=0)
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    first = store.decode_layout()
+    assert first is not None
+    store.crop(14)  # cuts the fourth block (positions 12-15) to two entries
+    assert store.decode_layout() is None
+    out, lse = store.attend(q)
+    ref_out, ref_lse = reference_attention(store.read(), q)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    store.crop(12)  # back to whole blocks
+    again = store.decode_layout()
+    assert again is not None and again[0].width == 12 and again[0] is not first[0]
+    store.reorder(torch.tensor([0, 0]))
+    layout = store.decode_layout()[0]
+    assert tuple(layout.blocks.shape) == (2, 2)
+    out, lse = store.attend(q.expand(2, 4, 1, 16))
+    ref_out, ref_lse = reference_attention(store.read(), q.expand(2, 4, 1, 16))
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+
+
+def test_the_kept_block_layout_holds_only_its_maps():
+    """What the store keeps for its block layout is counted by ``nbytes`` and is only the block maps: no stale full
+    rows survive the appends that replace them (the bytes above the store without a layout are constant)."""
+    g = torch.Generator().manual_seed(5)
+    store = _blocked_store(g, 1, 2, blocks=5, tail=3)
+    layout, keys, values = store.decode_layout()
+    kept = [layout.blocks, layout.held, keys.tier, keys.row, keys.group, keys.tail]
+    kept += [values.tier, values.row, values.tail]
+    extra = sum(t.numel() * t.element_size() for t in kept)
+    for i in range(4):
+        kv = torch.randn(2, 1, 2, 1, 16, generator=g)
+        store.append(kv[0], kv[1], torch.tensor([[30 + i]]))
+        blocks = store._blocks
+        store._blocks = None
+        without = store.nbytes()
+        store._blocks = blocks
+        assert store.nbytes() - without == extra

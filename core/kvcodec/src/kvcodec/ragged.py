@@ -103,8 +103,11 @@ def compact_entries(x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> t
 class FullRows:
     """Flat full-precision entries ``rows [N, D]`` sorted by segment, with ``counts [S]`` and positions."""
 
+    _even: int | None = None  # the count every segment holds, where known on the host (Residual.uniform_count)
+
     def __init__(self, rows: torch.Tensor, pos: torch.Tensor, counts: torch.Tensor) -> None:
         self.rows, self.pos, self.counts = rows, narrow(pos), counts.long()
+        self._even = None
 
     @classmethod
     def from_mask(cls, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> FullRows:
@@ -130,18 +133,18 @@ class FullRows:
         keep = self.pos.int() < position  # never compare int16 with a Python int beyond its range
         seg = self._seg()
         self.counts = torch.bincount(seg[keep], minlength=self.counts.numel())
-        self.rows, self.pos = self.rows[keep], self.pos[keep]
+        self.rows, self.pos, self._even = self.rows[keep], self.pos[keep], None
 
     def take_segments(self, take: torch.Tensor, num_segments: int) -> None:
         idx, new_seg = segment_take(self._seg(), take, num_segments)
-        self.rows, self.pos = self.rows[idx], self.pos[idx]
+        self.rows, self.pos, self._even = self.rows[idx], self.pos[idx], None
         self.counts = torch.bincount(new_seg, minlength=take.numel())
 
     def keep(self, mask: torch.Tensor) -> None:
         """Keep the entries where ``mask`` (aligned with :meth:`positions`); the kept rows are copied unchanged."""
         seg = self._seg()
         self.counts = torch.bincount(seg[mask], minlength=self.counts.numel())
-        self.rows, self.pos = self.rows[mask], self.pos[mask]
+        self.rows, self.pos, self._even = self.rows[mask], self.pos[mask], None
 
 
 class Residual(FullRows):
@@ -161,6 +164,16 @@ class Residual(FullRows):
         """``[S]`` entries per segment (same as ``counts``)."""
         return self.counts
 
+    def uniform_count(self) -> int | None:
+        """The number of entries every segment holds, or ``None`` where segments differ: read on the host once
+        (a sync on an accelerator), then known through :meth:`push` es until another edit. Where it is known,
+        :meth:`push` appends by one concatenation per buffer instead of scattering every row."""
+        if self._even is None and self.counts.numel():
+            lo, hi = torch.aminmax(self.counts)
+            if int(lo) == int(hi):
+                self._even = int(lo)
+        return self._even
+
     def push(self, rows: torch.Tensor, pos: torch.Tensor) -> None:
         """Append ``rows [S, n, D]`` (positions ``[S, n]``) after every segment's last entry. Where
         :func:`kvcore.checks.values_checked` is off (accelerators by default) nothing is read on the host: the
@@ -169,6 +182,14 @@ class Residual(FullRows):
         if n == 0:
             return
         device = self.rows.device
+        even = self._even
+        if even is not None and self.counts.numel() == S:  # every segment holds `even`: [S, even + n] row blocks
+            new_pos = narrow_positions(pos.reshape(S, n).to(device), self.pos, like=rows)
+            old_rows, old_pos = self.rows.reshape(S, even, D), self.pos.reshape(S, even).to(new_pos.dtype)
+            self.rows = torch.cat([old_rows, rows.to(device=device, dtype=self.rows.dtype)], 1).view(-1, D)
+            self.pos = torch.cat([old_pos, new_pos], 1).view(-1)
+            self.counts, self._even = self.counts + n, even + n
+            return
         old = self.counts.to(device)
         new = old + n
         start = exclusive_cumsum(new)
@@ -191,6 +212,7 @@ class Residual(FullRows):
         taken = offsets_in_segment(self.counts, self.rows.shape[0]) < k[seg]
         out = (self.rows[taken], seg[taken], self.pos[taken].int())
         self.rows, self.pos, self.counts = self.rows[~taken], self.pos[~taken], self.counts - k
+        self._even = None
         return out
 
 

@@ -3,7 +3,10 @@
 :func:`mixed_tier_attention` is the store's fused ``attend``: one pass over the held entries in the order of
 ``read()``, each entry's key gathered from its key tier and its value from its value tier (fp16 rows, 4-/2-bit
 uniform codes, 1-bit normalized codes with the Gaussian-quantile codebook), dequantized in registers, with an
-online softmax and GQA (:func:`kv_hqekv.kernels.tiered_attention`, a Triton kernel, on CUDA). On CPU the same
+online softmax and GQA (:func:`kv_hqekv.kernels.tiered_attention`, a Triton kernel, on CUDA). Between re-plans the
+kernel reads the store's block layout (:meth:`~kv_hqekv.HqeKVStore.decode_layout`: one map entry per block of ``G``
+tokens, taken once after a re-plan and advanced by appends, :func:`kv_hqekv.kernels.blocked_attention`) instead of
+per-entry maps rebuilt at every step; the per-entry maps remain for caches that are not in whole blocks. On CPU the same
 attention is computed part by part (:func:`kv_hqekv.part_attention.part_attention`: key scales folded into the
 queries, value tiers dequantized one at a time into per-thread scratch), which is several times faster there than
 the per-entry maps the kernel and its PyTorch reference read.
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kv_hqekv.kernels import TierCodes, TieredSide, tiered_attention, tiered_attention_row
+from kv_hqekv.kernels import TierCodes, TieredSide, blocked_attention, tiered_attention, tiered_attention_row
 from kv_hqekv.part_attention import part_attention, part_attention_row
 from kvcodec import CodeRows, QuantizedSegment, normal_codebook, quantized_attention
 from kvcodec.kernels.dispatch import use_triton
@@ -198,6 +201,10 @@ def mixed_tier_attention(
     if not use_triton(q):  # CPU: part by part, statistics broadcast per unit (kv_hqekv.part_attention)
         out, lse = part_attention(store, q, scale)
         return (out, lse, part_attention_row(store, q, scale, lse)) if return_row else (out, lse)
+    if not return_row:
+        blocked = store.decode_layout()  # between re-plans: the block maps, advanced by appends
+        if blocked is not None:
+            return blocked_attention(q, *blocked, scale)
     keys, values = tiered_sides(store)
     out, lse = tiered_attention(q, keys, values, scale)
     if not return_row:

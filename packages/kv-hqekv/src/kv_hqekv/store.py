@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from kv_hqekv.kernels import TierCodes, TieredSide, dequantize_side_ref, transcode
+from kv_hqekv.kernels import (
+    BlockedSide,
+    BlockLayout,
+    TierCodes,
+    TieredSide,
+    blocked_layout,
+    dequantize_side_ref,
+    transcode,
+)
 from kv_hqekv.quantizers import tier_quantizer
 from kvcodec.ragged import Entries, QuantUnits, Residual, compact_entries
 from kvcodec.segments import rank_in_segment
@@ -110,6 +118,7 @@ class HqeKVStore(Store):
         """Make ``parts`` the content; ``last [B]`` (each batch row's last position) is recomputed unless given."""
         B, H, D = self._shape if shape is None else shape
         self._max_len = None  # recomputed when asked (held_max_length)
+        self._blocks = None  # the decode layout is taken again when asked (decode_layout)
         if last is not None:
             self._parts, self._shape, self._last_pos = parts, (B, H, D), last
             return
@@ -200,10 +209,15 @@ class HqeKVStore(Store):
         parts["v"][0].push(values.reshape(S, n, D), pos)
         self._dtype = keys.dtype
         new_last = positions.long().amax(1)  # every new position is past the held ones (checked above)
-        longest = self._max_len
+        longest, blocks = self._max_len, self._blocks
         self._commit(parts, (B, H, D), new_last if last is None else torch.maximum(last, new_last))
         if longest is not None:  # every head gained n entries
             self._max_len = longest + n
+        if blocks:  # a block layout stays valid through appends (kv_hqekv.kernels.blocked)
+            layout, keys, values = blocks
+            self._blocks = (layout.after_append(n), keys, values)
+        elif blocks is False:
+            self._blocks = False
 
     def read(self, query: torch.Tensor | None = None) -> KVView:
         """Dequantized, position-ordered view of the key-kept entries (value 0 where only the value is evicted);
@@ -324,6 +338,41 @@ class HqeKVStore(Store):
 
         return mixed_tier_attention(self, query, scale)
 
+    def full_rows(self, kind: str) -> torch.Tensor:
+        """``[F, D]`` the full-precision rows of side ``kind`` (``"k"`` or ``"v"``) in the cache dtype."""
+        rows = self._parts[kind][0].rows
+        return rows if rows.dtype == self._dtype else rows.to(self._dtype)
+
+    def decode_layout(self) -> tuple[BlockLayout, BlockedSide, BlockedSide] | None:
+        """The held cache addressed by blocks (:mod:`kv_hqekv.kernels.blocked`), or ``None`` where its entries are
+        not laid out in whole blocks (the per-entry maps then apply).
+
+        Taken from the per-entry maps once after a write, re-tier, crop or reorder (one host read) and kept through
+        appends, which only advance it: a decode step between re-plans builds no map. The full-precision parts
+        learn at the same time whether every head holds as many rows
+        (:meth:`kvcodec.ragged.Residual.uniform_count`). What is kept is small (per block and side: a tier, a first
+        row and, for keys, a parameter row; per head: four ints) and is counted by :meth:`nbytes`; the sides are
+        returned over the current full-precision rows."""
+        if self._shape is None:
+            return None
+        if self._blocks is None:
+            from kv_hqekv.attention import tiered_sides
+
+            keys, values = tiered_sides(self)
+            found = blocked_layout(keys, values, self._parts["k"][0].counts, self._parts["v"][0].counts, self.block)
+            for kind in ("k", "v"):  # appends by concatenation where every head holds as many full rows
+                self._parts[kind][0].uniform_count()
+            if found is None:
+                self._blocks = False
+            else:  # held without the full rows, which every append replaces
+                layout, bk, bv = found
+                none = torch.empty(0, bk.head_dim, dtype=bk.dtype, device=bk.full.device)
+                self._blocks = (layout, bk.with_full(none), bv.with_full(none))
+        if self._blocks is False:
+            return None
+        layout, bk, bv = self._blocks
+        return layout, bk.with_full(self.full_rows("k")), bv.with_full(self.full_rows("v"))
+
     def nbytes(self, device: torch.device | str | None = None) -> int:
         """Bytes of every tensor this store holds (codes, statistics, fp16 rows, positions, indices)."""
         return reachable_bytes(self, device)
@@ -396,3 +445,4 @@ class HqeKVStore(Store):
         self._last_pos: torch.Tensor | None = None
         self._parts: Parts = {}
         self._max_len: int | None = None  # held_max_length(), when known
+        self._blocks: tuple | bool | None = None  # decode_layout(): None not taken, False none since the last edit

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from kv_hqekv.kernels.reference import tiered_attention_ref, tiered_attention_row_ref, transcode_ref
+from kv_hqekv.kernels.blocked import BlockedSide, BlockLayout
+from kv_hqekv.kernels.reference import (
+    blocked_attention_ref,
+    tiered_attention_ref,
+    tiered_attention_row_ref,
+    transcode_ref,
+)
 from kv_hqekv.kernels.tiered import TieredSide
 from kvcodec.kernels.dispatch import use_triton
 from kvcore import QuantizedTensor
@@ -24,6 +30,18 @@ def tiered_attention(
 
         return tiered_attention_triton(query, keys, values, scale)
     return tiered_attention_ref(query, keys, values, scale)
+
+
+def blocked_attention(
+    query: torch.Tensor, layout: BlockLayout, keys: BlockedSide, values: BlockedSide, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused mixed-tier decode attention over a cache addressed by blocks
+    (:func:`~kv_hqekv.kernels.reference.blocked_attention_ref`)."""
+    if use_triton(query):
+        from kv_hqekv.kernels.triton_attention import blocked_attention_triton
+
+        return blocked_attention_triton(query, layout, keys, values, scale)
+    return blocked_attention_ref(query, layout, keys, values, scale)
 
 
 def tiered_attention_row(query: torch.Tensor, keys: TieredSide, scale: float, lse: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,8 @@
 * :func:`dequantize_side_ref` -- the rows a :class:`~kv_hqekv.kernels.TieredSide` holds, dequantized in its dtype.
 * :func:`tiered_attention_ref` / :func:`tiered_attention_row_ref` -- decode attention over mixed tiers, and the
   attention row reduced over the query heads of each KV head.
+* :func:`blocked_attention_ref` -- the same attention over a cache addressed by blocks
+  (:mod:`kv_hqekv.kernels.blocked`).
 * :func:`transcode_ref` -- a lower tier quantized from the held representation (dequantize, then quantize).
 
 The window importance reference is :func:`kv_hqekv.importance.window_importance_ref`.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from kv_hqekv.kernels.blocked import BlockedSide, BlockLayout, expand_side
 from kv_hqekv.kernels.tiered import FULL_TIER, NO_ENTRY, TieredSide
 from kvcodec.packing import unpack_unchecked
 from kvcore import QuantizedTensor
@@ -65,6 +68,14 @@ def tiered_attention_ref(
     safe = torch.where(torch.isfinite(lse), lse, 0.0)
     out = torch.exp(logits - safe[..., None]) @ v
     return out.view(B, Hq, Q, D), lse.view(B, Hq, Q)
+
+
+def blocked_attention_ref(
+    query: torch.Tensor, layout: BlockLayout, keys: BlockedSide, values: BlockedSide, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tiered_attention_ref` over the per-entry maps a block layout stands for
+    (:func:`kv_hqekv.kernels.blocked.expand_side`): ``(out, lse)`` float32."""
+    return tiered_attention_ref(query, expand_side(layout, keys), expand_side(layout, values), scale)
 
 
 def tiered_attention_row_ref(query: torch.Tensor, keys: TieredSide, scale: float, lse: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kv_hqekv.kernels.blocked import BlockedSide, BlockLayout
 from kv_hqekv.kernels.tiered import TieredSide
-from kv_hqekv.kernels.triton_tiles import OUT_CODE, _side_tile, side_args
+from kv_hqekv.kernels.triton_tiles import OUT_CODE, _block_maps, _dummies, _mapped_rows, _side_tile, side_args
 from kvcodec.kernels.triton_attention import merge_splits
 from kvcodec.kernels.triton_dot import as_dot, dot_mode, online_softmax_step, qk_dot, softmax_result
 
@@ -43,11 +44,12 @@ def _load_query(q_ptr, b, h, sqb, sqh, sqq, sqd, Q, GROUP: tl.constexpr, D: tl.c
     return qv, m, mmask, hq, qi, d, dmask
 
 
-@triton.jit(do_not_specialize=["T"])  # the map width grows every step: one compiled variant, not two
+@triton.jit(do_not_specialize=["T", "A"])  # the width grows every step: one compiled variant, not two
 def _tiered_attention_kernel(
     q_ptr, out_ptr, lse_ptr,
     kt, kr, kg, kf, kc4, ks4, kz4, kk4, kc2, ks2, kz2, kk2, kc1, ks1, kz1, kk1, KC, KPW4, KPW2, KPW1,
     vt, vr, vg, vf, vc4, vs4, vz4, vk4, vc2, vs2, vz2, vk2, vc1, vs1, vz1, vk1, VC, VPW4, VPW2, VPW1,
+    nb_ptr, held_ptr, ktail_ptr, vtail_ptr, NB, A,
     sqb, sqh, sqq, sqd, H, T, Q, NSPLIT, scale,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     TILES: tl.constexpr, FMAX: tl.constexpr, OUT: tl.constexpr,
@@ -55,6 +57,7 @@ def _tiered_attention_kernel(
     KCB4: tl.constexpr, KCB2: tl.constexpr, KCB1: tl.constexpr,
     VGCOL: tl.constexpr, VHAS4: tl.constexpr, VHAS2: tl.constexpr, VHAS1: tl.constexpr,
     VCB4: tl.constexpr, VCB2: tl.constexpr, VCB1: tl.constexpr, DOT: tl.constexpr,
+    BLOCKED: tl.constexpr, G: tl.constexpr, KGROUP_IS_ROW: tl.constexpr, VGROUP_IS_ROW: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     sp = tl.program_id(1)
@@ -65,20 +68,41 @@ def _tiered_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    seg = pid.to(tl.int64)
+    if BLOCKED:  # the head's block count, length and tail rows (kv_hqekv.kernels.blocked)
+        nb = tl.load(nb_ptr + seg).to(tl.int64)
+        hl = tl.load(held_ptr + seg).to(tl.int64)
+        ktail = tl.load(ktail_ptr + seg).to(tl.int64)
+        vtail = tl.load(vtail_ptr + seg).to(tl.int64)
     for i in range(TILES):
         t = (sp * TILES + i) * BLOCK_T + tl.arange(0, BLOCK_T)
         tmask = t < T
-        base = pid.to(tl.int64) * T + t
-        k, ktier = _side_tile(
-            kt, kr, kg, base, tmask, kf, kc4, ks4, kz4, kk4, kc2, ks2, kz2, kk2, kc1, ks1, kz1, kk1,
-            d, dmask, KC, KPW4, KPW2, KPW1, D, KGCOL, BLOCK_T, BLOCK_D,
-            KHAS4, KHAS2, KHAS1, KCB4, KCB2, KCB1, FMAX, OUT,
-        )  # fmt: skip
-        v, _ = _side_tile(
-            vt, vr, vg, base, tmask, vf, vc4, vs4, vz4, vk4, vc2, vs2, vz2, vk2, vc1, vs1, vz1, vk1,
-            d, dmask, VC, VPW4, VPW2, VPW1, D, VGCOL, BLOCK_T, BLOCK_D,
-            VHAS4, VHAS2, VHAS1, VCB4, VCB2, VCB1, FMAX, OUT,
-        )  # fmt: skip
+        if BLOCKED:
+            kti, kri, kgi = _block_maps(kt, kr, kg, ktail, seg, t, nb, hl, A, NB, G, KGROUP_IS_ROW)
+            k = _mapped_rows(
+                kti, kri, kgi, kf, kc4, ks4, kz4, kk4, kc2, ks2, kz2, kk2, kc1, ks1, kz1, kk1,
+                d, dmask, KC, KPW4, KPW2, KPW1, D, KGCOL, BLOCK_T, BLOCK_D,
+                KHAS4, KHAS2, KHAS1, KCB4, KCB2, KCB1, FMAX, OUT,
+            )  # fmt: skip
+            vti, vri, vgi = _block_maps(vt, vr, vg, vtail, seg, t, nb, hl, A, NB, G, VGROUP_IS_ROW)
+            v = _mapped_rows(
+                vti, vri, vgi, vf, vc4, vs4, vz4, vk4, vc2, vs2, vz2, vk2, vc1, vs1, vz1, vk1,
+                d, dmask, VC, VPW4, VPW2, VPW1, D, VGCOL, BLOCK_T, BLOCK_D,
+                VHAS4, VHAS2, VHAS1, VCB4, VCB2, VCB1, FMAX, OUT,
+            )  # fmt: skip
+            ktier = kti
+        else:
+            base = seg * T + t
+            k, ktier = _side_tile(
+                kt, kr, kg, base, tmask, kf, kc4, ks4, kz4, kk4, kc2, ks2, kz2, kk2, kc1, ks1, kz1, kk1,
+                d, dmask, KC, KPW4, KPW2, KPW1, D, KGCOL, BLOCK_T, BLOCK_D,
+                KHAS4, KHAS2, KHAS1, KCB4, KCB2, KCB1, FMAX, OUT,
+            )  # fmt: skip
+            v, _ = _side_tile(
+                vt, vr, vg, base, tmask, vf, vc4, vs4, vz4, vk4, vc2, vs2, vz2, vk2, vc1, vs1, vz1, vk1,
+                d, dmask, VC, VPW4, VPW2, VPW1, D, VGCOL, BLOCK_T, BLOCK_D,
+                VHAS4, VHAS2, VHAS1, VCB4, VCB2, VCB1, FMAX, OUT,
+            )  # fmt: skip
         held = tmask & (ktier != 0)
         logits = qk_dot(qv, k, DOT) * scale
         logits = tl.where(held[None, :], logits, float("-inf"))
@@ -128,8 +152,9 @@ def _pow2(n: int) -> int:
     return max(1, 1 << (max(n, 1) - 1).bit_length())
 
 
-def _common(query: torch.Tensor, keys: TieredSide, block_t: int | None, tiles: int | None):
+def _common(query: torch.Tensor, keys: TieredSide, block_t: int | None, tiles: int | None, width: int | None = None):
     B, H, T = keys.tier.shape
+    T = T if width is None else width
     Hq, Q = query.shape[1], query.shape[2]
     D = keys.head_dim
     group = Hq // H
@@ -167,7 +192,31 @@ def tiered_attention_triton(
     """Triton :func:`~kv_hqekv.kernels.reference.tiered_attention_ref` (same arguments, same results up to float32
     summation order); ``block_t`` entries per tile (at least 16), ``tiles`` tiles per program; ``tensor_cores``
     as in :func:`kvcodec.kernels.triton_dot.dot_mode`."""
-    B, H, T, Hq, Q, D, group, nsplit, meta = _common(query, keys, block_t, tiles)
+    return _attention(query, None, keys, values, scale, block_t, tiles, num_warps, tensor_cores)
+
+
+def blocked_attention_triton(
+    query: torch.Tensor,
+    layout: BlockLayout,
+    keys: BlockedSide,
+    values: BlockedSide,
+    scale: float,
+    *,
+    block_t: int | None = None,
+    tiles: int | None = None,
+    num_warps: int = 8,
+    tensor_cores: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton :func:`~kv_hqekv.kernels.reference.blocked_attention_ref`: the kernel of
+    :func:`tiered_attention_triton` with every entry's tier and rows computed from the block maps
+    (:mod:`kv_hqekv.kernels.blocked`) instead of read from per-entry maps; same results up to float32 summation
+    order."""
+    return _attention(query, layout, keys, values, scale, block_t, tiles, num_warps, tensor_cores)
+
+
+def _attention(query, layout, keys, values, scale, block_t, tiles, num_warps, tensor_cores):
+    width = None if layout is None else layout.width
+    B, H, T, Hq, Q, D, group, nsplit, meta = _common(query, keys, block_t, tiles, width)
     meta["DOT"] = dot_mode(query, (keys.dtype, values.dtype), tensor_cores)
     S, M = B * H, group * Q
     if S == 0 or Q == 0 or D == 0 or T == 0:
@@ -177,8 +226,15 @@ def tiered_attention_triton(
     lsep = torch.empty(S, nsplit, M, dtype=torch.float32, device=query.device)
     kargs, kmeta = side_args(keys)
     vargs, vmeta = side_args(values)
+    if layout is None:
+        dummy = _dummies(query.device)[2]
+        blocked = [dummy, dummy, dummy, dummy, 0, 0]
+        meta.update(BLOCKED=False, G=1, KGROUP_IS_ROW=False, VGROUP_IS_ROW=False)
+    else:
+        blocked = [layout.blocks, layout.held, keys.tail, values.tail, keys.tier.shape[-1], layout.appended]
+        meta.update(BLOCKED=True, G=layout.block)
     _tiered_attention_kernel[(S, nsplit)](
-        query, outp, lsep, *kargs, *vargs, *query.stride(), H, T, Q, nsplit, float(scale),
+        query, outp, lsep, *kargs, *vargs, *blocked, *query.stride(), H, T, Q, nsplit, float(scale),
         **meta, **_prefixed(kmeta, "K"), **_prefixed(vmeta, "V"),
         num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip

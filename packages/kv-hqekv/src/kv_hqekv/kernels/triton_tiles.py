@@ -12,10 +12,13 @@ This module needs ``triton``; the dispatchers import it lazily for CUDA tensors.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from kv_hqekv.kernels.blocked import BlockedSide
 from kvcodec.kernels.triton_attention import code_lanes
 from kvcodec.kernels.triton_dot import DOT_CODE, cache_round
 
@@ -106,6 +109,74 @@ def _side_tile(
     tier = tl.load(tier_ptr + base, mask=emask, other=0).to(tl.int32)
     row = tl.load(row_ptr + base, mask=emask, other=0)
     grp = tl.load(grp_ptr + base, mask=emask, other=0)
+    y = _mapped_rows(
+        tier, row, grp, full_ptr, c4, s4, z4, k4, c2, s2, z2, k2, c1, s1, z1, k1, d, dmask, C, PW4, PW2, PW1,
+        D, GCOL, ROWS, BLOCK_D, HAS4, HAS2, HAS1, CB4, CB2, CB1, FMAX, OUT,
+    )  # fmt: skip
+    return y, tier
+
+
+@triton.jit
+def _block_maps(tier_ptr, row_ptr, grp_ptr, tail, seg, t, nb, held, A, NB,
+                G: tl.constexpr, GROUP_IS_ROW: tl.constexpr):  # fmt: skip
+    """Per-entry ``(tier int32, row int64, group int64)`` of slots ``t`` of head ``seg`` from the block maps of a
+    :class:`~kv_hqekv.kernels.blocked.BlockedSide` (block ``t // G``, or the tail; ``nb``, ``held`` and ``tail``
+    the head's scalars, ``A`` the entries appended since the layout was taken: full rows moved by ``seg·A``)."""
+    shift = seg * A
+    in_block = t < nb * G
+    b_off = seg * NB + t // G
+    btier = tl.load(tier_ptr + b_off, mask=in_block, other=0).to(tl.int32)
+    brow = tl.load(row_ptr + b_off, mask=in_block, other=0).to(tl.int64) + t % G
+    brow = tl.where(btier == 16, brow + shift, brow)
+    in_tail = (t >= nb * G) & (t < held + A)
+    tier = tl.where(in_block, btier, tl.where(in_tail, 16, 0))
+    row = tl.where(in_block, brow, tail + shift + (t - nb * G))
+    if GROUP_IS_ROW:  # noqa: SIM108 (a compile-time branch: only one side is traced)
+        grp = row
+    else:
+        grp = tl.load(grp_ptr + b_off, mask=in_block, other=0).to(tl.int64)
+    return tier, row, grp
+
+
+@triton.jit
+def _mapped_rows(
+    tier,
+    row,
+    grp,
+    full_ptr,
+    c4,
+    s4,
+    z4,
+    k4,
+    c2,
+    s2,
+    z2,
+    k2,
+    c1,
+    s1,
+    z1,
+    k1,
+    d,
+    dmask,
+    C,
+    PW4,
+    PW2,
+    PW1,
+    D: tl.constexpr,
+    GCOL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS4: tl.constexpr,
+    HAS2: tl.constexpr,
+    HAS1: tl.constexpr,
+    CB4: tl.constexpr,
+    CB2: tl.constexpr,
+    CB1: tl.constexpr,
+    FMAX: tl.constexpr,
+    OUT: tl.constexpr,
+):
+    """float32 ``[R, BLOCK_D]``: the entries of one side with maps ``(tier, row, grp)``, dequantized from their tiers
+    (0 where ``tier`` is 0)."""
     y = tl.zeros([ROWS, BLOCK_D], tl.float32)
     if HAS4:
         y = tl.where(
@@ -129,14 +200,21 @@ def _side_tile(
     full = tier == 16
     f = tl.where(full, row, 0).to(tl.int64)
     fv = tl.load(full_ptr + f[:, None] * D + d[None, :], mask=full[:, None] & dmask[None, :], other=0.0)
-    return tl.where(full[:, None], fv.to(tl.float32), y), tier
+    return tl.where(full[:, None], fv.to(tl.float32), y)
+
+
+@functools.lru_cache(maxsize=8)
+def _dummies(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One-element uint8, float32 and int32 tensors on ``device``: the pointers of absent tables (never read)."""
+    return tuple(torch.zeros(1, dtype=dt, device=device) for dt in (torch.uint8, torch.float32, torch.int32))
 
 
 def side_args(side) -> tuple[list, dict]:
-    """Pointer/scalar arguments and constexprs of one side for :func:`_side_tile` (prefix-free names)."""
+    """Pointer/scalar arguments and constexprs of one side for :func:`_side_tile` (prefix-free names): the maps,
+    the full rows, the code tables. A :class:`~kv_hqekv.kernels.blocked.BlockedSide` gives its block maps (tier,
+    row, group -- a dummy where every entry is its own parameter row, ``GROUP_IS_ROW``) for :func:`_block_maps`."""
     device = side.full.device
-    dummy_u8 = torch.zeros(1, dtype=torch.uint8, device=device)
-    dummy_f = torch.zeros(1, dtype=torch.float32, device=device)
+    dummy_u8, dummy_f, dummy_i = _dummies(device)
     ptrs, pws, meta = [], [], {}
     for b in (4, 2, 1):
         t = side.tiers.get(b)
@@ -154,6 +232,10 @@ def side_args(side) -> tuple[list, dict]:
     )
     D = side.head_dim
     C = D if side.axis == "channel" else -(-D // side.group_size)
-    maps = [side.tier.contiguous(), side.row.contiguous(), side.group.contiguous(), full]
+    group = side.group
+    if isinstance(side, BlockedSide):
+        meta["GROUP_IS_ROW"] = group is None
+        group = dummy_i if group is None else group
+    maps = [side.tier.contiguous(), side.row.contiguous(), group.contiguous(), full]
     meta["GCOL"] = 1 if side.axis == "channel" else side.group_size
     return [*maps, *ptrs, C, *pws], meta
