@@ -136,6 +136,12 @@ class HqeKVStore(Store):
 
     def _slots(self, kind: str, parts: Parts | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(seg, slot in read())`` of every entry of each part of ``kind``; slots follow the key entries."""
+        return self._all_slots(parts, kinds=(kind,))[kind]
+
+    def _all_slots(
+        self, parts: Parts | None = None, kinds: tuple[str, ...] = ("k", "v")
+    ) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """:meth:`_slots` of each side in ``kinds``, sorting the key entries once for all of them."""
         parts = self._parts if parts is None else parts
         S = self._segments
         kheld = [part.positions() for part in parts["k"]]
@@ -145,12 +151,15 @@ class HqeKVStore(Store):
         order = torch.argsort(key)
         sorted_key = key[order]
         slot_sorted, _ = rank_in_segment(kseg[order], S)
-        held = kheld if kind == "k" else [part.positions() for part in parts["v"]]
-        out = []
-        for sg, p in held:
-            q = (sg.long() << 32) | p.long()
-            idx = torch.searchsorted(sorted_key, q).clamp_max(max(sorted_key.numel() - 1, 0))
-            out.append((sg.long(), slot_sorted[idx] if q.numel() else q))
+        out = {}
+        for kind in kinds:
+            held = kheld if kind == "k" else [part.positions() for part in parts["v"]]
+            slots = []
+            for sg, p in held:
+                q = (sg.long() << 32) | p.long()
+                idx = torch.searchsorted(sorted_key, q).clamp_max(max(sorted_key.numel() - 1, 0))
+                slots.append((sg.long(), slot_sorted[idx] if q.numel() else q))
+            out[kind] = slots
         return out
 
     # -- checks ----------------------------------------------------------------------------------------
@@ -247,6 +256,10 @@ class HqeKVStore(Store):
         """The tier of every held entry (keys and values), laid out like :meth:`read`."""
         if self._shape is None:
             raise ValueError("tiers() on an empty store: write() or append() first")
+        return self._tiers_at(self._all_slots())
+
+    def _tiers_at(self, slots: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]) -> Plan:
+        """:meth:`tiers` from the entries' slots (:meth:`_all_slots`)."""
         B, H, _ = self._shape
         S = self._segments
         T = self.held_max_length()
@@ -254,7 +267,7 @@ class HqeKVStore(Store):
         out = []
         for kind in ("k", "v"):
             bits = torch.zeros(S, T, dtype=torch.uint8, device=device)
-            for (seg, slot), tier in zip(self._slots(kind), self._held_tiers()):
+            for (seg, slot), tier in zip(slots[kind], self._held_tiers()):
                 bits[seg, slot] = tier
             out.append(bits.view(B, H, T))
         return Plan(out[0], None if torch.equal(out[0], out[1]) else out[1])
@@ -263,7 +276,8 @@ class HqeKVStore(Store):
         """Evict, keep or demote every held entry per ``plan`` (laid out like :meth:`read`; class doc)."""
         if self._shape is None:
             raise ValueError("retier() on an empty store: write() or append() first")
-        held = self.tiers()
+        slots = self._all_slots()
+        held = self._tiers_at(slots)
         kb, vb = check_retier_plan(plan, held, "HqeKVStore", eviction_only=False)
         device = held.key_bits.device
         rank = torch.tensor([0, 1, 2, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4], device=device)  # 0<1<2<4<16
@@ -282,7 +296,6 @@ class HqeKVStore(Store):
         vb = torch.where(kb != EVICT, vb, EVICT)
         new_bits = {"k": kb.flatten(0, 1), "v": vb.flatten(0, 1)}  # [S, T]
         parts = self._staged()
-        slots = {kind: self._slots(kind) for kind in ("k", "v")}
         for kind in ("k", "v"):
             held_parts = self._parts[kind]  # what the demoted entries are transcoded from (never edited)
             staged = list(parts[kind])

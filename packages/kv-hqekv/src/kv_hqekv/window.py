@@ -32,19 +32,21 @@ from kvcore import Plan, Scores, replan_view
 from kvcore.replan import cap_plan
 
 
-def held_value_ranges(store) -> torch.Tensor:
+def held_value_ranges(store, slots: dict | None = None) -> torch.Tensor:
     """``[B, H, T]`` float32, laid out like ``read()``: the range over channels of every held value, from what the
     store holds without dequantizing a code: fp16 rows directly; a uniform tier's per-token groups span
     ``[zero, zero + (2^b - 1)·scale]`` (the group minimum and, within float rounding, its maximum: the largest
     element always gets the top code, :mod:`kvcodec.stats`); the normalized 1-bit tier's levels are
-    ``mean ± c·std``. Evicted values (and padding) are 0."""
+    ``mean ± c·std``. Evicted values (and padding) are 0. ``slots``: the store's entry slots when already found
+    (``HqeKVStore._all_slots``)."""
     B, H, _ = store._shape
     S = B * H
     T = store.held_max_length()
     device = store._parts["k"][0].length.device
     out = torch.zeros(S, T, dtype=torch.float32, device=device)
     c = float(normal_codebook(1)[1])
-    for part, (seg, slot), tier in zip(store._parts["v"], store._slots("v"), store._held_tiers()):
+    slots = store._all_slots(kinds=("v",)) if slots is None else slots
+    for part, (seg, slot), tier in zip(store._parts["v"], slots["v"], store._held_tiers()):
         if not seg.numel():
             continue
         if isinstance(part, FullRows):
@@ -59,16 +61,17 @@ def held_value_ranges(store) -> torch.Tensor:
     return out.view(B, H, T)
 
 
-def held_keys(store) -> tuple[torch.Tensor, torch.Tensor]:
+def held_keys(store, slots: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(keys [B, H, T, D], positions [B, H, T])`` of the key-held entries in the order of ``read()``: the key codes
-    of each tier dequantized (no values), padding ``0`` / ``-1``."""
+    of each tier dequantized (no values), padding ``0`` / ``-1``; ``slots`` as in :func:`held_value_ranges`."""
     B, H, D = store._shape
     S = B * H
     T = store.held_max_length()
     device = store._parts["k"][0].length.device
     k = torch.zeros(S, T, D, dtype=torch.float32, device=device)
     pos = torch.full((S, T), -1, dtype=torch.long, device=device)
-    for part, (seg, slot) in zip(store._parts["k"], store._slots("k")):
+    slots = store._all_slots(kinds=("k",)) if slots is None else slots
+    for part, (seg, slot) in zip(store._parts["k"], slots["k"]):
         if not seg.numel():
             continue
         rows = part.rows if isinstance(part, FullRows) else part.dequantized()
@@ -111,7 +114,8 @@ def window_replan(
         or store._shape is None
     )
     if not generic:
-        keys, pos = held_keys(store)
+        slots = store._all_slots()  # one sort of the held entries for the keys and the value ranges
+        keys, pos = held_keys(store, slots)
         generic = not bool((pos == pos[:, :1]).all())
     if generic:
         return replan_view(
@@ -124,7 +128,7 @@ def window_replan(
     valid = row_pos >= 0
     q = queries[:, :, -min(scorer.window, T) :].to(keys.device)
     a = window_importance(q, keys, None if bool(valid.all()) else valid, scorer.normalize)  # [B, T]
-    rng = held_value_ranges(store).sum(1)  # [B, T], summed over the KV heads (Eq. 2)
+    rng = held_value_ranges(store, slots).sum(1)  # [B, T], summed over the KV heads (Eq. 2)
     if scorer.share_batch:
         a = a.sum(0, keepdim=True).expand(B, T)
         rng = rng.sum(0, keepdim=True).expand(B, T)
