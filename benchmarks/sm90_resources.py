@@ -1,7 +1,8 @@
 """Registers, spills and shared memory of the decode-attention kernels at a serving shape, compiled for sm_90
 without a GPU (see :mod:`sm90_compile_plugin`): kvcodec's KIVI attention, KIVI's decode-layout attention,
 HqeKV's mixed-tier attention, HEX's part and uniform attention and SEKV's biased attention, Llama-3-8B's
-attention shape (32 query heads, 8 KV heads, head dim 128), float16, one query per head, 16,384 cached tokens,
+attention shape (32 query heads, 8 KV heads, head dim 128), float16, one query per head, 16,384 cached tokens
+(HqeKV's kernel twice: over per-entry maps and over the block layout of the decode path),
 at each kernel's defaults (matrix-unit products) and, with ``--float32``, on the IEEE float32 path; and HubKV's two
 score-refinement kernels at Table 5's largest shape.
 
@@ -68,6 +69,17 @@ def main() -> None:
     hq = HqeKVStore(block=32)
     hq.write(k, v, _plan(g, B, H, T, 32), torch.arange(T).expand(B, T))
     tiered_attention_triton(q, *tiered_sides(hq), 0.1, tensor_cores=tc)
+    # the same kernel over the block layout the store keeps between re-plans (whole blocks and a 40-token tail)
+    from kv_hqekv.kernels.triton_attention import blocked_attention_triton
+    from kvcore import FULL
+
+    kt, vt = torch.randn(2, B, H, 40, D, generator=g).to(dtype)
+    tail = torch.full((B, H, 40), FULL, dtype=torch.uint8)
+    plan = _plan(g, B, H, T, 32)
+    plan = Plan(torch.cat([plan.key_bits, tail], -1), torch.cat([plan.bits_for_values, tail], -1))
+    hb = HqeKVStore(block=32)
+    hb.write(torch.cat([k, kt], 2), torch.cat([v, vt], 2), plan, torch.arange(T + 40).expand(B, T + 40))
+    blocked_attention_triton(q, *hb.decode_layout(), 0.1, tensor_cores=tc)
     keep = torch.ones(B, H, T, dtype=torch.bool)
     hx = HEXStore(HEXConfig(bits=3))
     hx.write(k, v, Plan(hex_tiers(torch.rand(B, H, T, generator=g), keep, torch.zeros_like(keep), 3, 0.02, 8, 96)),

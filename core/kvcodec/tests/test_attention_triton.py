@@ -90,3 +90,33 @@ def test_tensor_core_path_matches_reference_and_checks_dtypes():
     torch.testing.assert_close(lse, ref_lse, rtol=2e-5, atol=2e-5)
     with pytest.raises(ValueError, match="tensor_cores"):
         quantized_attention_triton(q.float(), seg, 0.3, tensor_cores=True)
+
+
+@pytest.mark.parametrize("nsplit", [2, 5, 13, 64, 70])
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+def test_merge_splits_in_chunks_equals_the_log_sum_exp_merge(nsplit, chunk):
+    """The merge kernel holds ``chunk`` splits at a time and rescales its running sum online: whatever the chunk,
+    the result is the log-sum-exp merge of the splits (splits that saw nothing, ``lse = -inf``, weigh 0; a row no
+    split saw gives 0 and ``-inf``)."""
+    from kvcodec.kernels.triton_attention import merge_splits
+
+    g = torch.Generator().manual_seed(nsplit * 7 + chunk)
+    S, M, D = 3, 2, 24
+    outp = torch.randn(S, nsplit, M, D, generator=g)
+    lsep = 4 * torch.randn(S, nsplit, M, generator=g)
+    lsep[0, ::2, 0] = float("-inf")  # empty splits
+    lsep[1, :, 1] = float("-inf")  # a row nothing saw
+    out, lse = merge_splits(outp.to(DEVICE), lsep.to(DEVICE), chunk=chunk)
+    want_lse = torch.logsumexp(lsep, dim=1)
+    w = torch.exp(lsep - torch.where(torch.isfinite(want_lse), want_lse, 0.0)[:, None])
+    want = (w[..., None] * outp).sum(1)
+    torch.testing.assert_close(out.cpu(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.cpu(), want_lse, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[1, 1].cpu(), torch.zeros(D)) and lse[1, 1].item() == float("-inf")
+
+
+def test_merge_splits_rejects_a_chunk_that_is_not_a_power_of_two():
+    from kvcodec.kernels.triton_attention import merge_splits
+
+    with pytest.raises(ValueError, match="chunk must be a power of two"):
+        merge_splits(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1), chunk=3)

@@ -192,41 +192,64 @@ def _quantized_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(outp_ptr, lsep_ptr, out_ptr, lse_ptr, NSPLIT, M, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_D: tl.constexpr):  # fmt: skip
-    # one program per (head, query row): log-sum-exp merge of the splits' normalized outputs
+                         BLOCK_D: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
+    # one program per (head, query row): log-sum-exp merge of the splits' normalized outputs, BLOCK_S splits at a
+    # time (CHUNKS of them, a compile-time bound), rescaled online to the running maximum
     pid = tl.program_id(0)
     hm = pid // M
     mi = pid % M
-    sidx = tl.arange(0, BLOCK_S)
-    smask = sidx < NSPLIT
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    rows = (hm.to(tl.int64) * NSPLIT + sidx) * M + mi
-    ls = tl.load(lsep_ptr + rows, mask=smask, other=float("-inf"))
-    top = tl.max(ls, axis=0)
+    top = tl.full([1], float("-inf"), tl.float32)
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for c in range(CHUNKS):
+        sidx = c * BLOCK_S + tl.arange(0, BLOCK_S)
+        smask = sidx < NSPLIT
+        rows = (hm.to(tl.int64) * NSPLIT + sidx) * M + mi
+        ls = tl.load(lsep_ptr + rows, mask=smask, other=float("-inf"))
+        new_top = tl.maximum(top, tl.max(ls, axis=0))
+        safe = tl.where(new_top == float("-inf"), 0.0, new_top)
+        alpha = tl.where(top == float("-inf"), 0.0, tl.exp(top - safe))
+        w = tl.where(ls == float("-inf"), 0.0, tl.exp(ls - safe))
+        o = tl.load(outp_ptr + rows[:, None] * D + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
+        total = total * alpha + tl.sum(w, axis=0)
+        top = new_top
     top_safe = tl.where(top == float("-inf"), 0.0, top)
-    w = tl.where(ls == float("-inf"), 0.0, tl.exp(ls - top_safe))
-    total = tl.sum(w, axis=0)
-    o = tl.load(outp_ptr + rows[:, None] * D + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
-    merged = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
+    merged = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + pid.to(tl.int64) * D + d, merged, mask=dmask)
-    tl.store(lse_ptr + pid, tl.where(total > 0, top_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")))
+    lse = tl.where(total > 0, top_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+    tl.store(lse_ptr + pid + tl.arange(0, 1), lse)
 
 
-def merge_splits(outp: torch.Tensor, lsep: torch.Tensor, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+#: splits the merge kernel holds in registers at a time (more are merged in chunks of this many)
+MERGE_CHUNK = 64
+
+
+def merge_splits(
+    outp: torch.Tensor, lsep: torch.Tensor, num_warps: int = 8, *, chunk: int = MERGE_CHUNK
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out float32 [S, M, D], lse float32 [S, M])``: the log-sum-exp merge of the normalised outputs ``outp
     [S, nsplit, M, D]`` and log-sum-exps ``lsep [S, nsplit, M]`` of the splits of a decode-attention launch
     (Flash-Decoding), in one launch of the merge kernel (a split that saw nothing has ``lse = -inf``); with one
-    split, views of the inputs. Shared by the fused decode-attention kernels of kvcodec and the method packages."""
+    split, views of the inputs. Shared by the fused decode-attention kernels of kvcodec and the method packages.
+
+    ``chunk`` (a power of two) splits are held in registers at a time and merged online into the running result,
+    so a long cache's many splits do not spill (a compiled variant per power of two of ``nsplit``, as before)."""
     S, nsplit, M, D = outp.shape
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two >= 1, got {chunk!r}")
     if nsplit == 1:
         return outp.view(S, M, D), lsep.view(S, M)
     out = torch.empty(S, M, D, dtype=torch.float32, device=outp.device)
     lse = torch.empty(S, M, dtype=torch.float32, device=outp.device)
     if S * M:
+        block_s = min(_pow2(nsplit), chunk)
         _merge_splits_kernel[(S * M,)](
-            outp, lsep, out, lse, nsplit, M, D=D, BLOCK_S=_pow2(nsplit), BLOCK_D=_pow2(D), num_warps=num_warps
-        )
+            outp, lsep, out, lse, nsplit, M, D=D, BLOCK_S=block_s, BLOCK_D=_pow2(D),
+            CHUNKS=_pow2(nsplit) // block_s, num_warps=num_warps,
+        )  # fmt: skip
     return out, lse
 
 
