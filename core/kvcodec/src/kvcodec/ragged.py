@@ -169,8 +169,8 @@ class Residual(FullRows):
         (a sync on an accelerator), then known through :meth:`push` es until another edit. Where it is known,
         :meth:`push` appends by one concatenation per buffer instead of scattering every row."""
         if self._even is None and self.counts.numel():
-            lo, hi = torch.aminmax(self.counts)
-            if int(lo) == int(hi):
+            lo, hi = torch.stack(torch.aminmax(self.counts)).tolist()  # one host read
+            if lo == hi:
                 self._even = int(lo)
         return self._even
 

@@ -302,9 +302,10 @@ class CompressedLayer(CacheLayerMixin):
         if valid is not None:
             q = torch.where(valid[:, None, start:, None], q, torch.zeros((), dtype=q.dtype, device=q.device))
         if self.queries is not None and (W is None or q.shape[2] < W):
-            q = torch.cat([self.queries.to(q.dtype), q], 2)
-            q = q if W is None else q[:, :, -W:]
-        self.queries = q.detach().clone()
+            held = self.queries if W is None else self.queries[:, :, max(0, self.queries.shape[2] + q.shape[2] - W) :]
+            self.queries = torch.cat([held.to(q.dtype), q], 2).detach()  # a new tensor: one operation per step
+        else:
+            self.queries = q.detach().clone()
         self._queries_end = self.seen + query.shape[2]  # called before the step's tokens are counted in seen
 
     # -- compression -----------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from kvcore.checks import (
     check_integer_tensor,
     check_kv,
     check_positions,
+    values_checked,
 )
 
 QUANT_TIERS: tuple[int, ...] = (4, 2, 1)
@@ -214,6 +215,8 @@ class HqeKVStore(Store):
         parts = self._empty_parts(B, H, D, keys.dtype, keys.device) if self._shape is None else self._staged()
         S = B * H
         pos = positions[:, None, :].expand(B, H, n).reshape(S, n)
+        if values_checked(keys):  # host reads are cheap here: learn (once per edit) whether pushes can concatenate
+            parts["k"][0].uniform_count(), parts["v"][0].uniform_count()
         parts["k"][0].push(keys.reshape(S, n, D), pos)
         parts["v"][0].push(values.reshape(S, n, D), pos)
         self._dtype = keys.dtype
