@@ -524,7 +524,7 @@ def _blocked_store(g, B, H, blocks, tail, G=4, D=16, steps=0):
     seed=st.integers(0, 10_000),
     B=st.integers(1, 2),
     H=st.integers(1, 3),
-    blocks=st.integers(1, 6),
+    blocks=st.integers(0, 6),
     tail=st.integers(0, 6),
     before=st.integers(0, 3),
     after=st.integers(0, 5),
@@ -534,9 +534,12 @@ def test_the_block_layout_stands_for_the_per_entry_maps(seed, B, H, blocks, tail
     for -- taken after ``before`` decode tokens and advanced through ``after`` more -- are the maps
     ``tiered_sides`` builds (tiers everywhere, rows and parameter rows wherever an entry is held), so attention over
     it (reference, and the Triton kernel under the interpreter) equals reference attention over ``read()``."""
+    from hypothesis import assume
+
     from kv_hqekv.kernels import blocked_attention_ref, expand_side
     from kv_hqekv.kernels.triton_attention import blocked_attention_triton
 
+    assume(blocks + tail > 0)
     g = torch.Generator().manual_seed(seed)
     store = _blocked_store(g, B, H, blocks, tail, steps=before)
     assert store.decode_layout() is not None

@@ -354,7 +354,7 @@ class HqeKVStore(Store):
 
         return mixed_tier_attention(self, query, scale)
 
-    def full_rows(self, kind: str) -> torch.Tensor:
+    def _full_rows(self, kind: str) -> torch.Tensor:
         """``[F, D]`` the full-precision rows of side ``kind`` (``"k"`` or ``"v"``) in the cache dtype."""
         rows = self._parts[kind][0].rows
         return rows if rows.dtype == self._dtype else rows.to(self._dtype)
@@ -387,7 +387,7 @@ class HqeKVStore(Store):
         if self._blocks is False:
             return None
         layout, bk, bv = self._blocks
-        return layout, bk.with_full(self.full_rows("k")), bv.with_full(self.full_rows("v"))
+        return layout, bk.with_full(self._full_rows("k")), bv.with_full(self._full_rows("v"))
 
     def nbytes(self, device: torch.device | str | None = None) -> int:
         """Bytes of every tensor this store holds (codes, statistics, fp16 rows, positions, indices)."""
