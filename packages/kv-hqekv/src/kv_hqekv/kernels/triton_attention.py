@@ -25,7 +25,7 @@ import triton.language as tl
 
 from kv_hqekv.kernels.blocked import BlockedSide, BlockLayout
 from kv_hqekv.kernels.tiered import TieredSide
-from kv_hqekv.kernels.triton_tiles import OUT_CODE, _block_maps, _dummies, _mapped_rows, _side_tile, side_args
+from kv_hqekv.kernels.triton_tiles import OUT_CODE, _block_maps, _dummies, _entry_maps, _mapped_rows, side_args
 from kvcodec.kernels.triton_attention import merge_splits
 from kvcodec.kernels.triton_dot import as_dot, dot_mode, online_softmax_step, qk_dot, softmax_result
 
@@ -79,31 +79,21 @@ def _tiered_attention_kernel(
         tmask = t < T
         if BLOCKED:
             kti, kri, kgi = _block_maps(kt, kr, kg, ktail, seg, t, nb, hl, A, NB, G, KGROUP_IS_ROW)
-            k = _mapped_rows(
-                kti, kri, kgi, kf, kc4, ks4, kz4, kk4, kc2, ks2, kz2, kk2, kc1, ks1, kz1, kk1,
-                d, dmask, KC, KPW4, KPW2, KPW1, D, KGCOL, BLOCK_T, BLOCK_D,
-                KHAS4, KHAS2, KHAS1, KCB4, KCB2, KCB1, FMAX, OUT,
-            )  # fmt: skip
             vti, vri, vgi = _block_maps(vt, vr, vg, vtail, seg, t, nb, hl, A, NB, G, VGROUP_IS_ROW)
-            v = _mapped_rows(
-                vti, vri, vgi, vf, vc4, vs4, vz4, vk4, vc2, vs2, vz2, vk2, vc1, vs1, vz1, vk1,
-                d, dmask, VC, VPW4, VPW2, VPW1, D, VGCOL, BLOCK_T, BLOCK_D,
-                VHAS4, VHAS2, VHAS1, VCB4, VCB2, VCB1, FMAX, OUT,
-            )  # fmt: skip
-            ktier = kti
         else:
-            base = seg * T + t
-            k, ktier = _side_tile(
-                kt, kr, kg, base, tmask, kf, kc4, ks4, kz4, kk4, kc2, ks2, kz2, kk2, kc1, ks1, kz1, kk1,
-                d, dmask, KC, KPW4, KPW2, KPW1, D, KGCOL, BLOCK_T, BLOCK_D,
-                KHAS4, KHAS2, KHAS1, KCB4, KCB2, KCB1, FMAX, OUT,
-            )  # fmt: skip
-            v, _ = _side_tile(
-                vt, vr, vg, base, tmask, vf, vc4, vs4, vz4, vk4, vc2, vs2, vz2, vk2, vc1, vs1, vz1, vk1,
-                d, dmask, VC, VPW4, VPW2, VPW1, D, VGCOL, BLOCK_T, BLOCK_D,
-                VHAS4, VHAS2, VHAS1, VCB4, VCB2, VCB1, FMAX, OUT,
-            )  # fmt: skip
-        held = tmask & (ktier != 0)
+            kti, kri, kgi = _entry_maps(kt, kr, kg, seg * T + t, tmask)
+            vti, vri, vgi = _entry_maps(vt, vr, vg, seg * T + t, tmask)
+        k = _mapped_rows(
+            kti, kri, kgi, kf, kc4, ks4, kz4, kk4, kc2, ks2, kz2, kk2, kc1, ks1, kz1, kk1,
+            d, dmask, KC, KPW4, KPW2, KPW1, D, KGCOL, BLOCK_T, BLOCK_D,
+            KHAS4, KHAS2, KHAS1, KCB4, KCB2, KCB1, FMAX, OUT,
+        )  # fmt: skip
+        v = _mapped_rows(
+            vti, vri, vgi, vf, vc4, vs4, vz4, vk4, vc2, vs2, vz2, vk2, vc1, vs1, vz1, vk1,
+            d, dmask, VC, VPW4, VPW2, VPW1, D, VGCOL, BLOCK_T, BLOCK_D,
+            VHAS4, VHAS2, VHAS1, VCB4, VCB2, VCB1, FMAX, OUT,
+        )  # fmt: skip
+        held = tmask & (kti != 0)
         logits = qk_dot(qv, k, DOT) * scale
         logits = tl.where(held[None, :], logits, float("-inf"))
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, logits, v, DOT)
@@ -136,8 +126,9 @@ def _tiered_row_kernel(
         t = (sp * TILES + i) * BLOCK_T + tl.arange(0, BLOCK_T)
         tmask = t < T
         base = pid.to(tl.int64) * T + t
-        k, ktier = _side_tile(
-            kt, kr, kg, base, tmask, kf, kc4, ks4, kz4, kk4, kc2, ks2, kz2, kk2, kc1, ks1, kz1, kk1,
+        ktier, krow, kgrp = _entry_maps(kt, kr, kg, base, tmask)
+        k = _mapped_rows(
+            ktier, krow, kgrp, kf, kc4, ks4, kz4, kk4, kc2, ks2, kz2, kk2, kc1, ks1, kz1, kk1,
             d, dmask, KC, KPW4, KPW2, KPW1, D, KGCOL, BLOCK_T, BLOCK_D,
             KHAS4, KHAS2, KHAS1, KCB4, KCB2, KCB1, FMAX, OUT,
         )  # fmt: skip

@@ -67,53 +67,13 @@ def _tier_dequant(
 
 
 @triton.jit
-def _side_tile(
-    tier_ptr,
-    row_ptr,
-    grp_ptr,
-    base,
-    emask,
-    full_ptr,
-    c4,
-    s4,
-    z4,
-    k4,
-    c2,
-    s2,
-    z2,
-    k2,
-    c1,
-    s1,
-    z1,
-    k1,
-    d,
-    dmask,
-    C,
-    PW4,
-    PW2,
-    PW1,
-    D: tl.constexpr,
-    GCOL: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS4: tl.constexpr,
-    HAS2: tl.constexpr,
-    HAS1: tl.constexpr,
-    CB4: tl.constexpr,
-    CB2: tl.constexpr,
-    CB1: tl.constexpr,
-    FMAX: tl.constexpr,
-    OUT: tl.constexpr,
-):
-    """``(rows float32 [R, BLOCK_D], tier int32 [R])`` of the entries ``base`` (where ``emask``) of one side."""
+def _entry_maps(tier_ptr, row_ptr, grp_ptr, base, emask):
+    """Per-entry ``(tier int32, row, group)`` of the entries ``base`` (where ``emask``) read from the maps of a
+    :class:`~kv_hqekv.kernels.TieredSide` (tier 0 elsewhere)."""
     tier = tl.load(tier_ptr + base, mask=emask, other=0).to(tl.int32)
     row = tl.load(row_ptr + base, mask=emask, other=0)
     grp = tl.load(grp_ptr + base, mask=emask, other=0)
-    y = _mapped_rows(
-        tier, row, grp, full_ptr, c4, s4, z4, k4, c2, s2, z2, k2, c1, s1, z1, k1, d, dmask, C, PW4, PW2, PW1,
-        D, GCOL, ROWS, BLOCK_D, HAS4, HAS2, HAS1, CB4, CB2, CB1, FMAX, OUT,
-    )  # fmt: skip
-    return y, tier
+    return tier, row, grp
 
 
 @triton.jit
@@ -210,7 +170,8 @@ def _dummies(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def side_args(side) -> tuple[list, dict]:
-    """Pointer/scalar arguments and constexprs of one side for :func:`_side_tile` (prefix-free names): the maps,
+    """Pointer/scalar arguments and constexprs of one side for :func:`_entry_maps` / :func:`_block_maps` and
+    :func:`_mapped_rows` (prefix-free names): the maps,
     the full rows, the code tables. A :class:`~kv_hqekv.kernels.blocked.BlockedSide` gives its block maps (tier,
     row, group -- a dummy where every entry is its own parameter row, ``GROUP_IS_ROW``) for :func:`_block_maps`."""
     device = side.full.device

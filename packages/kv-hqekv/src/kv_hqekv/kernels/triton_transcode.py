@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kv_hqekv.kernels.tiered import TieredSide
-from kv_hqekv.kernels.triton_tiles import OUT_CODE, _side_tile, side_args
+from kv_hqekv.kernels.triton_tiles import OUT_CODE, _entry_maps, _mapped_rows, side_args
 from kvcodec.kernels.triton_dot import cache_round
 from kvcodec.kernels.triton_quant import _SDT, _codes, _minmax_scale, _pack_store
 from kvcodec.stats import scale_dtype_for, scale_floor
@@ -79,8 +79,9 @@ def _transcode_channel_kernel(
     base = u * U + r
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    x, _ = _side_tile(
-        st, sr, sg, base, rmask, sf, c4, s4, z4, k4, c2, s2, z2, k2, c1, s1, z1, k1,
+    tier, row, grp = _entry_maps(st, sr, sg, base, rmask)
+    x = _mapped_rows(
+        tier, row, grp, sf, c4, s4, z4, k4, c2, s2, z2, k2, c1, s1, z1, k1,
         d, dmask, C, PW4, PW2, PW1, D, GCOL, BLOCK_U, BLOCK_D, HAS4, HAS2, HAS1, CB4, CB2, CB1, FMAX, OUT,
     )  # fmt: skip
     valid = rmask[:, None] & dmask[None, :]
@@ -105,8 +106,9 @@ def _transcode_token_kernel(
     rmask = r < N
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    x, _ = _side_tile(
-        st, sr, sg, r, rmask, sf, c4, s4, z4, k4, c2, s2, z2, k2, c1, s1, z1, k1,
+    tier, row, grp = _entry_maps(st, sr, sg, r, rmask)
+    x = _mapped_rows(
+        tier, row, grp, sf, c4, s4, z4, k4, c2, s2, z2, k2, c1, s1, z1, k1,
         d, dmask, C, PW4, PW2, PW1, D, GCOL, BLOCK_R, BLOCK_D, HAS4, HAS2, HAS1, CB4, CB2, CB1, FMAX, OUT,
     )  # fmt: skip
     NG: tl.constexpr = BLOCK_D // G
