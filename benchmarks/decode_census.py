@@ -76,6 +76,7 @@ DISPATCH = (
     ("kv_hqekv.kernels.dispatch", "use_triton"),
     ("kv_hqekv.attention", "use_triton"),
     ("kv_hqekv.importance", "use_triton"),
+    ("kv_hqekv.window", "use_triton"),
     ("kv_hex.kernels.dispatch", "use_triton"),
     ("kv_sekv.kernels.dispatch", "_use_triton"),
 )

@@ -2,7 +2,8 @@
 without a GPU (see :mod:`sm90_compile_plugin`): kvcodec's KIVI attention, KIVI's decode-layout attention,
 HqeKV's mixed-tier attention, HEX's part and uniform attention and SEKV's biased attention, Llama-3-8B's
 attention shape (32 query heads, 8 KV heads, head dim 128), float16, one query per head, 16,384 cached tokens
-(HqeKV's kernel twice: over per-entry maps and over the block layout of the decode path),
+(HqeKV's kernel twice: over per-entry maps and over the block layout of the decode path; its re-plan's window
+importance kernels over dense keys and over the block layout),
 at each kernel's defaults (matrix-unit products) and, with ``--float32``, on the IEEE float32 path; and HubKV's two
 score-refinement kernels at Table 5's largest shape.
 
@@ -80,6 +81,14 @@ def main() -> None:
     hb = HqeKVStore(block=32)
     hb.write(torch.cat([k, kt], 2), torch.cat([v, vt], 2), plan, torch.arange(T + 40).expand(B, T + 40))
     blocked_attention_triton(q, *hb.decode_layout(), 0.1, tensor_cores=tc)
+    # HqeKV's re-plan: the window importance (m = 20 queries) over dense keys and straight from the block layout
+    from kv_hqekv.kernels.triton_importance import window_importance_blocked_triton, window_importance_triton
+
+    window = torch.randn(B, 32, 20, D, generator=g).to(dtype)
+    window_importance_triton(window, k, tensor_cores=tc)
+    if tc:  # the re-plan reads the block layout on the matrix units only (float32 caches take the dense keys)
+        layout, key_side, _ = hb.decode_layout()
+        window_importance_blocked_triton(window, layout, key_side, tensor_cores=tc)
     keep = torch.ones(B, H, T, dtype=torch.bool)
     hx = HEXStore(HEXConfig(bits=3))
     hx.write(k, v, Plan(hex_tiers(torch.rand(B, H, T, generator=g), keep, torch.zeros_like(keep), 3, 0.02, 8, 96)),

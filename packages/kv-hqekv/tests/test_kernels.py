@@ -612,3 +612,32 @@ def test_the_kept_block_layout_holds_only_its_maps():
         without = store.nbytes()
         store._blocks = blocks
         assert store.nbytes() - without == extra
+
+
+@pytest.mark.parametrize(
+    ("B", "H", "blocks", "tail", "after", "padded"), [(1, 2, 4, 3, 2, False), (2, 2, 6, 0, 5, True)]
+)
+def test_window_importance_over_the_block_layout_equals_it_over_the_dense_keys(B, H, blocks, tail, after, padded):
+    """The window importance read from the held codes (keys dequantized in registers through the block layout)
+    equals the reference over the dense keys ``held_keys`` writes out, with and without padding columns; tiles of
+    8 keys, two per program, several programs."""
+    from kv_hqekv.importance import window_importance_blocked_ref
+    from kv_hqekv.kernels.triton_importance import window_importance_blocked_triton
+    from kv_hqekv.window import held_keys
+
+    g = torch.Generator().manual_seed(blocks + tail)
+    store = _blocked_store(g, B, H, blocks, tail, steps=1)
+    store.decode_layout()
+    for i in range(after):
+        kv = torch.randn(2, B, H, 1, 16, generator=g)
+        store.append(kv[0], kv[1], torch.full((B, 1), 100 + i))
+    layout, keys, _ = store.decode_layout()
+    dense, pos = held_keys(store)
+    valid = pos[:, 0] >= 0
+    if padded:
+        valid[-1, :3] = False
+    q = torch.randn(B, 2 * H, 5, 16, generator=g)
+    want = window_importance_ref(q, dense, valid)
+    torch.testing.assert_close(window_importance_blocked_ref(q, layout, keys, valid), want)
+    got = window_importance_blocked_triton(_to(q), _to(layout), _to(keys), _to(valid), block_n=8, tiles=2).cpu()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

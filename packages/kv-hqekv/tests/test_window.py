@@ -13,16 +13,17 @@ from kvcore import ScoringContext, replan_view
 B, H, HQ, D, N, G = 2, 2, 4, 64, 200, 8
 
 
-def decoded_store(seed=0, bits=2.0):
+def decoded_store(seed=0, bits=2.0, dtype=torch.float32):
     """An HqeKV store after a prefill of ``N`` tokens and one period of decode appends, with its compressor."""
     g = torch.Generator().manual_seed(seed)
     c = hqekv(bits, config=HqeKVConfig(block=G, period=G, fp16_blocks=2))
-    k, v = torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g)
-    store = c.compress(ScoringContext(keys=k, values=v, queries=torch.randn(B, HQ, 20, D, generator=g)))
+    k, v = torch.randn(2, B, H, N, D, generator=g).to(dtype)
+    queries = torch.randn(B, HQ, 20, D, generator=g).to(dtype)
+    store = c.compress(ScoringContext(keys=k, values=v, queries=queries))
     for i in range(G):
-        new = torch.randn(2, B, H, 1, D, generator=g)
+        new = torch.randn(2, B, H, 1, D, generator=g).to(dtype)
         store.append(new[0], new[1], torch.full((B, 1), N + i))
-    return store, c, torch.randn(B, HQ, 20, D, generator=g)
+    return store, c, torch.randn(B, HQ, 20, D, generator=g).to(dtype)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -75,3 +76,32 @@ def test_compressor_declares_its_decode_retiering():
     """hqekv() compressors re-plan every T decoded tokens with the window re-planner (kvcore.replan runs it)."""
     c = hqekv(2.0)
     assert c.replan_every == HqeKVConfig().period == 32 and c.replanner is window_replan
+
+
+@pytest.mark.parametrize(("seed", "dtype"), [(0, torch.float16), (1, torch.bfloat16), (2, torch.float32)])
+def test_the_fused_path_scores_the_window_from_the_held_codes(monkeypatch, seed, dtype):
+    """On the fused (Triton) path a half-precision cache's re-plan scores the window over the store's block layout,
+    each key dequantized in registers (interpreted here), never building the dense keys; a float32 cache takes the
+    dense keys (the kernel's float32 variant over the layout spills for sm_90). Either way the plan equals the CPU
+    path's."""
+    pytest.importorskip("triton")
+    from kv_hqekv import importance, window
+    from kv_hqekv.kernels import dispatch
+
+    store, c, q = decoded_store(seed, dtype=dtype)
+    want = window_replan(store, c, queries=q)
+    assert store._blocks is None  # the CPU path takes no layout
+    for mod in (window, importance, dispatch):
+        monkeypatch.setattr(mod, "use_triton", lambda t: True)
+    dense_calls = []
+    held_keys = window.held_keys
+
+    def counted(*args, **kwargs):
+        dense_calls.append(1)
+        return held_keys(*args, **kwargs)
+
+    monkeypatch.setattr(window, "held_keys", counted)
+    got = window_replan(store, c, queries=q)
+    half = dtype != torch.float32
+    assert bool(store._blocks) == half and len(dense_calls) == (0 if half else 1)
+    assert torch.equal(got.key_bits, want.key_bits) and torch.equal(got.bits_for_values, want.bits_for_values)

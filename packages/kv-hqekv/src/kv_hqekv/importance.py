@@ -8,13 +8,17 @@ the paper's "cumulative" attention is the plain sum, ``normalize=False``). Query
 :func:`window_importance` runs the tiled Triton kernel on CUDA (:mod:`kv_hqekv.kernels.triton_importance`: two
 passes over key tiles, never more than a tile of the ``m × N`` probabilities) and :func:`window_importance_ref` on
 CPU, which materialises the ``[B, Hq, m, N]`` probabilities (``m = 20``: 80 bytes per key and query head).
+:func:`window_importance_blocked` is the same over the keys a store holds in a block layout
+(:mod:`kv_hqekv.kernels.blocked`): on CUDA each key is dequantized in registers from its tier, so a re-plan never
+writes the held keys out.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kv_hqekv.kernels.reference import seen_by
+from kv_hqekv.kernels.blocked import BlockedSide, BlockLayout, expand_side
+from kv_hqekv.kernels.reference import dequantize_side_ref, seen_by
 from kvcodec.kernels.dispatch import use_triton
 
 
@@ -68,3 +72,31 @@ def window_importance(
 
         return window_importance_triton(queries, keys, valid, normalize)
     return window_importance_ref(queries, keys, valid, normalize)
+
+
+def window_importance_blocked_ref(
+    queries: torch.Tensor,
+    layout: BlockLayout,
+    keys: BlockedSide,
+    valid: torch.Tensor | None = None,
+    normalize: bool = True,
+) -> torch.Tensor:
+    """:func:`window_importance_ref` over the keys of a block layout (dequantized in the cache dtype, as
+    ``HqeKVStore.read()`` gives them): ``A [B, N]`` with ``N = layout.width``."""
+    return window_importance_ref(queries, dequantize_side_ref(expand_side(layout, keys)), valid, normalize)
+
+
+def window_importance_blocked(
+    queries: torch.Tensor,
+    layout: BlockLayout,
+    keys: BlockedSide,
+    valid: torch.Tensor | None = None,
+    normalize: bool = True,
+) -> torch.Tensor:
+    """Window importance over the held keys of a block layout (module doc); the Triton kernel on CUDA, the
+    reference otherwise."""
+    if use_triton(queries):
+        from kv_hqekv.kernels.triton_importance import window_importance_blocked_triton
+
+        return window_importance_blocked_triton(queries, layout, keys, valid, normalize)
+    return window_importance_blocked_ref(queries, layout, keys, valid, normalize)

@@ -11,7 +11,8 @@ token's value vector). Here:
 * the window's queries are the last ``m`` post-RoPE queries the adapter already keeps for the re-plan (``kv-hf``
   captures ``scorer.query_window = m`` committed queries per layer; :func:`kv_hqekv.requantize` takes them as an
   argument); their attention is computed at the re-plan over the held **keys** only (one ``m``-query pass instead
-  of a probability row per decode step);
+  of a probability row per decode step), on CUDA straight from the held codes
+  (:func:`kv_hqekv.importance.window_importance_blocked` over the store's block layout: no key is written out);
 * :func:`window_replan` is the ``replanner`` of :func:`kv_hqekv.hqekv` compressors (``kvcore.replan`` runs it): it
   builds the key scores ``A`` and the value scores ``A·Range`` from that state, selects with the decode-time
   shares, and caps every entry at its held tier (``tier := min(held, planned)``). The store is never read back
@@ -27,9 +28,17 @@ from typing import Any
 import torch
 
 from kvcodec import normal_codebook
+from kvcodec.kernels.dispatch import use_triton
 from kvcodec.ragged import FullRows
 from kvcore import Plan, Scores, replan_view
 from kvcore.replan import cap_plan
+
+
+def _matrix_units(queries: torch.Tensor, store) -> bool:
+    """Whether the window's products run on the matrix units (queries and cache in one half-precision dtype), where
+    the kernel reads the keys from the block layout; float32 caches take the dense keys (that variant spills for
+    sm_90)."""
+    return queries.dtype == store._dtype and store._dtype in (torch.float16, torch.bfloat16)
 
 
 def held_value_ranges(store, slots: dict | None = None) -> torch.Tensor:
@@ -61,6 +70,20 @@ def held_value_ranges(store, slots: dict | None = None) -> torch.Tensor:
     return out.view(B, H, T)
 
 
+def held_positions(store, slots: dict | None = None) -> torch.Tensor:
+    """``[B, H, T]`` int64 true positions of the key-held entries in the order of ``read()``, padding ``-1``;
+    ``slots`` as in :func:`held_value_ranges`."""
+    B, H, _ = store._shape
+    T = store.held_max_length()
+    device = store._parts["k"][0].length.device
+    pos = torch.full((B * H, T), -1, dtype=torch.long, device=device)
+    slots = store._all_slots(kinds=("k",)) if slots is None else slots
+    for part, (seg, slot) in zip(store._parts["k"], slots["k"]):
+        if seg.numel():
+            pos[seg, slot] = part.positions()[1].long()
+    return pos.view(B, H, T)
+
+
 def held_keys(store, slots: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(keys [B, H, T, D], positions [B, H, T])`` of the key-held entries in the order of ``read()``: the key codes
     of each tier dequantized (no values), padding ``0`` / ``-1``; ``slots`` as in :func:`held_value_ranges`."""
@@ -69,15 +92,11 @@ def held_keys(store, slots: dict | None = None) -> tuple[torch.Tensor, torch.Ten
     T = store.held_max_length()
     device = store._parts["k"][0].length.device
     k = torch.zeros(S, T, D, dtype=torch.float32, device=device)
-    pos = torch.full((S, T), -1, dtype=torch.long, device=device)
     slots = store._all_slots(kinds=("k",)) if slots is None else slots
     for part, (seg, slot) in zip(store._parts["k"], slots["k"]):
-        if not seg.numel():
-            continue
-        rows = part.rows if isinstance(part, FullRows) else part.dequantized()
-        k[seg, slot] = rows.float()
-        pos[seg, slot] = part.positions()[1].long()
-    return k.view(B, H, T, D), pos.view(B, H, T)
+        if seg.numel():
+            k[seg, slot] = (part.rows if isinstance(part, FullRows) else part.dequantized()).float()
+    return k.view(B, H, T, D), held_positions(store, slots)
 
 
 def window_replan(
@@ -96,7 +115,7 @@ def window_replan(
     other than :class:`~kv_hqekv.HqeKVStore`, a scorer other than :class:`~kv_hqekv.HqeKVScorer`, extras, a
     ``protect_before``, or heads of a row holding different positions.
     """
-    from kv_hqekv.importance import window_importance
+    from kv_hqekv.importance import window_importance, window_importance_blocked
     from kv_hqekv.scorer import HqeKVScorer
     from kv_hqekv.selector import HqeKVSelector
     from kv_hqekv.store import HqeKVStore
@@ -115,19 +134,26 @@ def window_replan(
     )
     if not generic:
         slots = store._all_slots()  # one sort of the held entries for the keys and the value ranges
-        keys, pos = held_keys(store, slots)
+        pos = held_positions(store, slots)
         generic = not bool((pos == pos[:, :1]).all())
     if generic:
         return replan_view(
             store, compressor, queries=queries, extras=extras, layer_idx=layer_idx, protect_before=protect_before
         )
-    B, H, T, _ = keys.shape
+    B, H, T = pos.shape
     if T == 0:
         raise ValueError("store holds no entries: nothing to re-plan (write() or append() first)")
     row_pos = pos[:, 0]  # [B, T], every head of a row holds these
     valid = row_pos >= 0
-    q = queries[:, :, -min(scorer.window, T) :].to(keys.device)
-    a = window_importance(q, keys, None if bool(valid.all()) else valid, scorer.normalize)  # [B, T]
+    device = pos.device
+    q = queries[:, :, -min(scorer.window, T) :].to(device)
+    mask = None if bool(valid.all()) else valid
+    blocked = store.decode_layout() if use_triton(q) and _matrix_units(q, store) else None  # kept since the last edit
+    if blocked is not None:  # each key dequantized in registers from its tier: the keys are never written out
+        layout, key_side, _ = blocked
+        a = window_importance_blocked(q, layout, key_side, mask, scorer.normalize)  # [B, T]
+    else:
+        a = window_importance(q, held_keys(store, slots)[0], mask, scorer.normalize)
     rng = held_value_ranges(store, slots).sum(1)  # [B, T], summed over the KV heads (Eq. 2)
     if scorer.share_batch:
         a = a.sum(0, keepdim=True).expand(B, T)
