@@ -10,7 +10,12 @@ from kv_hqekv.cli import load_shares
 from kv_hqekv.compressor import hqekv
 from kv_hqekv.config import BIT_WIDTHS, HqeKVConfig
 from kv_hqekv.decoding import requantize
-from kv_hqekv.importance import window_importance, window_importance_ref
+from kv_hqekv.importance import (
+    window_importance,
+    window_importance_blocked,
+    window_importance_blocked_ref,
+    window_importance_ref,
+)
 from kv_hqekv.normalized import NormalizedQuantizer, normal_bounds
 from kv_hqekv.quantizers import tier_quantizer
 from kv_hqekv.scorer import HqeKVScorer, token_range
@@ -43,5 +48,7 @@ __all__ = [
     "tier_quantizer",
     "token_range",
     "window_importance",
+    "window_importance_blocked",
+    "window_importance_blocked_ref",
     "window_importance_ref",
 ]
