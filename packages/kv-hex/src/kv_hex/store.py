@@ -659,31 +659,25 @@ class HEXStore(Store):
                     logits[i] = lg
         out, lse = merge_attention(parts) if len(parts) > 1 else parts[0]
         rows_lse = lse.reshape(B * H, (Hq // H) * Q)
-        sums: list[torch.Tensor | None] = [None] * n_parts
+        accs: dict[int, torch.Tensor] = {}  # part -> its accumulator after this step
         # entries per head of the parts the uniform path attended (their logits are [S, T, R] blocks)
         per_head = {} if uniform is None else {0: uniform.n, n_parts - 1: TR}
         for i, lg in logits.items():
             if i < n_parts - 1 and not full_mode:
                 continue  # append mode accumulates into the residual only
-            if i in per_head:
-                p = torch.exp(lg.view(B * H, per_head[i], -1) - rows_lse[:, None, :])
-                sums[i] = p.nan_to_num_(0.0).sum(-1).view(-1)
+            held_acc = self._segments[i].acc if i < n_parts - 1 else self._res["acc"]
+            if i in per_head:  # one launch on CUDA (kv_hex.kernels.triton_accumulate)
+                accs[i] = dispatch.accumulate_attention(held_acc, lg.view(B * H, per_head[i], -1), rows_lse)
                 continue
             seg = self._segments[i].seg() if i < n_parts - 1 else segment_ids(self._res["counts"], lg.shape[0])
-            sums[i] = torch.exp(lg - rows_lse[seg]).nan_to_num_(0.0).sum(-1)
-        self._accumulate(sums)
+            add = torch.exp(lg - rows_lse[seg]).nan_to_num_(0.0).sum(-1)
+            accs[i] = add if held_acc is None else held_acc + add
+        for i, acc in accs.items():
+            if i < n_parts - 1:
+                self._segments[i].acc = acc
+            else:
+                self._res["acc"] = acc
         return out, lse
-
-    def _accumulate(self, sums: list[torch.Tensor | None]) -> None:
-        """Add each part's per-entry attention sums (entry order; ``None``: nothing to add) to its accumulator."""
-        *seg_sums, res_sums = sums
-        if self.config.mode == "full":
-            for s, add in zip(self._segments, seg_sums):
-                if add is not None:
-                    s.acc = add if s.acc is None else s.acc + add
-        r = self._res
-        if res_sums is not None:
-            r["acc"] = res_sums if r["acc"] is None else r["acc"] + res_sums
 
     # -- bookkeeping -----------------------------------------------------------------------------------
     def nbytes(self, device: torch.device | str | None = None) -> int:

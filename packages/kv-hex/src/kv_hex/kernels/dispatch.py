@@ -8,6 +8,7 @@ import torch
 from kv_hex.kernels import reference
 
 __all__ = [
+    "accumulate_attention",
     "attention_column_sums",
     "dequantize_part",
     "kcvt_codes",
@@ -78,3 +79,12 @@ def uniform_attention(query, calls, scale):
 
         return uniform_attention_triton(query, calls, scale)
     return reference.uniform_attention(query, calls, scale)
+
+
+def accumulate_attention(acc, logits, lse):
+    """:func:`kv_hex.kernels.reference.accumulate_attention`, or its one-launch Triton kernel on CUDA."""
+    if use_triton(logits):
+        from kv_hex.kernels.triton_accumulate import accumulate_attention_triton
+
+        return accumulate_attention_triton(acc, logits, lse)
+    return reference.accumulate_attention(acc, logits, lse)

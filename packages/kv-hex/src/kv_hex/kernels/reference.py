@@ -249,3 +249,25 @@ def uniform_attention(
         logits.append((slg, rlg))
     out, lse = merge_attention(parts)
     return out, lse, logits
+
+
+def accumulate_attention(acc: torch.Tensor | None, logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The heavy-hitter accumulator after one decode step (HEX §3.3): ``acc + Σ_r exp(logits[s, t, r] - lse[s, r])``.
+
+    Parameters
+    ----------
+    acc : Tensor or None
+        float32 ``[S·T]`` accumulator of the part's entries (entry ``s·T + t``); ``None``: zeros.
+    logits : Tensor
+        float32 ``[S, T, R]`` scaled logits of every entry of each head ``s`` for its ``R`` query rows (the GQA
+        group's heads times the queries); ``-inf`` where an entry is not seen.
+    lse : Tensor
+        float32 ``[S, R]`` log-sum-exp of each row over the whole cache (a row that saw nothing is ``-inf``).
+
+    Returns
+    -------
+    Tensor
+        float32 ``[S·T]``: the attention probabilities summed over the rows, added to ``acc``.
+    """
+    p = torch.exp(logits - lse[:, None, :]).nan_to_num_(0.0).sum(-1).reshape(-1)
+    return p if acc is None else acc + p
