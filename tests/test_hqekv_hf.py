@@ -35,14 +35,14 @@ def test_a_float16_decode_on_the_fused_path_equals_the_cpu_path_across_replans(m
     want, cpu_stores = _decode(model, ids, 18)
     for mod in (attention, importance, window, dispatch):
         monkeypatch.setattr(mod, "use_triton", lambda t: True)
-    dense = window.held_keys
+    dense = window._dense_keys
 
     def no_dense_keys(*args, **kwargs):
         raise AssertionError("a float16 re-plan on the fused path built the dense keys")
 
-    monkeypatch.setattr(window, "held_keys", no_dense_keys)
+    monkeypatch.setattr(window, "_dense_keys", no_dense_keys)
     got, stores = _decode(model, ids, 18)
-    monkeypatch.setattr(window, "held_keys", dense)
+    monkeypatch.setattr(window, "_dense_keys", dense)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
     for fused, cpu in zip(stores, cpu_stores):

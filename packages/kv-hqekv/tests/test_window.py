@@ -94,13 +94,13 @@ def test_the_fused_path_scores_the_window_from_the_held_codes(monkeypatch, seed,
     for mod in (window, importance, dispatch):
         monkeypatch.setattr(mod, "use_triton", lambda t: True)
     dense_calls = []
-    held_keys = window.held_keys
+    dense_keys = window._dense_keys
 
     def counted(*args, **kwargs):
         dense_calls.append(1)
-        return held_keys(*args, **kwargs)
+        return dense_keys(*args, **kwargs)
 
-    monkeypatch.setattr(window, "held_keys", counted)
+    monkeypatch.setattr(window, "_dense_keys", counted)
     got = window_replan(store, c, queries=q)
     half = dtype != torch.float32
     assert bool(store._blocks) == half and len(dense_calls) == (0 if half else 1)

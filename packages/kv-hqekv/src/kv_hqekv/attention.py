@@ -176,10 +176,8 @@ def tiered_sides(store) -> tuple[TieredSide, TieredSide]:
     vmaps = tuple(scatter(vflat, x, x.dtype) for x in (vtier, vrow, vgroup))
     sides = []
     for kind, maps, tables in (("k", kmaps, ktables), ("v", vmaps, vtables)):
-        fp16 = store._parts[kind][0]
-        full = fp16.rows if fp16.rows.dtype == store._dtype else fp16.rows.to(store._dtype)
         axis = "channel" if kind == "k" else "token"
-        sides.append(TieredSide(full, tables, *maps, axis, store.block))
+        sides.append(TieredSide(store._full_rows(kind), tables, *maps, axis, store.block))
     return sides[0], sides[1]
 
 

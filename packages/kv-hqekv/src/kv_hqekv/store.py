@@ -335,12 +335,11 @@ class HqeKVStore(Store):
         S = self._segments
         ref = ref[torch.argsort((ref[:, 3] << 32) | ref[:, 4])]
         index, seg, pos = QuantUnits.gather_units((ref[:, :3], ref[:, 3], ref[:, 4].int()), S, self._unit(kind))
-        fp16, *quant = held
+        _, *quant = held
         tables = {b: TierCodes.of(units, b) for b, units in zip(QUANT_TIERS, quant) if not units.empty}
-        full = fp16.rows if fp16.rows.dtype == self._dtype else fp16.rows.to(self._dtype)
         tier, row, group = index.unbind(-1)
         axis = "channel" if kind == "k" else "token"
-        side = TieredSide(full, tables, tier.to(torch.uint8), row.int(), group.int(), axis, self.block)
+        side = TieredSide(self._full_rows(kind), tables, tier.to(torch.uint8), row.int(), group.int(), axis, self.block)
         if bits == 1 and self.one_bit != "normalized":
             return self.quantizers[kind][bits].quantize(dequantize_side_ref(side)), seg, pos
         return transcode(side, bits, axis, self.block), seg, pos

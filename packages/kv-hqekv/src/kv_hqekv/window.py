@@ -87,16 +87,21 @@ def held_positions(store, slots: dict | None = None) -> torch.Tensor:
 def held_keys(store, slots: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(keys [B, H, T, D], positions [B, H, T])`` of the key-held entries in the order of ``read()``: the key codes
     of each tier dequantized (no values), padding ``0`` / ``-1``; ``slots`` as in :func:`held_value_ranges`."""
+    slots = store._all_slots(kinds=("k",)) if slots is None else slots
+    return _dense_keys(store, slots), held_positions(store, slots)
+
+
+def _dense_keys(store, slots: dict) -> torch.Tensor:
+    """The keys of :func:`held_keys` alone (float32 ``[B, H, T, D]``, padding 0)."""
     B, H, D = store._shape
     S = B * H
     T = store.held_max_length()
     device = store._parts["k"][0].length.device
     k = torch.zeros(S, T, D, dtype=torch.float32, device=device)
-    slots = store._all_slots(kinds=("k",)) if slots is None else slots
     for part, (seg, slot) in zip(store._parts["k"], slots["k"]):
         if seg.numel():
             k[seg, slot] = (part.rows if isinstance(part, FullRows) else part.dequantized()).float()
-    return k.view(B, H, T, D), held_positions(store, slots)
+    return k.view(B, H, T, D)
 
 
 def window_replan(
@@ -153,7 +158,7 @@ def window_replan(
         layout, key_side, _ = blocked
         a = window_importance_blocked(q, layout, key_side, mask, scorer.normalize)  # [B, T]
     else:
-        a = window_importance(q, held_keys(store, slots)[0], mask, scorer.normalize)
+        a = window_importance(q, _dense_keys(store, slots), mask, scorer.normalize)  # positions found above
     rng = held_value_ranges(store, slots).sum(1)  # [B, T], summed over the KV heads (Eq. 2)
     if scorer.share_batch:
         a = a.sum(0, keepdim=True).expand(B, T)
