@@ -105,3 +105,21 @@ def test_the_fused_path_scores_the_window_from_the_held_codes(monkeypatch, seed,
     half = dtype != torch.float32
     assert bool(store._blocks) == half and len(dense_calls) == (0 if half else 1)
     assert torch.equal(got.key_bits, want.key_bits) and torch.equal(got.bits_for_values, want.bits_for_values)
+
+
+def test_window_importance_over_a_block_layout_rejects_bad_input():
+    """Wrong types, a query batch or head dim that does not match the layout, more window rows than held entries and
+    a padding mask of the wrong width get clear errors."""
+    from kv_hqekv import window_importance_blocked
+
+    store, _, q = decoded_store()
+    layout, keys, _ = store.decode_layout()
+    with pytest.raises(TypeError, match="BlockLayout"):
+        window_importance_blocked(q, keys, keys)
+    with pytest.raises(ValueError, match="queries must be"):
+        window_importance_blocked(q[:1], layout, keys)
+    with pytest.raises(ValueError, match="head dim"):
+        window_importance_blocked(q[..., :8], layout, keys)
+    with pytest.raises(ValueError, match="valid must be"):
+        window_importance_blocked(q, layout, keys, torch.ones(B, 3, dtype=torch.bool))
+    assert window_importance_blocked(q, layout, keys).shape == (B, layout.width)

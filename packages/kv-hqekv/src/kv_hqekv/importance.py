@@ -94,7 +94,17 @@ def window_importance_blocked(
     normalize: bool = True,
 ) -> torch.Tensor:
     """Window importance over the held keys of a block layout (module doc); the Triton kernel on CUDA, the
-    reference otherwise."""
+    reference otherwise. ``layout`` and ``keys`` as ``HqeKVStore.decode_layout()`` returns them; ``queries`` and
+    ``valid`` as in :func:`window_importance_ref` (``N = layout.width``)."""
+    if not isinstance(layout, BlockLayout) or not isinstance(keys, BlockedSide):
+        raise TypeError("layout and keys must be a BlockLayout and a BlockedSide (HqeKVStore.decode_layout())")
+    B, H = layout.blocks.shape
+    if not isinstance(queries, torch.Tensor) or queries.ndim != 4 or queries.shape[0] != B or queries.shape[1] % H:
+        raise ValueError(f"queries must be [B={B}, Hq, m, D] with Hq a multiple of Hkv={H}")
+    if queries.shape[3] != keys.head_dim or queries.shape[2] > layout.width:
+        raise ValueError(f"queries must have head dim {keys.head_dim} and at most {layout.width} window rows")
+    if valid is not None and tuple(valid.shape) != (B, layout.width):
+        raise ValueError(f"valid must be [B={B}, N={layout.width}], got {tuple(valid.shape)}")
     if use_triton(queries):
         from kv_hqekv.kernels.triton_importance import window_importance_blocked_triton
 
