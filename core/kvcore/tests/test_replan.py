@@ -23,6 +23,7 @@ from kvcore import (
     Scores,
     ScoringContext,
     TopKSelector,
+    cap_plan,
     replan,
     retier_store,
 )
@@ -211,6 +212,26 @@ def test_new_tier_is_never_above_the_held_tier():
     want = torch.where(odd & (expect == FULL), 4, expect).to(torch.uint8)
     assert torch.equal(plan.key_bits, want)
     assert store.applied is plan
+
+
+def test_cap_plan_with_the_held_tiers_given_equals_asking_the_store():
+    """``cap_plan(..., held=store.tiers())`` caps exactly as ``cap_plan`` finding them itself; a ``held`` that is not
+    a Plan laid out like the new tiers is refused."""
+    keys, values, positions = _kv(11)
+    store = _Tiered()
+    store.append(keys, values, positions)
+    g = torch.Generator().manual_seed(3)
+    kb = torch.tensor([EVICT, 2, 4, FULL], dtype=torch.uint8)[torch.randint(0, 4, (B, H, T), generator=g)]
+    vb = torch.tensor([EVICT, 2, 4, FULL], dtype=torch.uint8)[torch.randint(0, 4, (B, H, T), generator=g)]
+    valid = torch.rand(B, H, T, generator=g) > 0.2
+    want = cap_plan(store, kb, vb, valid)
+    got = cap_plan(store, kb, vb, valid, held=store.tiers())
+    assert torch.equal(got.key_bits, want.key_bits) and torch.equal(got.bits_for_values, want.bits_for_values)
+    assert bool((want.key_bits < kb).any())  # the held 4-bit entries did cap some planned full ones
+    with pytest.raises(ValueError, match="held must be"):
+        cap_plan(store, kb, vb, valid, held=store.tiers().key_bits)
+    with pytest.raises(ValueError, match="held must be"):
+        cap_plan(store, kb[..., :4], vb[..., :4], valid[..., :4], held=store.tiers())
 
 
 def test_a_demotion_for_a_store_that_cannot_demote_is_refused():

@@ -1,6 +1,7 @@
 """The decode-time re-plan from the window state (§3.5, Alg. 3): same plan as re-scoring the ``read()`` view, without
 reading the store back."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -123,3 +124,61 @@ def test_window_importance_over_a_block_layout_rejects_bad_input():
     with pytest.raises(ValueError, match="valid must be"):
         window_importance_blocked(q, layout, keys, torch.ones(B, 3, dtype=torch.bool))
     assert window_importance_blocked(q, layout, keys).shape == (B, layout.width)
+
+
+def _state(store):
+    view = store.read()
+    tiers = store.tiers()
+    return (view.keys, view.values, view.positions, tiers.key_bits, tiers.bits_for_values, store.nbytes())
+
+
+def _same(a, b):
+    assert all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_a_capped_plan_spares_the_retier_finding_the_slots_again(monkeypatch, seed):
+    """The window re-plan's plan carries the entries' slots and held tiers it was capped against: the store's next
+    retier uses them (no second sort of the held entries) and ends exactly where the same tiers as a plain Plan end;
+    the carried state is dropped once a retier took the plan."""
+    from kv_hqekv import HqeKVStore
+    from kv_hqekv.store import CappedPlan
+    from kvcore import Plan
+
+    store, c, q = decoded_store(seed)
+    twin = copy.deepcopy(store)
+    plan = window_replan(store, c, queries=q)
+    assert isinstance(plan, CappedPlan) and len(plan.memo) == 4
+    calls = []
+    all_slots = HqeKVStore._all_slots
+    monkeypatch.setattr(HqeKVStore, "_all_slots", lambda self, *a, **k: calls.append(1) or all_slots(self, *a, **k))
+    store.retier(plan)
+    assert calls == [] and plan.memo == []
+    twin.retier(Plan(plan.key_bits, plan.value_bits))
+    assert calls == [1]
+    _same(_state(store), _state(twin))
+
+
+def test_a_capped_plan_after_another_edit_or_for_another_store_finds_the_slots_again(monkeypatch):
+    """An edit between the re-plan and the retier (here a crop that drops nothing), or a plan capped against another
+    store, makes the retier find the slots itself: same result as a plain Plan."""
+    from kv_hqekv import HqeKVStore
+    from kvcore import Plan
+
+    store, c, q = decoded_store(6)
+    other, twin = copy.deepcopy(store), copy.deepcopy(store)
+    plan = window_replan(store, c, queries=q)
+    plain = Plan(plan.key_bits, plan.value_bits)
+    calls = []
+    all_slots = HqeKVStore._all_slots
+    monkeypatch.setattr(HqeKVStore, "_all_slots", lambda self, *a, **k: calls.append(1) or all_slots(self, *a, **k))
+    other.retier(plan)  # capped against `store`, not `other`
+    assert len(calls) == 1 and plan.memo == []
+    plan = window_replan(store, c, queries=q)
+    calls.clear()
+    store.crop(10**6)  # an edit (nothing dropped)
+    store.retier(plan)
+    assert len(calls) == 1
+    twin.retier(plain)
+    _same(_state(store), _state(twin))
+    _same(_state(other), _state(twin))

@@ -230,10 +230,16 @@ def _plan_per_head(compressor, keys, values, positions, queries, layer_idx, prot
     return key_bits, value_bits
 
 
-def cap_plan(store: Store, key_bits: torch.Tensor, value_bits: torch.Tensor, valid: torch.Tensor) -> Plan:
+def cap_plan(
+    store: Store, key_bits: torch.Tensor, value_bits: torch.Tensor, valid: torch.Tensor, held: Plan | None = None
+) -> Plan:
     """``min(held, new)`` per entry against ``store.tiers()``, padding (``valid`` False) ``EVICT``; refuses demotions
-    a store without ``can_demote`` rejects. For re-planners that score without the ``read()`` view."""
-    held = store.tiers()
+    a store without ``can_demote`` rejects. For re-planners that score without the ``read()`` view; ``held``: the
+    store's ``tiers()`` when the re-planner already has them (spares finding them again)."""
+    if held is None:
+        held = store.tiers()
+    elif not isinstance(held, Plan) or tuple(held.key_bits.shape) != tuple(key_bits.shape):
+        raise ValueError(f"held must be the store's tiers(), a kvcore.Plan of shape {tuple(key_bits.shape)}")
     hk = held.key_bits.to(key_bits.device)
     hv = held.bits_for_values.to(key_bits.device)
     kb = torch.where(valid, torch.minimum(hk, key_bits), EVICT).to(torch.uint8)

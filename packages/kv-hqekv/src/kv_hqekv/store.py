@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass, field
+
 import torch
 
 from kv_hqekv.kernels import (
@@ -16,7 +19,7 @@ from kv_hqekv.kernels import (
 from kv_hqekv.quantizers import tier_quantizer
 from kvcodec.ragged import Entries, QuantUnits, Residual, compact_entries
 from kvcodec.segments import rank_in_segment
-from kvcore import EVICT, FULL, KVView, Plan, Store, check_retier_plan, reachable_bytes
+from kvcore import EVICT, FULL, KVView, Plan, Store, cap_plan, check_retier_plan, reachable_bytes
 from kvcore.checks import (
     check_append,
     check_finite,
@@ -31,6 +34,26 @@ QUANT_TIERS: tuple[int, ...] = (4, 2, 1)
 """The quantized tiers of HqeKV (§3.4): 4- and 2-bit uniform, 1-bit normalized."""
 
 Parts = dict[str, tuple]  # kind -> (Residual (fp16), QuantUnits 4, QuantUnits 2, QuantUnits 1)
+
+
+@dataclass(frozen=True)
+class CappedPlan(Plan):
+    """A re-plan's plan capped at a store's held tiers (:meth:`HqeKVStore.cap`), carrying what the capping found --
+    the entries' slots and the held tiers -- to that store's next :meth:`~HqeKVStore.retier`, which then need not
+    find them again (one sort of every held entry and the per-entry tier maps) if nothing was edited in between.
+    The carried state is dropped when a ``retier`` takes the plan (whatever the outcome); otherwise it is an
+    ordinary :class:`kvcore.Plan`."""
+
+    memo: list = field(default_factory=list, repr=False, compare=False)
+
+    @classmethod
+    def of(cls, plan: Plan, memo: list) -> CappedPlan:
+        """``plan`` (already validated) with ``memo``, without validating it again (host reads on a GPU)."""
+        out = object.__new__(cls)
+        for name in ("key_bits", "value_bits", "full_precision"):
+            object.__setattr__(out, name, getattr(plan, name))
+        object.__setattr__(out, "memo", memo)
+        return out
 
 
 def _cat(parts: list[Entries | None]) -> Entries:
@@ -86,6 +109,7 @@ class HqeKVStore(Store):
             kind: {b: tier_quantizer(b, name, block, one_bit) for b in QUANT_TIERS}
             for kind, name in (("k", "key"), ("v", "value"))
         }
+        self._edits = 0
         self.reset()
 
     def __repr__(self) -> str:
@@ -118,6 +142,7 @@ class HqeKVStore(Store):
     def _commit(self, parts: Parts, shape=None, last: torch.Tensor | None = None) -> None:
         """Make ``parts`` the content; ``last [B]`` (each batch row's last position) is recomputed unless given."""
         B, H, D = self._shape if shape is None else shape
+        self._edits += 1  # a CappedPlan taken before this edit no longer applies (cap)
         self._max_len = None  # recomputed when asked (held_max_length)
         self._blocks = None  # the decode layout is taken again when asked (decode_layout)
         if last is not None:
@@ -279,8 +304,13 @@ class HqeKVStore(Store):
         """Evict, keep or demote every held entry per ``plan`` (laid out like :meth:`read`; class doc)."""
         if self._shape is None:
             raise ValueError("retier() on an empty store: write() or append() first")
-        slots = self._all_slots()
-        held = self._tiers_at(slots)
+        memo = plan.memo if isinstance(plan, CappedPlan) else []
+        if len(memo) == 4 and memo[0]() is self and memo[1] == self._edits:  # capped here, nothing edited since
+            slots, held = memo[2], memo[3]
+        else:
+            slots = self._all_slots()
+            held = self._tiers_at(slots)
+        memo.clear()
         kb, vb = check_retier_plan(plan, held, "HqeKVStore", eviction_only=False)
         device = held.key_bits.device
         rank = torch.tensor([0, 1, 2, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4], device=device)  # 0<1<2<4<16
@@ -323,6 +353,17 @@ class HqeKVStore(Store):
                     units.add_quantized(*self._transcode(kind, held_parts, torch.cat(moved[b]), b))
             parts[kind] = tuple(staged)
         self._commit(parts)
+
+    def cap(
+        self, key_bits: torch.Tensor, value_bits: torch.Tensor, valid: torch.Tensor, slots: dict | None = None
+    ) -> CappedPlan:
+        """``kvcore.cap_plan`` against this store's tiers (``min(held, planned)``, ``EVICT`` where not ``valid``), as a
+        :class:`CappedPlan` that spares the next :meth:`retier` finding the entries' slots and tiers again; ``slots``:
+        :meth:`_all_slots` when the caller already found them."""
+        slots = self._all_slots() if slots is None else slots
+        held = self._tiers_at(slots)
+        plan = cap_plan(self, key_bits, value_bits, valid, held=held)
+        return CappedPlan.of(plan, [weakref.ref(self), self._edits, slots, held])
 
     def _transcode(self, kind: str, held: tuple, ref: torch.Tensor, bits: int) -> tuple:
         """Entries ``ref [N, 5]`` (held tier, row in its part, group, segment, position) of side ``kind`` quantized
@@ -461,3 +502,4 @@ class HqeKVStore(Store):
         self._parts: Parts = {}
         self._max_len: int | None = None  # held_max_length(), when known
         self._blocks: tuple | bool | None = None  # decode_layout(): None not taken, False none since the last edit
+        self._edits += 1  # edits so far (CappedPlan)

@@ -31,7 +31,6 @@ from kvcodec import normal_codebook
 from kvcodec.kernels.dispatch import use_triton
 from kvcodec.ragged import FullRows
 from kvcore import Plan, Scores, replan_view
-from kvcore.replan import cap_plan
 
 
 def _matrix_units(queries: torch.Tensor, store) -> bool:
@@ -168,4 +167,4 @@ def window_replan(
     value_scores = (a * rng)[:, None, :].expand(B, H, T).contiguous() if scorer.times_range else None
     protected = compressor.protect.mask(valid)
     plan = compressor.select(Scores(key_scores, value_scores), protected, valid)
-    return cap_plan(store, plan.key_bits, plan.bits_for_values, valid[:, None, :].expand(B, H, T))
+    return store.cap(plan.key_bits, plan.bits_for_values, valid[:, None, :].expand(B, H, T), slots)
