@@ -61,9 +61,10 @@ def tier_pair_attention(store, query: torch.Tensor, scale: float | None = None) 
     if T == 0:
         return nothing
     sides = {}
+    held = store._all_slots()  # one sort of the held entries for both sides
     for kind in ("k", "v"):
         fp16, *quant = store._parts[kind]
-        slots = store._slots(kind)
+        slots = [(seg, slot) for seg, slot, _ in held[kind].parts()]
         n_full = fp16.rows.shape[0]
         full = torch.cat([fp16.rows, torch.zeros(1, D, dtype=dtype, device=device)])  # + a zero row
         tier = torch.zeros(S, T, dtype=torch.uint8, device=device)  # 0: no entry (value evicted)

@@ -56,6 +56,37 @@ class CappedPlan(Plan):
         return out
 
 
+@dataclass(frozen=True)
+class HeldSlots:
+    """Where the held entries of one side (keys or values) sit in ``read()``, concatenated over the side's parts
+    (fp16, 4-, 2- and 1-bit, in :meth:`HqeKVStore._held_tiers` order), each part's entries in the order of its
+    ``positions()``.
+
+    Parameters
+    ----------
+    seg, slot, pos : Tensor
+        ``[N]`` int64: segment (``b·Hkv + h``), slot in ``read()`` (rank by position among the head's held keys) and
+        true position of every entry.
+    sizes : tuple[int, ...]
+        Entries per part.
+    """
+
+    seg: torch.Tensor
+    slot: torch.Tensor
+    pos: torch.Tensor
+    sizes: tuple[int, ...]
+
+    def parts(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(seg, slot, pos)`` of each part (views)."""
+        return list(zip(*(t.split(self.sizes) for t in (self.seg, self.slot, self.pos)), strict=True))
+
+    def tiers(self, tiers: tuple[int, ...]) -> torch.Tensor:
+        """``[N]`` uint8: the tier of each entry's part (``tiers`` per part)."""
+        return torch.cat(
+            [torch.full((n,), t, dtype=torch.uint8, device=self.seg.device) for n, t in zip(self.sizes, tiers)]
+        )
+
+
 def _cat(parts: list[Entries | None]) -> Entries:
     parts = [p for p in parts if p is not None]
     return tuple(torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
@@ -162,12 +193,10 @@ class HqeKVStore(Store):
 
     def _slots(self, kind: str, parts: Parts | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(seg, slot in read())`` of every entry of each part of ``kind``; slots follow the key entries."""
-        return self._all_slots(parts, kinds=(kind,))[kind]
+        return [(seg, slot) for seg, slot, _ in self._all_slots(parts, kinds=(kind,))[kind].parts()]
 
-    def _all_slots(
-        self, parts: Parts | None = None, kinds: tuple[str, ...] = ("k", "v")
-    ) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """:meth:`_slots` of each side in ``kinds``, sorting the key entries once for all of them."""
+    def _all_slots(self, parts: Parts | None = None, kinds: tuple[str, ...] = ("k", "v")) -> dict[str, HeldSlots]:
+        """The :class:`HeldSlots` of each side in ``kinds``, sorting the key entries once for all of them."""
         parts = self._parts if parts is None else parts
         S = self._segments
         kheld = [part.positions() for part in parts["k"]]
@@ -179,13 +208,17 @@ class HqeKVStore(Store):
         slot_sorted, _ = rank_in_segment(kseg[order], S)
         out = {}
         for kind in kinds:
-            held = kheld if kind == "k" else [part.positions() for part in parts["v"]]
-            slots = []
-            for sg, p in held:
-                q = (sg.long() << 32) | p.long()
-                idx = torch.searchsorted(sorted_key, q).clamp_max(max(sorted_key.numel() - 1, 0))
-                slots.append((sg.long(), slot_sorted[idx] if q.numel() else q))
-            out[kind] = slots
+            if kind == "k":  # each key entry's own rank in the sort
+                slot = torch.empty_like(slot_sorted).scatter_(0, order, slot_sorted)
+                out[kind] = HeldSlots(kseg, slot, kpos, tuple(sg.numel() for sg, _ in kheld))
+                continue
+            held = [part.positions() for part in parts["v"]]  # a held value's key is held: one search finds it
+            seg = torch.cat([sg.long() for sg, _ in held])
+            pos = torch.cat([p.long() for _, p in held])
+            q = (seg << 32) | pos
+            idx = torch.searchsorted(sorted_key, q).clamp_max(max(sorted_key.numel() - 1, 0))
+            slot = slot_sorted[idx] if q.numel() else q
+            out[kind] = HeldSlots(seg, slot, pos, tuple(sg.numel() for sg, _ in held))
         return out
 
     # -- checks ----------------------------------------------------------------------------------------
@@ -286,7 +319,7 @@ class HqeKVStore(Store):
             raise ValueError("tiers() on an empty store: write() or append() first")
         return self._tiers_at(self._all_slots())
 
-    def _tiers_at(self, slots: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]) -> Plan:
+    def _tiers_at(self, slots: dict[str, HeldSlots]) -> Plan:
         """:meth:`tiers` from the entries' slots (:meth:`_all_slots`)."""
         B, H, _ = self._shape
         S = self._segments
@@ -295,7 +328,7 @@ class HqeKVStore(Store):
         out = []
         for kind in ("k", "v"):
             bits = torch.zeros(S, T, dtype=torch.uint8, device=device)
-            for (seg, slot), tier in zip(slots[kind], self._held_tiers()):
+            for (seg, slot, _), tier in zip(slots[kind].parts(), self._held_tiers()):
                 bits[seg, slot] = tier
             out.append(bits.view(B, H, T))
         return Plan(out[0], None if torch.equal(out[0], out[1]) else out[1])
@@ -329,28 +362,32 @@ class HqeKVStore(Store):
         vb = torch.where(kb != EVICT, vb, EVICT)
         new_bits = {"k": kb.flatten(0, 1), "v": vb.flatten(0, 1)}  # [S, T]
         parts = self._staged()
+        tiers = self._held_tiers()
         for kind in ("k", "v"):
             held_parts = self._parts[kind]  # what the demoted entries are transcoded from (never edited)
             staged = list(parts[kind])
-            moved: dict[int, list[torch.Tensor]] = {b: [] for b in QUANT_TIERS}
-            for i, (part, (seg, slot), tier) in enumerate(zip(staged, slots[kind], self._held_tiers())):
-                target = new_bits[kind][seg, slot] if seg.numel() else seg.to(torch.uint8)
-                stay = target == tier
-                down = (target != tier) & (target != EVICT)
-                if bool(down.any()):
-                    row = down.nonzero().flatten()
-                    group = torch.zeros_like(row) if tier == FULL else part.row_unit()[row]
-                    _, pos = part.positions()
-                    ref = torch.stack([torch.full_like(row, tier), row, group, seg[row], pos[row].long()], 1)
-                    dest = target[down]
-                    for b in QUANT_TIERS:
-                        if bool((dest == b).any()):
-                            moved[b].append(ref[dest == b])
-                part.keep(stay)
-                staged[i] = part
-            for b, units in zip(QUANT_TIERS, staged[1:]):
-                if moved[b]:
-                    units.add_quantized(*self._transcode(kind, held_parts, torch.cat(moved[b]), b))
+            at = slots[kind]
+            target = new_bits[kind][at.seg, at.slot]  # [N] every held entry's planned tier
+            tier = at.tiers(tiers)
+            down = (target != tier) & (target != EVICT)
+            for part, stay in zip(staged, (target == tier).split(at.sizes)):
+                part.keep(stay)  # staged parts are copies (all-or-nothing)
+            row = down.nonzero().flatten()  # one host read for the side
+            if row.numel():
+                device = row.device
+                local = torch.cat([torch.arange(n, device=device) for n in at.sizes])  # row in its part
+                group = torch.cat(  # quantization group of the row in its part (0 for the fp16 rows)
+                    [torch.zeros(at.sizes[0], dtype=torch.long, device=device)]
+                    + [u.row_unit() if n else local[:0] for u, n in zip(held_parts[1:], at.sizes[1:])]
+                )
+                ref = torch.stack([tier[row].long(), local[row], group[row], at.seg[row], at.pos[row]], 1)
+                dest = target[row]
+                order = torch.argsort(dest, stable=True)  # refs by destination tier: 1, 2, 4
+                counts = torch.bincount(dest.long(), minlength=max(QUANT_TIERS) + 1)[sorted(QUANT_TIERS)].tolist()
+                for b, moved in zip(sorted(QUANT_TIERS), ref[order].split(counts)):
+                    if moved.shape[0]:
+                        units = staged[1 + QUANT_TIERS.index(b)]
+                        units.add_quantized(*self._transcode(kind, held_parts, moved, b))
             parts[kind] = tuple(staged)
         self._commit(parts)
 

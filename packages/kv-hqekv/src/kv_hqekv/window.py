@@ -54,7 +54,7 @@ def held_value_ranges(store, slots: dict | None = None) -> torch.Tensor:
     out = torch.zeros(S, T, dtype=torch.float32, device=device)
     c = float(normal_codebook(1)[1])
     slots = store._all_slots(kinds=("v",)) if slots is None else slots
-    for part, (seg, slot), tier in zip(store._parts["v"], slots["v"], store._held_tiers()):
+    for part, (seg, slot, _), tier in zip(store._parts["v"], slots["v"].parts(), store._held_tiers()):
         if not seg.numel():
             continue
         if isinstance(part, FullRows):
@@ -76,10 +76,8 @@ def held_positions(store, slots: dict | None = None) -> torch.Tensor:
     T = store.held_max_length()
     device = store._parts["k"][0].length.device
     pos = torch.full((B * H, T), -1, dtype=torch.long, device=device)
-    slots = store._all_slots(kinds=("k",)) if slots is None else slots
-    for part, (seg, slot) in zip(store._parts["k"], slots["k"]):
-        if seg.numel():
-            pos[seg, slot] = part.positions()[1].long()
+    at = (store._all_slots(kinds=("k",)) if slots is None else slots)["k"]
+    pos[at.seg, at.slot] = at.pos
     return pos.view(B, H, T)
 
 
@@ -97,7 +95,7 @@ def _dense_keys(store, slots: dict) -> torch.Tensor:
     T = store.held_max_length()
     device = store._parts["k"][0].length.device
     k = torch.zeros(S, T, D, dtype=torch.float32, device=device)
-    for part, (seg, slot) in zip(store._parts["k"], slots["k"]):
+    for part, (seg, slot, _) in zip(store._parts["k"], slots["k"].parts()):
         if seg.numel():
             k[seg, slot] = (part.rows if isinstance(part, FullRows) else part.dequantized()).float()
     return k.view(B, H, T, D)
