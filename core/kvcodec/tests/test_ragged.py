@@ -110,6 +110,40 @@ def test_quantized_positions_cost_one_run_per_unit_and_survive_edits():
     assert units._pos_starts.dtype == torch.int32 and 40_000 not in units.positions()[1].tolist()
 
 
+def test_adding_units_without_value_checks_reads_nothing_and_keeps_every_position():
+    """An accelerator's default (value checks off): appending quantized units whose real rows the caller counts finds
+    no narrow dtype and merges no run on the host (the joined runs stay split, int32), and the positions and segments
+    read back exactly as with the checks on; the next re-encoding (a keep) merges the runs again."""
+    from kvcodec import UniformQuantizer
+    from kvcodec.ragged import QuantUnits
+    from kvcore import value_checks
+    from kvcore.testing.host_reads import HostReads
+
+    U, D = 4, 8
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, U, D, generator=g)
+    pos = torch.arange(6 * U).view(6, U).int()
+    seg = torch.tensor([0, 0, 0, 1, 1, 1])
+    checked, unchecked = (QuantUnits(UniformQuantizer(2, "channel", U), U) for _ in range(2))
+    q = checked.quantizer.quantize(x)
+    checked.add_quantized(q.__class__(**{**vars(q)}), seg, pos)
+    halves = [slice(0, 2), slice(2, 6)]  # the second add continues the first one's run and segment
+    with value_checks(False):
+        qs = [unchecked.quantizer.quantize(x[h]) for h in halves]
+        with HostReads() as reads:
+            for h, qh in zip(halves, qs):
+                unchecked.add_quantized(qh, seg[h], pos[h], real_rows=pos[h].numel())
+    assert reads.total == 0
+    assert unchecked._pos_starts.dtype == torch.int32 and unchecked._pos_starts.numel() == 2  # unmerged
+    assert checked._pos_starts.dtype == torch.int16 and checked._pos_starts.numel() == 1
+    for a, b in zip(unchecked.positions(), checked.positions()):
+        assert torch.equal(a.long(), b.long())
+    assert torch.equal(unchecked.codes[: unchecked.nr], checked.codes[: checked.nr])
+    keep = torch.ones(6 * U, dtype=torch.bool)
+    unchecked.keep(keep)
+    assert unchecked._pos_starts.numel() == 1 and unchecked.positions()[1].tolist() == list(range(6 * U))
+
+
 def test_push_without_value_checks_reads_nothing_and_holds_int32_positions():
     # an accelerator's default (value checks off): no host read per push, positions held in int32 for good; with the
     # checks on (the CPU's default) the narrowest dtype, read from the new positions
@@ -182,3 +216,29 @@ def test_uniform_count_reads_once_and_pushes_read_nothing():
             r.push(torch.randn(3, 1, 4), torch.full((3, 1), t))
         assert r.uniform_count() == 6
     assert learn.total > 0 and reads.total == 0
+
+
+def test_adding_units_with_padding_rows_counted_by_the_caller_stores_only_the_real_rows():
+    """``real_rows`` (the caller's count of non-padding rows) stores the same rows in the same order as finding them
+    by the padding mask: units whose last rows are padding (``pos = -1``), in several segments."""
+    from kvcodec import UniformQuantizer
+    from kvcodec.ragged import QuantUnits
+
+    U, D = 4, 8
+    g = torch.Generator().manual_seed(4)
+    pos = torch.arange(5 * U).view(5, U).int()
+    pos[1, 2:] = -1  # segment 0's partial last unit
+    pos[4, 1:] = -1  # segment 1's
+    seg = torch.tensor([0, 0, 1, 1, 1])
+    q = UniformQuantizer(2, "channel", U).quantize(torch.randn(5, U, D, generator=g))
+    by_mask, counted = (QuantUnits(UniformQuantizer(2, "channel", U), U) for _ in range(2))
+    by_mask.add_quantized(q, seg, pos)
+    counted.add_quantized(q, seg, pos, real_rows=int((pos >= 0).sum()))
+    assert counted.nr == by_mask.nr == 5 * U - 5
+    assert torch.equal(counted.codes[: counted.nr], by_mask.codes[: by_mask.nr])
+    assert (
+        counted.positions()[1].tolist()
+        == by_mask.positions()[1].tolist()
+        == [p for p in pos.flatten().tolist() if p >= 0]
+    )
+    assert counted.positions()[0].tolist() == by_mask.positions()[0].tolist()

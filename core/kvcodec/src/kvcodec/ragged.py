@@ -25,7 +25,10 @@ unit covers consecutive tokens, so a unit costs one run instead of one position 
 on how the positions are spaced, so rows evicted inside a unit can add a run where they free a code row); the
 segment ids of quantization units run-length encoded (one id and one count per run of consecutive units of one
 segment: a store appends units segment by segment, so runs are long), the per-unit row counts in int16, and the
-full-precision rows carry per-segment counts only. What the parts return (:meth:`FullRows.entries`,
+full-precision rows carry per-segment counts only. Finding the narrowest dtype reads a value on the host, so where
+the per-step value checks are off (accelerators by default, :func:`kvcore.checks.values_checked`) the metadata is
+held in int32 instead (:func:`kvcodec.narrow.narrow_positions`) and runs joined by an append are left unmerged until
+the part is next re-encoded: a few bytes more, no host sync. What the parts return (:meth:`FullRows.entries`,
 :meth:`QuantUnits.positions`, ...) is int32 positions and int64 segment ids whatever is stored.
 """
 
@@ -39,29 +42,32 @@ import kvcodec.kernels.dispatch as _kernels
 from kvcodec.narrow import narrow, narrow_int, narrow_positions
 from kvcodec.segments import exclusive_cumsum, offsets_in_segment, segment_ids, segment_take
 from kvcore import QuantizedTensor, Quantizer
+from kvcore.checks import values_checked
 
 Entries = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """``(rows [N, D], seg [N] int64, pos [N] int32)``, sorted by segment."""
 
 
 def _runs(seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run-length encoding ``(ids, lengths)`` of a segment-id vector, each int16 when it fits, else int32."""
+    """Run-length encoding ``(ids, lengths)`` of a segment-id vector, each int16 when it fits, else int32 (int32 or
+    wider, unread, where the per-step value checks are off: :func:`kvcodec.narrow.narrow_positions`)."""
     if seg.numel() == 0:
         return seg.new_zeros(0, dtype=torch.int16), seg.new_zeros(0, dtype=torch.int16)
     ids, lengths = torch.unique_consecutive(seg.long(), return_counts=True)
-    return narrow(ids), narrow(lengths)
+    return narrow_positions(ids), narrow_positions(lengths)
 
 
 def position_runs(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs of consecutive positions ``(starts, lengths)`` of a position vector (a run continues while the next
     position is the previous one plus 1: ``pos[i] - i`` stays constant), each in the narrowest dtype
-    (:func:`kvcodec.narrow.narrow`); :func:`expand_runs` inverts it exactly."""
+    (:func:`kvcodec.narrow.narrow`; int32 or wider, unread, where the per-step value checks are off:
+    :func:`kvcodec.narrow.narrow_positions`); :func:`expand_runs` inverts it exactly."""
     if pos.numel() == 0:
         return pos.new_zeros(0, dtype=torch.int16), pos.new_zeros(0, dtype=torch.int16)
     shifted, lengths = torch.unique_consecutive(
         pos.long() - torch.arange(pos.numel(), device=pos.device), return_counts=True
     )
-    return narrow(shifted + exclusive_cumsum(lengths)), narrow(lengths)
+    return narrow_positions(shifted + exclusive_cumsum(lengths)), narrow_positions(lengths)
 
 
 def expand_runs(starts: torch.Tensor, lengths: torch.Tensor, total: int | None = None) -> torch.Tensor:
@@ -81,9 +87,16 @@ def _join_runs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run-length encodings ``(values, lengths)`` followed by ``(new_values, new_lengths)``, the first new run merged
     into the last old one when ``continues(last value, last length, first new value)``; narrow dtypes, never
-    narrower than the old ones."""
+    narrower than the old ones. Where the per-step value checks are off (accelerators by default,
+    :func:`kvcore.checks.values_checked`) nothing is read on the host: the runs are not merged (one more run, which
+    the next re-encoding of the part merges) and the dtypes are int32 or wider."""
     if values is None or values.numel() == 0:
         return new_values, new_lengths
+    if not values_checked(new_values):
+        return (
+            narrow_positions(torch.cat([values.long(), new_values.long()]), values),
+            narrow_positions(torch.cat([lengths.long(), new_lengths.long()]), lengths),
+        )
     old_v, old_l, new_v, new_l = values.long(), lengths.long(), new_values.long(), new_lengths.long()
     if new_v.numel() and continues(int(old_v[-1]), int(old_l[-1]), int(new_v[0])):
         new_v, new_l = new_v.clone(), new_l.clone()
@@ -278,7 +291,7 @@ class QuantUnits:
     def _set_pos(self, pos: torch.Tensor) -> None:
         held = self._pos_starts
         self._pos_starts, self._pos_lens = position_runs(pos)
-        self._pos_starts = narrow(self._pos_starts, held)  # a store never narrows what it already widened
+        self._pos_starts = narrow_positions(self._pos_starts, held)  # never narrower than what it already widened
 
     def _extend_pos(self, pos: torch.Tensor) -> None:
         starts, lens = position_runs(pos)
@@ -319,10 +332,13 @@ class QuantUnits:
             return
         self.add_quantized(self.quantizer.quantize(x), seg, pos)
 
-    def add_quantized(self, q: QuantizedTensor, seg: torch.Tensor, pos: torch.Tensor) -> None:
+    def add_quantized(
+        self, q: QuantizedTensor, seg: torch.Tensor, pos: torch.Tensor, real_rows: int | None = None
+    ) -> None:
         """Append units already quantized, ``q`` of shape ``[Nu, U, D]`` (e.g. transcoded from held codes by a
         kernel; one group per unit, as this part's quantizer makes them), with their segments ``seg [Nu]`` and
-        positions ``pos [Nu, U]`` (``-1`` on padding rows, which are not stored)."""
+        positions ``pos [Nu, U]`` (``-1`` on padding rows, which are not stored). ``real_rows``: the number of
+        rows that are not padding, when the caller knows it (spares a host read)."""
         if q.shape[0] == 0:
             return
         meta = (q.bits, q.axis, q.group_size, q.shape[-1], q.dtype)
@@ -334,12 +350,16 @@ class QuantUnits:
         real = pos >= 0
         count_dtype = narrow_int(U)
         units = {"scales": q.scales, "zeros": q.zeros, "rows": real.sum(1).to(count_dtype) if U > 1 else None}
-        rows = {"codes": q.codes[real]}
+        if real_rows is None:
+            codes, real_pos = q.codes[real], pos[real]
+        else:  # the real rows first, in order, by one stable sort: no read of their number
+            take = torch.argsort((~real).flatten().to(torch.uint8), stable=True)[:real_rows]
+            codes, real_pos = q.codes.flatten(0, 1)[take], pos.flatten()[take]
         self._meta, self.codebook = meta, q.codebook
         self.nu = self._append(self._UNIT, units, self.nu)
-        self.nr = self._append(self._ROW, rows, self.nr)
+        self.nr = self._append(self._ROW, {"codes": codes}, self.nr)
         self._extend_seg(seg)
-        self._extend_pos(pos[real])
+        self._extend_pos(real_pos)
 
     def _append(self, names: tuple[str, ...], new: dict[str, torch.Tensor | None], n: int) -> int:
         m = next(t for t in new.values() if t is not None).shape[0]

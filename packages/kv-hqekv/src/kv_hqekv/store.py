@@ -387,7 +387,7 @@ class HqeKVStore(Store):
                 for b, moved in zip(sorted(QUANT_TIERS), ref[order].split(counts)):
                     if moved.shape[0]:
                         units = staged[1 + QUANT_TIERS.index(b)]
-                        units.add_quantized(*self._transcode(kind, held_parts, moved, b))
+                        units.add_quantized(*self._transcode(kind, held_parts, moved, b), real_rows=moved.shape[0])
             parts[kind] = tuple(staged)
         self._commit(parts)
 
