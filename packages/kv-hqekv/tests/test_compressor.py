@@ -111,3 +111,26 @@ def test_demotion_transcodes_only_demoted_units():
     assert store.nbytes() < n0
     with pytest.raises(ValueError, match="up a tier"):
         store.retier(Plan(bits))
+
+
+@pytest.mark.parametrize("tier", [3, 8])
+def test_retier_refuses_tiers_the_store_does_not_hold_and_values_moved_up(tier):
+    """A plan with a width HqeKV does not hold (3, 8) or moving only the values up a tier is refused, naming the
+    side, and leaves the store as it was."""
+    from kvcore import Plan
+
+    store = HqeKVStore(block=4)
+    k, v = torch.randn(1, 1, 16, 64), torch.randn(1, 1, 16, 64)
+    bits = torch.tensor([[[4] * 8 + [2] * 8]], dtype=torch.uint8)
+    store.write(k, v, Plan(bits), torch.arange(16)[None])
+    before = store.read()
+    odd = bits.clone()
+    odd[..., :4] = tier
+    with pytest.raises(ValueError, match=rf"plan.key_bits uses tiers \[{tier}\]"):
+        store.retier(Plan(odd))
+    up = bits.clone()
+    up[..., 8:] = 4
+    with pytest.raises(ValueError, match="plan.value_bits moves 8 held entries up a tier"):
+        store.retier(Plan(bits, up))
+    after = store.read()
+    assert torch.equal(after.keys, before.keys) and torch.equal(after.values, before.values)

@@ -13,6 +13,20 @@ SHARINGS: tuple[str, ...] = ("layer", "head")
 _TIERS = (FULL, 4, 2, 1, EVICT)
 
 
+def _widths(runs: list[tuple[int, int]], limit: int, device: torch.device) -> torch.Tensor:
+    """uint8 ``[min(limit, total)]``: each ``(width, count)`` of ``runs`` repeated ``count`` times, in order, cut at
+    ``limit``; written by slices on ``device`` (no list copied from the host, which would wait for the device)."""
+    total = min(limit, sum(n for _, n in runs))
+    out = torch.empty(total, dtype=torch.uint8, device=device)
+    start = 0
+    for width, n in runs:
+        end = min(start + n, total)
+        if end > start:
+            out[start:end] = width
+        start = end
+    return out
+
+
 class HqeKVSelector(Selector):
     """Ranks position-aligned blocks of ``block`` tokens by their mean score and fills fp16 → 4 → 2 → 1 bit → evict
     (Wang et al. 2025, "HqeKV", §3.3, Alg. 2).
@@ -168,27 +182,21 @@ class HqeKVSelector(Selector):
         live = count > 0
         metric = torch.where(pblk, float("inf"), metric).masked_fill(~live, float("-inf"))
         tiers = torch.full(metric.shape, EVICT, dtype=torch.uint8, device=s.device)
-        n_live = live.sum(-1)
-        n_prot = (pblk & live).sum(-1)
+        n_live, n_prot = torch.stack([live.sum(-1), (pblk & live).sum(-1)]).tolist()  # one host read
         for r in range(metric.shape[0]):
-            c = self.counts(int(n_live[r]))
-            if int(n_prot[r]) > c.fp16:
+            c = self.counts(n_live[r])
+            if n_prot[r] > c.fp16:
                 raise ValueError(
-                    f"{int(n_prot[r])} blocks hold protected entries but only {c.fp16} fp16 blocks are planned "
+                    f"{n_prot[r]} blocks hold protected entries but only {c.fp16} fp16 blocks are planned "
                     f"(fp16_blocks={self.fp16_blocks}); protect at most that many blocks"
                 )
             order = torch.sort(metric[r], descending=True, stable=True).indices
-            widths = [FULL] * c.fp16 + [4] * c.q4 + [2] * c.q2 + [1] * c.q1 + [EVICT] * c.evict
+            runs = [(FULL, c.fp16), (4, c.q4), (2, c.q2), (1, c.q1), (EVICT, c.evict)]
             if evicted is not None:  # values: evict the key-evicted blocks, rank the rest
                 ev = evicted[r] & live[r]
-                kept_order = order[~ev[order]]
-                widths = [w for w in widths if w != EVICT][: kept_order.numel()]
-                widths += [EVICT] * (kept_order.numel() - len(widths))
-                if widths and kept_order.numel():
-                    tiers[r, kept_order] = torch.tensor(widths, dtype=torch.uint8, device=s.device)
-            else:
-                w = torch.tensor(widths, dtype=torch.uint8, device=s.device)
-                tiers[r, order[: w.numel()]] = w
+                order = order[~ev[order]]
+                runs = runs[:-1]  # the evicted blocks are the keys'; the rest take the other widths in order
+            tiers[r, order[: sum(n for _, n in runs)]] = _widths(runs, order.shape[0], s.device)
         tiers = tiers.masked_fill(~live, EVICT)
         out = tiers.expand(B * H, nb) if self.sharing == "layer" else tiers
         bits = out.repeat_interleave(G, -1).reshape(B, H, P)

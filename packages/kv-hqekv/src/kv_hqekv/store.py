@@ -345,20 +345,21 @@ class HqeKVStore(Store):
             held = self._tiers_at(slots)
         memo.clear()
         kb, vb = check_retier_plan(plan, held, "HqeKVStore", eviction_only=False)
-        device = held.key_bits.device
-        rank = torch.tensor([0, 1, 2, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4], device=device)  # 0<1<2<4<16
-        for name, new, old in (("key_bits", kb, held.key_bits), ("value_bits", vb, held.bits_for_values)):
-            bad = set(torch.unique(new).tolist()) - self.supported_bits
-            if bad:
-                raise ValueError(
-                    f"plan.{name} uses tiers {sorted(bad)}; HqeKVStore holds {sorted(self.supported_bits)}"
-                )
-            up = (new != EVICT) & (rank[new.long()] > rank[old.long()])
-            if bool(up.any()):
-                raise ValueError(
-                    f"plan.{name} moves {int(up.sum())} held entries up a tier; HqeKV blocks only move down "
-                    "(tier := min(held, planned), §3.5)"
-                )
+        sides = (("key_bits", kb, held.key_bits), ("value_bits", vb, held.bits_for_values))
+        # tiers the store does not hold; entries moved up (the held tiers 0 < 1 < 2 < 4 < 16 are in numeric order)
+        flags = [((new == 3) | ((new > 4) & (new != FULL)), (new != EVICT) & (new > old)) for _, new, old in sides]
+        if any(torch.stack([f.any() for pair in flags for f in pair]).tolist()):  # one host read; details if bad
+            for (name, new, _), (unsupported, up) in zip(sides, flags):
+                if bool(unsupported.any()):
+                    raise ValueError(
+                        f"plan.{name} uses tiers {sorted(set(new[unsupported].tolist()))}; HqeKVStore holds "
+                        f"{sorted(self.supported_bits)}"
+                    )
+                if bool(up.any()):
+                    raise ValueError(
+                        f"plan.{name} moves {int(up.sum())} held entries up a tier; HqeKV blocks only move down "
+                        "(tier := min(held, planned), §3.5)"
+                    )
         vb = torch.where(kb != EVICT, vb, EVICT)
         new_bits = {"k": kb.flatten(0, 1), "v": vb.flatten(0, 1)}  # [S, T]
         parts = self._staged()
