@@ -45,12 +45,14 @@ class Plan:
         ):
             raise ValueError(f"value_bits must be uint8 of shape {tuple(self.key_bits.shape)}")
         sides = [(n, b) for n, b in (("key_bits", self.key_bits), ("value_bits", self.value_bits)) if b is not None]
-        if any(b.numel() for _, b in sides):  # one host read for both sides: uint8 tiers outside 0-8 and 16
-            if bool(torch.stack([((b > 8) & (b != FULL)).any() for _, b in sides]).any()):
-                for name, bits in sides:
-                    bad = set(torch.unique(bits).tolist()) - TIERS
-                    if bad:
-                        raise ValueError(f"{name} holds {sorted(bad)}; tiers are 0 (evict), 1-8 (bits) or 16 (full)")
+        # one host read for both sides: uint8 tiers outside 0-8 and 16
+        if any(b.numel() for _, b in sides) and bool(
+            torch.stack([((b > 8) & (b != FULL)).any() for _, b in sides]).any()
+        ):
+            for name, bits in sides:
+                bad = set(torch.unique(bits).tolist()) - TIERS
+                if bad:
+                    raise ValueError(f"{name} holds {sorted(bad)}; tiers are 0 (evict), 1-8 (bits) or 16 (full)")
         if self.full_precision is not None:
             check_tensor("full_precision", self.full_precision, ndim=self.key_bits.ndim + 1)
             if self.full_precision.dtype != torch.bool or self.full_precision.shape[:-1] != self.key_bits.shape:
