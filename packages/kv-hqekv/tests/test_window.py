@@ -141,8 +141,7 @@ def test_a_capped_plan_spares_the_retier_finding_the_slots_again(monkeypatch, se
     """The window re-plan's plan carries the entries' slots and held tiers it was capped against: the store's next
     retier uses them (no second sort of the held entries) and ends exactly where the same tiers as a plain Plan end;
     the carried state is dropped once a retier took the plan."""
-    from kv_hqekv import HqeKVStore
-    from kv_hqekv.store import CappedPlan
+    from kv_hqekv import CappedPlan, HqeKVStore
     from kvcore import Plan
 
     store, c, q = decoded_store(seed)

@@ -21,13 +21,14 @@ from kv_hqekv.quantizers import tier_quantizer
 from kv_hqekv.scorer import HqeKVScorer, token_range
 from kv_hqekv.selector import HqeKVSelector
 from kv_hqekv.shares import PRESETS, Shares, TierCounts, feasible, preset, solve_eq3, tier_counts
-from kv_hqekv.store import HqeKVStore
+from kv_hqekv.store import CappedPlan, HqeKVStore
 from kv_hqekv.uniform_one_bit import UniformOneBitQuantizer
 
 __all__ = [
     "ABLATIONS",
     "BIT_WIDTHS",
     "PRESETS",
+    "CappedPlan",
     "HqeKVConfig",
     "HqeKVScorer",
     "HqeKVSelector",
