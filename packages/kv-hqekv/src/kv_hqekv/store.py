@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass, field
 
@@ -50,8 +51,8 @@ class CappedPlan(Plan):
     def of(cls, plan: Plan, memo: list) -> CappedPlan:
         """``plan`` (already validated) with ``memo``, without validating it again (host reads on a GPU)."""
         out = object.__new__(cls)
-        for name in ("key_bits", "value_bits", "full_precision"):
-            object.__setattr__(out, name, getattr(plan, name))
+        for f in dataclasses.fields(Plan):
+            object.__setattr__(out, f.name, getattr(plan, f.name))
         object.__setattr__(out, "memo", memo)
         return out
 
@@ -384,7 +385,8 @@ class HqeKVStore(Store):
                 ref = torch.stack([tier[row].long(), local[row], group[row], at.seg[row], at.pos[row]], 1)
                 dest = target[row]
                 order = torch.argsort(dest, stable=True)  # refs by destination tier: 1, 2, 4
-                counts = torch.bincount(dest.long(), minlength=max(QUANT_TIERS) + 1)[sorted(QUANT_TIERS)].tolist()
+                per_tier = torch.bincount(dest.long(), minlength=max(QUANT_TIERS) + 1).tolist()  # one host read
+                counts = [per_tier[b] for b in sorted(QUANT_TIERS)]
                 for b, moved in zip(sorted(QUANT_TIERS), ref[order].split(counts)):
                     if moved.shape[0]:
                         units = staged[1 + QUANT_TIERS.index(b)]
