@@ -6,6 +6,7 @@ and searched with TPE (Alg. 1).
 """
 
 from kv_hqekv.ablations import ABLATIONS, ablation
+from kv_hqekv.capped_plan import CappedPlan
 from kv_hqekv.cli import load_shares
 from kv_hqekv.compressor import hqekv
 from kv_hqekv.config import BIT_WIDTHS, HqeKVConfig
@@ -21,7 +22,7 @@ from kv_hqekv.quantizers import tier_quantizer
 from kv_hqekv.scorer import HqeKVScorer, token_range
 from kv_hqekv.selector import HqeKVSelector
 from kv_hqekv.shares import PRESETS, Shares, TierCounts, feasible, preset, solve_eq3, tier_counts
-from kv_hqekv.store import CappedPlan, HqeKVStore
+from kv_hqekv.store import HqeKVStore
 from kv_hqekv.uniform_one_bit import UniformOneBitQuantizer
 
 __all__ = [

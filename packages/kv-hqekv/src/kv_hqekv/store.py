@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from kv_hqekv.capped_plan import CappedPlan
 from kv_hqekv.kernels import (
     BlockedSide,
     BlockLayout,
@@ -35,26 +35,6 @@ QUANT_TIERS: tuple[int, ...] = (4, 2, 1)
 """The quantized tiers of HqeKV (§3.4): 4- and 2-bit uniform, 1-bit normalized."""
 
 Parts = dict[str, tuple]  # kind -> (Residual (fp16), QuantUnits 4, QuantUnits 2, QuantUnits 1)
-
-
-@dataclass(frozen=True)
-class CappedPlan(Plan):
-    """A re-plan's plan capped at a store's held tiers (:meth:`HqeKVStore.cap`), carrying what the capping found --
-    the entries' slots and the held tiers -- to that store's next :meth:`~HqeKVStore.retier`, which then need not
-    find them again (one sort of every held entry and the per-entry tier maps) if nothing was edited in between.
-    The carried state is dropped when a ``retier`` takes the plan (whatever the outcome); otherwise it is an
-    ordinary :class:`kvcore.Plan`."""
-
-    memo: list = field(default_factory=list, repr=False, compare=False)
-
-    @classmethod
-    def of(cls, plan: Plan, memo: list) -> CappedPlan:
-        """``plan`` (already validated) with ``memo``, without validating it again (host reads on a GPU)."""
-        out = object.__new__(cls)
-        for f in dataclasses.fields(Plan):
-            object.__setattr__(out, f.name, getattr(plan, f.name))
-        object.__setattr__(out, "memo", memo)
-        return out
 
 
 @dataclass(frozen=True)
