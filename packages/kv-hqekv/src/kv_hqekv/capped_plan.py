@@ -10,11 +10,11 @@ from kvcore import Plan
 
 @dataclass(frozen=True)
 class CappedPlan(Plan):
-    """A re-plan's plan capped at a store's held tiers (:meth:`kv_hqekv.HqeKVStore.cap`), carrying what the capping found --
-    the entries' slots and the held tiers -- to that store's next :meth:`~kv_hqekv.HqeKVStore.retier`, which then need not
-    find them again (one sort of every held entry and the per-entry tier maps) if nothing was edited in between.
-    The carried state is dropped when a ``retier`` takes the plan (whatever the outcome); otherwise it is an
-    ordinary :class:`kvcore.Plan`."""
+    """A re-plan's plan capped at a store's held tiers (:meth:`kv_hqekv.HqeKVStore.cap`), carrying what the
+    capping found -- the entries' slots and the held tiers -- to that store's next
+    :meth:`~kv_hqekv.HqeKVStore.retier`, which then need not find them again (one sort of every held entry and the
+    per-entry tier maps) if nothing was edited in between. The carried state is dropped when a ``retier`` takes the
+    plan (whatever the outcome); otherwise it is an ordinary :class:`kvcore.Plan`."""
 
     memo: list = field(default_factory=list, repr=False, compare=False)
 
