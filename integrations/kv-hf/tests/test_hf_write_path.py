@@ -241,6 +241,7 @@ def test_surprisal_provider_equals_the_full_log_softmax():
     want = -torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
     assert set(got) == {layer.layer_idx for layer in cache.layers}
     torch.testing.assert_close(got[0]["surprisal"][:, 1:], want, rtol=1e-4, atol=1e-4)
+    assert not got[0]["surprisal"].requires_grad  # computed without autograd, though called with grad enabled
     assert float(got[0]["surprisal"][0, 0]) == 0.0
     with pytest.raises(ValueError, match="vocab_chunk"):
         SurprisalConfig(vocab_chunk=0)

@@ -114,11 +114,13 @@ def provide(
     captured: HiddenCapture,
     attention_mask: torch.Tensor | None = None,
 ) -> dict[int, dict[str, Any]]:
-    """``{layer_idx: {"surprisal": [B, T]}}`` for every layer of ``cache`` from the captured hidden states."""
+    """``{layer_idx: {"surprisal": [B, T]}}`` for every layer of ``cache`` from the captured hidden states (computed
+    without autograd: the surprisal is an input to compression, never differentiated)."""
     config = SurprisalConfig() if config is None else config
     if getattr(model.config, "final_logit_softcapping", None):
         raise ValueError("the surprisal provider does not support logit soft-capping (final_logit_softcapping)")
     head = model.get_output_embeddings()
     hidden = captured.hidden()
-    s = token_surprisal(hidden, head.weight, input_ids, head.bias, attention_mask, config.vocab_chunk)
+    with torch.no_grad():
+        s = token_surprisal(hidden, head.weight, input_ids, head.bias, attention_mask, config.vocab_chunk)
     return {layer.layer_idx: {"surprisal": s} for layer in cache.layers}
