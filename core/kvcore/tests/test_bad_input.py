@@ -325,3 +325,27 @@ def test_host_reads_counts_what_syncs_and_nothing_else():
         x[1].item()
     assert (inner.total, outer.total) == (1, 2)
     assert torch.Tensor.item.__name__ == "item" and not hasattr(torch.Tensor.item, "__wrapped__")
+
+
+def test_host_reads_counts_copies_of_host_data_to_a_device():
+    """A list or number copied to a device, and a Python-list index, wait for the GPU like a read."""
+    from kvcore.testing.host_reads import HostReads
+
+    x = torch.arange(6.0)
+    with HostReads(sites=True) as reads:
+        torch.tensor([1, 2], device=x.device)  # host data to the tensor's device: counted
+        torch.as_tensor(3.0, device=x.device)
+        x[[0, 2]]  # a list index is copied to x's device
+        x[[1]] = 5.0
+        torch.tensor([1, 2])  # a host tensor: none
+        torch.tensor([1, 2], device="cpu")  # explicitly the host: none
+        torch.as_tensor(x, device=x.device)  # already a tensor (device-generic, like .to): none
+        torch.full((2,), 1.0, device=x.device)  # a fill on the device: none
+        x[torch.tensor([0, 2])]  # a tensor index: none
+        x[0:2]
+    assert reads.total == 4, dict(reads.by_site)
+    assert {op for (_site, op) in reads.by_site} == {
+        "torch.tensor to device", "torch.as_tensor to device", "list index", "list-index assign",
+    }  # fmt: skip
+    # __getitem__ and __setitem__ are wrapped twice (bool masks, lists): leaving unwraps both layers
+    assert not hasattr(torch.Tensor.__getitem__, "__wrapped__") and not hasattr(torch.tensor, "__wrapped__")

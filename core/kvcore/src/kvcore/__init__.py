@@ -23,6 +23,7 @@ from kvcore.retier_checks import check_retier_plan
 from kvcore.scores import Scores
 from kvcore.selectors import TieredSelector, TopKSelector, solve_shares, tier_counts
 from kvcore.stores import DenseStore
+from kvcore.transfer import from_host
 from kvcore.view import KVView
 from kvcore.wrapping import WrappingScorer
 
@@ -52,6 +53,7 @@ __all__ = [
     "cap_plan",
     "check_retier_plan",
     "checks",
+    "from_host",
     "merge_attention",
     "merge_split_attention",
     "packed_width",

@@ -168,8 +168,7 @@ def fused_step(step: Step, query: torch.Tensor, new: torch.Tensor | None, scalin
     device = query.device
     out_s, lse_s = layer.store.attend(query, scaling)
     m_new = new if new is not None else torch.ones(q, q, dtype=torch.bool, device=device).tril()[None, None]
-    ninf = torch.tensor(float("-inf"), device=device)
-    new_bias = torch.where(m_new.to(device), torch.tensor(0.0, device=device), ninf).expand(B, -1, q, q)
+    new_bias = torch.where(m_new.to(device), 0.0, float("-inf")).expand(B, -1, q, q)
     keys, values, biases = step.keys, step.values, [new_bias]
     part = layer.pending_part(step.keys.dtype)
     if part is not None:

@@ -38,7 +38,7 @@ def retention_ceiling(max_unprotected: torch.Tensor) -> torch.Tensor:
     m = (
         max_unprotected.float().max()
         if max_unprotected.numel()
-        else torch.tensor(float("-inf"), device=max_unprotected.device)
+        else torch.full((), float("-inf"), device=max_unprotected.device)
     )
     one = torch.ones((), dtype=torch.float32, device=m.device)
     above = torch.nextafter(m, torch.full_like(m, float("inf")))

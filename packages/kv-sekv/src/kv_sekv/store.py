@@ -36,6 +36,7 @@ from kvcore import EVICT, FULL, DenseStore, KVView, Plan, Store
 from kvcore.attention import check_query, check_scale, merge_attention
 from kvcore.checks import check_finite, check_int, check_integer_tensor, check_positions, check_tensor, values_checked
 from kvcore.memory import storage_bytes
+from kvcore.transfer import from_host
 
 from .bases import SpanBasis, truncated_svd
 from .config import SEKVConfig
@@ -340,7 +341,7 @@ class SEKVStore(Store):
         if capped:
             lens = self._dense.seq_lengths().to(query.device)  # resident per head (includes decoded tokens)
             rpos = self._dense.read().positions
-            decoded = (rpos > torch.tensor(sp.prefill_last, device=rpos.device)[:, None, None]).sum(-1).amax(-1)
+            decoded = (rpos > from_host(sp.prefill_last, rpos.device)[:, None, None]).sum(-1).amax(-1)
             parts += [lens.float().flatten(), decoded.float().to(query.device)]
         host = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()  # the one host read
         length, alive = sp.on_host()

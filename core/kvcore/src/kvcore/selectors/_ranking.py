@@ -6,6 +6,7 @@ import torch
 
 from kvcore.checks import check_bool_mask, check_finite
 from kvcore.scores import Scores
+from kvcore.transfer import from_host
 
 
 def prepare(
@@ -59,9 +60,11 @@ def stable_rank(key: torch.Tensor) -> torch.Tensor:
     return rank
 
 
-def kept_per_row(budget, n_valid: torch.Tensor) -> torch.Tensor:
-    """``[B]`` entries kept per head, per batch row, from the budget and the valid counts."""
-    return torch.tensor([budget.kept(int(n)) for n in n_valid.tolist()], device=n_valid.device)
+def kept_per_row(budget, n_valid: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """``([B] tensor, the same as a list)``: entries kept per head, per batch row, from the budget and the valid
+    counts (one host read of the counts; the budget is a Python rule)."""
+    kept = [budget.kept(int(n)) for n in n_valid.tolist()]
+    return from_host(kept, n_valid.device, dtype=torch.long), kept
 
 
 def check_protected_fit(prot: torch.Tensor, capacity: torch.Tensor, what: str) -> None:

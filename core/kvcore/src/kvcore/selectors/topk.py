@@ -19,6 +19,7 @@ from kvcore.selectors._ranking import (
     stable_rank,
     unflatten,
 )
+from kvcore.transfer import from_host
 
 
 @dataclass(frozen=True)
@@ -64,14 +65,14 @@ class TopKSelector:
                 f" ([L, B, H, T] for 'global', [B, H, T] otherwise), got {tuple(s.shape)}"
             )
         key, prot, _, n_valid = prepare(s, protected, valid)
-        k = kept_per_row(budget, n_valid)  # [B]
+        k, kept = kept_per_row(budget, n_valid)  # [B]
         G = key.shape[1]
         if budget.granularity == "head":
             check_protected_fit(prot, k[:, None], "each head")
             keep = stable_rank(key) < k[:, None, None]
         else:
             check_protected_fit(prot.flatten(1), G * k, "each layer" if s.ndim == 3 else "the model")
-            floor = torch.tensor([math.floor(self.head_floor * int(x)) for x in k.tolist()], device=k.device)
+            floor = from_host([math.floor(self.head_floor * x) for x in kept], k.device, dtype=torch.long)
             floored = stable_rank(key) < floor[:, None, None]
             flat = key.masked_fill(floored, float("inf")).flatten(1)
             keep = (stable_rank(flat) < (G * k)[:, None]).view_as(key)

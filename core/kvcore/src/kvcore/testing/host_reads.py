@@ -3,10 +3,13 @@
 ``item``, ``tolist``, ``int()`` / ``bool()`` / ``float()`` / ``operator.index`` of a tensor, ``nonzero``,
 ``unique``, ``masked_select``, boolean-mask indexing and assignment, ``repeat_interleave`` with tensor repeats (or
 the one-argument form) and no ``output_size``, ``.cpu()`` and ``.to("cpu")``: on a GPU each waits for every kernel
-queued before it, so a decode step that makes a few per layer runs at the launch latency of the whole model. The
+queued before it, so a decode step that makes a few per layer runs at the launch latency of the whole model. Two
+host-to-device copies wait the same way and are counted too: ``torch.tensor`` / ``torch.as_tensor`` of Python data
+(a list, a number) with a ``device`` other than ``"cpu"`` (PyTorch copies pageable host memory to a GPU and then
+synchronises the stream), and indexing with a Python list (the index is copied to the tensor's device). The
 counter works on any device, so a CPU test can pin a hot path's reads down (``.to(device)`` with a device object
 is device-generic code and is not counted; on a CPU run every tensor is a CPU tensor, so a read of a tensor a GPU
-run would keep on the host is counted too: an upper bound).
+run would keep on the host, or a copy to a device that is the CPU, is counted too: an upper bound).
 
 Examples
 --------
@@ -58,6 +61,17 @@ def _bool_index(index: object) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
 
 
+def _list_index(index: object) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, list) for i in items)
+
+
+def _host_data_to_device(data=None, *args, **kwargs) -> bool:
+    """Python data (not a tensor) given a ``device`` that is not the literal ``"cpu"``."""
+    device = kwargs.get("device")
+    return device is not None and device != "cpu" and not isinstance(data, torch.Tensor)
+
+
 def _tensor_repeats(_x, repeats=None, *args, **kwargs) -> bool:
     """Tensor repeats, or the one-argument form ``repeat_interleave(counts)``, without ``output_size``."""
     one_argument = repeats is None and isinstance(_x, torch.Tensor)
@@ -74,6 +88,9 @@ _READS: tuple[tuple[object, str, str, Callable[..., bool] | None], ...] = (
     *((torch.Tensor, name, name, None) for name in ("__index__", "nonzero", "unique", "masked_select", "cpu")),
     (torch.Tensor, "__getitem__", "bool-mask index", lambda self, index: _bool_index(index)),
     (torch.Tensor, "__setitem__", "bool-mask assign", lambda self, index, value: _bool_index(index)),
+    (torch.Tensor, "__getitem__", "list index", lambda self, index: _list_index(index)),
+    (torch.Tensor, "__setitem__", "list-index assign", lambda self, index, value: _list_index(index)),
+    *((torch, name, f"torch.{name} to device", _host_data_to_device) for name in ("tensor", "as_tensor")),
     (torch.Tensor, "repeat_interleave", "repeat_interleave", _tensor_repeats),
     (torch.Tensor, "to", "to cpu", _to_cpu),
     *((torch, name, f"torch.{name}", None) for name in ("nonzero", "unique", "masked_select", "argwhere")),
@@ -141,6 +158,6 @@ class HostReads:
         with _LOCK:
             _ACTIVE.remove(self)
             if not _ACTIVE:
-                for owner, name, original in HostReads._saved:
+                for owner, name, original in reversed(HostReads._saved):  # a name wrapped twice ends unwrapped
                     setattr(owner, name, original)
                 HostReads._saved = []

@@ -312,7 +312,6 @@ class DecodeState:
         if out == 0:  # the FIFO is not full yet (head = 0): rows are added after the held ones
             ring = _grow(ring, nv, nv + n, min(KEY_RESERVE, R - nv - n), dim=1)
         elif n == 1 and nv == R:  # the decode step: the oldest row leaves, the new one takes its slot
-            slots = torch.tensor([head], device=keys.device)
             old = ring[:, head]
         else:
             seq = torch.cat([ring[:, :nv].roll(-head, 1), v_new], 1)
@@ -353,7 +352,7 @@ class DecodeState:
         if out == 0:
             ring[:, nv : nv + n] = v_new
         elif n == 1 and nv == R:
-            ring.index_copy_(1, slots, v_new)
+            ring[:, head : head + 1] = v_new  # a slice: no index copied to the device
             head = (head + 1) % R
         else:
             ring, head = seq[:, out:].clone(), 0

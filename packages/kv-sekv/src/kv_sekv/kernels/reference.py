@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from kvcore.transfer import from_host
+
 __all__ = ["biased_attention_torch", "factored_attention_batch_torch", "factored_attention_torch"]
 
 
@@ -133,7 +135,7 @@ def pad_items(key_factors, value_factors, D: int, device) -> tuple[torch.Tensor,
     rv = max(int(u.shape[1]) for u, _, _ in value_factors)
     Uk, sk, Vk = _pad_factors(key_factors, L, rk, D, device)
     Uv, sv, Vv = _pad_factors(value_factors, L, rv, D, device)
-    lengths = torch.tensor([int(u.shape[0]) for u, _, _ in key_factors], device=device)
+    lengths = from_host([int(u.shape[0]) for u, _, _ in key_factors], device)
     return Uk, sk, Vk, Uv, sv, Vv, lengths
 
 
