@@ -1,6 +1,7 @@
 """Registers, spills and shared memory of the decode-attention kernels at a serving shape, compiled for sm_90
 without a GPU (see :mod:`sm90_compile_plugin`): kvcodec's KIVI attention, KIVI's decode-layout attention,
-HqeKV's mixed-tier attention, HEX's part and uniform attention and SEKV's biased attention, Llama-3-8B's
+HqeKV's mixed-tier attention, HEX's part and uniform attention and SEKV's biased attention (with and without a
+bias), routing gate and Stage-2 factored attention, Llama-3-8B's
 attention shape (32 query heads, 8 KV heads, head dim 128), float16, one query per head, 16,384 cached tokens
 (HqeKV's kernel twice: over per-entry maps and over the block layout of the decode path; its re-plan's window
 importance kernels over dense keys and over the block layout),
@@ -116,6 +117,26 @@ def main() -> None:
 
     kb, vb = torch.randn(2, B, H, T + 100, D, generator=g).to(dtype)
     biased_attention_triton(kb[:, :, :T], vb[:, :, :T], torch.zeros(B, H, T), q, 0.1)
+    biased_attention_triton(kb[:, :, :T], vb[:, :, :T], None, q, 0.1)  # a bias-free resident view (no bias read)
+    # SEKV's routing gate (projection, gate, threshold) over 512 spans, d' = 32, and Stage 2 over 64 expanded spans
+    # of up to 512 tokens at rank 32
+    from kv_sekv.kernels.triton_attention import factored_items_triton
+    from kv_sekv.kernels.triton_routing import routing_priority_triton
+
+    M = 512
+    summary = torch.nn.functional.normalize(torch.randn(B, 32, M, 32, generator=g), dim=-1).to(dtype)
+    lengths, alive = torch.randint(1, 64, (B, M), generator=g), torch.ones(B, H, M, dtype=torch.bool)
+    routing_priority_triton(q, torch.randn(32, 32, D, generator=g), torch.full((32,), 0.5), summary, lengths, alive)
+    factors = [(torch.randn(512, 32, generator=g), torch.rand(32, generator=g), torch.randn(32, D, generator=g))] * 64
+    factored_items_triton(torch.randn(64, 4, 1, D, generator=g), factors, factors, 0.1)
+    # SEKV's prefill kernels: the surprisal of a 4,096-token prompt over Llama-3-8B's vocabulary (LM head on the
+    # matrix units in the cache dtype, IEEE float32 with --float32), and the coarse entries of 64-token spans
+    from kv_sekv.kernels.triton_summaries import coarse_entries_triton
+    from kv_sekv.kernels.triton_surprisal import surprisal_triton
+
+    hidden, lm_head = torch.randn(1, 4096, 4096, generator=g).to(dtype), torch.randn(128256, 4096).to(dtype)
+    surprisal_triton(hidden, lm_head, torch.randint(0, 128256, (1, 4096), generator=g), tensor_cores=tc)
+    coarse_entries_triton(k[0], torch.arange(T) // 64, torch.rand(T, generator=g), T // 64)
     # HubKV's score refinement at the paper's largest Table 5 shape (36 layers x 4 rows x 8 heads x 32k tokens)
     from kv_hubkv.config import HubKVConfig
     from kv_hubkv.triton_kernel import _default_block_n, refine_triton_config

@@ -53,6 +53,29 @@ def test_biased_attention_any_split_matches_reference(block_n, tiles):
         biased_attention_triton(k, v, bias.to(DEVICE), q, 0.25, tiles=0)
 
 
+@pytest.mark.parametrize("N", [0, 5, 70])
+def test_biased_attention_without_bias_equals_a_zero_bias(N):
+    """bias=None (a bias-free resident view): no bias is read, every entry counts -- the same as a zero bias, in the
+    kernel (several splits, a ragged last block) and in the reference; no entry at all gives out 0, lse -inf."""
+    from kv_sekv.kernels.dispatch import biased_attention_splits
+
+    g = torch.Generator().manual_seed(N)
+    k, v = torch.randn(2, 2, N, 16, generator=g).to(DEVICE), torch.randn(2, 2, N, 16, generator=g).to(DEVICE)
+    q = torch.randn(2, 4, 1, 16, generator=g).to(DEVICE)
+    zero = torch.zeros(2, 2, N, device=DEVICE)
+    want = biased_attention_torch(k, v, zero, q, 0.25)
+    for got in (
+        biased_attention_triton(k, v, None, q, 0.25, block_n=16, tiles=2),
+        biased_attention_torch(k, v, None, q, 0.25),
+    ):
+        torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+    outp, lsep = biased_attention_splits(k, v, None, q, 0.25)  # this device's path: [B*Hq*Q, S, D] parts
+    assert outp.shape[0] == lsep.shape[0] == 8 and outp.shape[-1] == 16
+    if N == 0:
+        assert bool((want[1] == float("-inf")).all()) and bool((want[0] == 0).all())
+
+
 def test_biased_attention_over_buffer_views_aligned_or_not():
     """Keys and values as views of a growing buffer (what the store passes): with head strides a multiple of 16 the
     kernel is told so (vector loads, `_aligned`), with an odd capacity and head dim it is not; both match the

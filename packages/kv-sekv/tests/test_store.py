@@ -65,6 +65,28 @@ def test_two_stage_merge_equals_one_softmax(args):
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize(("budget", "B", "group", "tau", "seed"), [(0.4, 1, 2, 0.05, 0), (1.0, 2, 1, 0.05, 3)])
+def test_two_stage_on_the_triton_path_equals_one_softmax(monkeypatch, budget, B, group, tau, seed):
+    """attend(q) through the kernels a GPU runs (routing gate, Stage 1 splits over the resident and the coarse
+    entries, Stage 2 items, kvcodec's merge kernel; under the Triton interpreter here) equals one softmax over
+    read(q), with spans expanded."""
+    pytest.importorskip("triton")
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
+    import kv_sekv.kernels.dispatch as dispatch
+
+    store, _, q, _ = _store(budget, B, group, tau, seed, T=96, config=ZOOM)
+    want = reference_attention(store.read(q), q)
+    launched = []
+    monkeypatch.setattr(dispatch, "_use_triton", lambda t: launched.append(1) or True)
+    got = store.attend(q)
+    assert store.last_step.expanded > 0 and len(launched) == 5  # routing, 2x Stage 1, Stage 2, merge
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+
+
 @settings(max_examples=15, deadline=None)
 @given(st.integers(1, 2), st.sampled_from((1, 2)), st.integers(0, 999))
 def test_full_budget_zero_tau_unit_gates_is_full_attention(B, group, seed):

@@ -123,6 +123,7 @@ class SEKVRouter(nn.Module):
         self.W = nn.Parameter(torch.zeros(num_layers, num_heads, d, head_dim))
         self.tau = nn.Parameter(torch.full((num_layers, num_heads), config.tau_init))
         self.gate = GateNet(config.max_rank, d)
+        self._on_device: dict[tuple[int, str], tuple[tuple[int, ...], LayerRouting]] = {}
 
     # -- construction ----------------------------------------------------------------------------------------
     @classmethod
@@ -213,9 +214,20 @@ class SEKVRouter(nn.Module):
             f"d_h={self.head_dim}, d'={self.config.proj_dim}, R_max={self.config.max_rank}"
         )
 
-    def layer(self, layer: int) -> LayerRouting:
-        """Layer ``layer``'s ``W`` and ``τ``, detached float32."""
-        return LayerRouting(self.W[layer].detach().float(), self.tau[layer].detach().float())
+    def layer(self, layer: int, device: torch.device | str | None = None) -> LayerRouting:
+        """Layer ``layer``'s ``W`` and ``τ``, detached float32; with ``device``, copies on that device kept from call
+        to call (a decode step on a GPU with the router on the CPU would otherwise copy them, and wait for the GPU,
+        in every layer), refreshed when the parameters change in place (training)."""
+        if device is None or torch.device(device) == self.W.device:
+            return LayerRouting(self.W[layer].detach().float(), self.tau[layer].detach().float())
+        key = (layer, str(torch.device(device)))
+        version = (self.W.data_ptr(), self.W._version, self.tau.data_ptr(), self.tau._version)
+        held = self._on_device.get(key)
+        if held is None or held[0] != version:
+            here = self.layer(layer)
+            held = (version, LayerRouting(here.W.to(device), here.tau.to(device)))
+            self._on_device[key] = held
+        return held[1]
 
     def summary_cost(self, num_kv_heads: int, head_dim: int) -> float:
         """Accelerator cost of one span's routing summaries in token equivalents per KV head: ``g·d′ / (2 d_h)``."""

@@ -33,14 +33,15 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcore import EVICT, FULL, DenseStore, KVView, Plan, Store
-from kvcore.attention import check_query, check_scale, merge_attention
+from kvcore.attention import check_query, check_scale
 from kvcore.checks import check_finite, check_int, check_integer_tensor, check_positions, check_tensor, values_checked
 from kvcore.memory import storage_bytes
 from kvcore.transfer import from_host
 
 from .bases import SpanBasis, truncated_svd
 from .config import SEKVConfig
-from .kernels import biased_attention, factored_attention_batch
+from .kernels import biased_attention, routing_priority
+from .kernels.dispatch import biased_attention_splits, factored_items, merge_splits
 from .plan import SpanPlan
 from .router import RouterSource
 from .summaries import coarse_entries, routing_summaries
@@ -313,34 +314,29 @@ class SEKVStore(Store):
         src = torch.where(ar < N, ar, ar - N).expand(B, H, N + M)
         return _sorted(keys, values, pos, bias, kind, src)
 
-    def _zoom(self, query: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int]], StepStats]:
+    def _zoom(
+        self, query: torch.Tensor, base: KVView | None = None
+    ) -> tuple[torch.Tensor, list[tuple[int, int, int]], StepStats]:
         """``(expanded, chosen, stats)``: the spans to reconstruct for ``query`` (gate, threshold, GQA union, budget
         cap) as a ``[B, Hkv, M]`` bool mask on the CPU and as sorted ``(b, h, span)`` triples; one host read of the
-        accelerator per call (the gates and the budget's counts), the span choice in Python."""
+        accelerator per call (the gates and the budget's counts), the span choice in Python. ``base``: the dense
+        read the caller already made."""
         sp = self._spans
         router = self._router()
-        routing = router.layer(self.layer)
+        routing = router.layer(self.layer, query.device)
         B, H, M = sp.alive.shape
-        Hq, Q = query.shape[1], query.shape[2]
+        Hq = query.shape[1]
         if Hq != routing.W.shape[0]:
             raise ValueError(f"query has {Hq} heads; the router was trained for {routing.W.shape[0]} query heads")
-        g = Hq // H
-        W, tau = routing.W.to(query.device), routing.tau.to(query.device)
-        qp = torch.einsum("hed,bhqd->bhqe", W, query.float())  # Eq. 4
-        dp = W.shape[1]
-        logits = qp @ sp.summary.float().transpose(-1, -2) / math.sqrt(dp)  # [B, Hq, Q, M]
-        gate = torch.sigmoid(logits + torch.log(sp.length.clamp_min(1).float())[:, None, None, :])  # Eq. 5
-        alive = sp.alive.repeat_interleave(g, 1)[:, :, None, :]
-        z = (gate > tau[None, :, None, None]) & alive  # Eq. 9
-        # each KV head's strongest selecting gate (-1: none selects the span) goes to the host with what the budget
-        # cap needs, in one copy: Stage 2's span choice is a host decision (it drives the CPU -> GPU fetch), made in
-        # Python on that copy
-        prio = torch.where(z, gate, -1.0).reshape(B, H, g * Q, M).amax(2)
+        # each KV head's strongest selecting gate (Eqs. 4-5, 9; -1: none selects the span), one launch on CUDA, goes
+        # to the host with what the budget cap needs, in one copy: Stage 2's span choice is a host decision (it
+        # drives the CPU -> GPU fetch), made in Python on that copy
+        prio = routing_priority(query, routing.W, routing.tau, sp.summary, sp.length, sp.alive)
         capped = self.reconstruct and sp.budget < 1.0
         parts = [prio.flatten()]
         if capped:
             lens = self._dense.seq_lengths().to(query.device)  # resident per head (includes decoded tokens)
-            rpos = self._dense.read().positions
+            rpos = (self._dense.read() if base is None else base).positions
             decoded = (rpos > from_host(sp.prefill_last, rpos.device)[:, None, None]).sum(-1).amax(-1)
             parts += [lens.float().flatten(), decoded.float().to(query.device)]
         host = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()  # the one host read
@@ -396,7 +392,7 @@ class SEKVStore(Store):
             return self._coarse_view(None)[0]
         base = self._dense.read()
         q = check_query(query, base.keys.shape[1], base.keys.shape[-1], base.keys.shape[0])
-        expanded, chosen, stats = self._zoom(q)
+        expanded, chosen, stats = self._zoom(q, base)
         view, _kind, _ = self._coarse_view(expanded)
         B, H, _, D = view.keys.shape
         per_head, stats.fetched_bytes = self._expanded_tokens(chosen, B, H, view.keys.device, view.keys.dtype)
@@ -429,8 +425,8 @@ class SEKVStore(Store):
         q = check_query(query, H, D, B)
         scale = check_scale(scale, D)
         if self._spans is None:
-            return biased_attention(base.keys, base.values, base.logit_bias, q, scale)
-        expanded, chosen, stats = self._zoom(q)
+            return biased_attention(base.keys, base.values, None if base.bias_free else base.logit_bias, q, scale)
+        _expanded, chosen, stats = self._zoom(q, base)
         sp = self._spans
         pairs = sorted({(b, h) for b, h, _ in chosen})
         spans = {(b, h): [s for bb, hh, s in chosen if (bb, hh) == (b, h)] for b, h in pairs}
@@ -443,23 +439,53 @@ class SEKVStore(Store):
             }
 
         pending = _executor().submit(fetch) if self.fetch == "thread" and pairs else None
-        keys, values, bias, _ = self._stage1_entries(base, expanded)  # unsorted: nothing read on the host
-        stage1 = biased_attention(keys, values, bias, q, scale)  # overlaps the fetch
+        # Stage 1 (overlaps the fetch): the resident entries where they are held (no concatenation with the
+        # coarse entries: that copied the whole resident cache every step), then the coarse entries of the alive
+        # spans with bias log|S|, -inf where the span is expanded (by index, from the host's choice: no copy of a
+        # host mask to the device) or gone
+        resident_bias = None if base.bias_free else base.logit_bias
+        parts = [biased_attention_splits(base.keys, base.values, resident_bias, q, scale)]
+        bias_c = torch.where(sp.alive, torch.log(sp.length.clamp_min(1).float())[:, None, :], float("-inf"))
+        B, Hq, Q = q.shape[0], q.shape[1], q.shape[2]
+        M = sp.length.shape[1]
+        if chosen:
+            flat = from_host([(b * H + h) * M + s for b, h, s in chosen], bias_c.device)
+            bias_c = bias_c.view(-1).index_fill(0, flat, float("-inf")).view(B, H, M)
+        parts.append(biased_attention_splits(sp.coarse_k, sp.coarse_v, bias_c, q, scale))
         factors = pending.result() if pending is not None else fetch()
-        Hq, Q = q.shape[1], q.shape[2]
+        if chosen:
+            parts.append(self._stage2(q, scale, pairs, spans, factors))
+            stats.fetched_bytes = sum(
+                _head_bytes(sp.key_basis[b][s], h) + _head_bytes(sp.value_basis[b][s], h) for b, h, s in factors
+            )
+        self.last_step = stats
+        # one softmax over all of it: every part merged by log-sum-exp in one pass
+        out, lse = merge_splits(torch.cat([o for o, _ in parts], 1), torch.cat([lse for _, lse in parts], 1))
+        return out.view(B, Hq, Q, D), lse.view(B, Hq, Q)
+
+    def _stage2(self, q, scale, pairs, spans, factors) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage 2 over the expanded spans from their factors as partial results for the merge: ``(outp [B·Hq·Q,
+        n, D], lsep [B·Hq·Q, n])``, ``n`` the most spans a KV head expanded; each (span, KV head) item's query rows
+        take the next free part of their head (``lse = -inf``, ``out = 0`` in the parts left free)."""
+        B, Hq, Q, D = q.shape
+        H = self._spans.alive.shape[1]
         g = Hq // H
         items = [(b, h, s) for b, h in pairs for s in spans[b, h]]
-        group = torch.tensor([b * H + h for b, h, _ in items], dtype=torch.long)
-        qi = q.float().reshape(B * H, g, Q, D)[group.to(q.device)]  # [P, g, Q, D]: each item's query heads
-        out2, lse2 = factored_attention_batch(
-            qi, [factors[i][0] for i in items], [factors[i][1] for i in items], scale, group, B * H
+        n = max(len(ss) for ss in spans.values())
+        slot = [i for b, h in pairs for i in range(len(spans[b, h]))]
+        dev = q.device
+        group = from_host([b * H + h for b, h, _ in items], dev)
+        qi = q.float().reshape(B * H, g, Q, D).index_select(0, group)  # [P, g, Q, D]: each item's query heads
+        out2, lse2 = factored_items(qi, [factors[i][0] for i in items], [factors[i][1] for i in items], scale)
+        # row (b, h, j, q) of the merge is ((b·H + h)·g·Q + j·Q + q); item p's part is slot[p] of those rows
+        rows = from_host(
+            [((b * H + h) * g * Q + m) * n + k for (b, h, _), k in zip(items, slot) for m in range(g * Q)], dev
         )
-        out2, lse2 = out2.reshape(B, Hq, Q, D), lse2.reshape(B, Hq, Q)
-        stats.fetched_bytes = sum(
-            _head_bytes(sp.key_basis[b][s], h) + _head_bytes(sp.value_basis[b][s], h) for b, h, s in factors
-        )
-        self.last_step = stats
-        return merge_attention([stage1, (out2, lse2)])
+        outp = torch.zeros(B * Hq * Q * n, D, dtype=torch.float32, device=dev)
+        lsep = torch.full((B * Hq * Q * n,), float("-inf"), dtype=torch.float32, device=dev)
+        outp.index_copy_(0, rows, out2.reshape(-1, D))
+        lsep.index_copy_(0, rows, lse2.reshape(-1))
+        return outp.view(B * Hq * Q, n, D), lsep.view(B * Hq * Q, n)
 
     # -- protocol bookkeeping ------------------------------------------------------------------------------------
     def tiers(self) -> Plan:

@@ -1,7 +1,9 @@
 """Token surprisal ``H_t = −log p(x_t | x_<t)`` under the served model (SEKV §3.1, Eq. 1).
 
 Computed from the final hidden states and the output embedding in chunks of the vocabulary, with an online
-log-sum-exp, so the ``[T, V]`` log-softmax is never materialised (peak ``[T, chunk]``).
+log-sum-exp, so the ``[T, V]`` log-softmax is never materialised (peak ``[T, chunk]``). On CUDA tensors (with Triton
+installed) :func:`surprisal_from_hidden` runs the Triton kernel
+:func:`kv_sekv.kernels.triton_surprisal.surprisal_triton`; elsewhere the PyTorch reference :func:`surprisal_torch`.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ import torch
 
 from kvcore.checks import check_float, check_int, check_tensor
 
-__all__ = ["surprisal_from_hidden", "surprisal_from_logits"]
+from .kernels import dispatch
+
+__all__ = ["surprisal_from_hidden", "surprisal_from_logits", "surprisal_torch"]
 
 
 def surprisal_from_hidden(
@@ -21,7 +25,11 @@ def surprisal_from_hidden(
     attention_mask: torch.Tensor | None = None,
     chunk: int = 8192,
 ) -> torch.Tensor:
-    """Surprisal of every token from the hidden states that predict it (Eq. 1), vocabulary in chunks.
+    """Surprisal of every token from the hidden states that predict it (SEKV §3.1, Eq. 1), vocabulary in chunks.
+
+    The arguments are checked here; then CUDA tensors (with Triton installed) go to the Triton kernel
+    :func:`~kv_sekv.kernels.triton_surprisal.surprisal_triton`, others to the PyTorch reference
+    :func:`surprisal_torch` (same result).
 
     Parameters
     ----------
@@ -36,13 +44,21 @@ def surprisal_from_hidden(
     attention_mask : Tensor, optional
         ``[B, T]`` (True / 1 = real token, left padding 0).
     chunk : int
-        Vocabulary entries per step (memory ``B·T·chunk`` floats).
+        Vocabulary entries per step of the PyTorch path (memory ``B·T·chunk`` floats); the kernel's memory does not
+        depend on it.
 
     Returns
     -------
     Tensor
         ``[B, T]`` float32 surprisal in nats: ``H_t = −log softmax(logits_{t−1})[x_t]``. The first real token of a
         row (nothing predicts it) and padding are ``0``; SEKV makes the first token an anchor regardless.
+
+    Raises
+    ------
+    ValueError
+        On a shape mismatch, ids outside ``[0, V)`` or ``chunk < 1``.
+    TypeError
+        On non-float hidden states or weight, or non-integer ids.
     """
     hidden = check_float("hidden", check_tensor("hidden", hidden, ndim=3))
     weight = check_float("weight", check_tensor("weight", weight, ndim=2))
@@ -60,6 +76,44 @@ def surprisal_from_hidden(
         raise ValueError(f"bias must be [V={V}], got {tuple(bias.shape)}")
     if T > 0 and bool(((ids < 0) | (ids >= V)).any()):
         raise ValueError(f"input_ids must lie in [0, V={V})")
+    if attention_mask is not None:
+        attention_mask = check_tensor("attention_mask", attention_mask, ndim=2)
+        if tuple(attention_mask.shape) != (B, T):
+            raise ValueError(f"attention_mask must be [B={B}, T={T}], got {tuple(attention_mask.shape)}")
+    if dispatch._use_triton(hidden):
+        from .kernels.triton_surprisal import surprisal_triton
+
+        return surprisal_triton(hidden, weight, ids, bias, attention_mask, chunk)
+    return surprisal_torch(hidden, weight, ids, bias, attention_mask, chunk)
+
+
+def surprisal_torch(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    input_ids: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    chunk: int = 8192,
+) -> torch.Tensor:
+    """PyTorch reference of :func:`surprisal_from_hidden` (SEKV §3.1, Eq. 1): the vocabulary in chunks of
+    ``chunk`` entries with an online log-sum-exp, in float32.
+
+    Same arguments and result as :func:`surprisal_from_hidden`, which checks them before it calls this; a direct
+    call assumes checked input.
+
+    Parameters
+    ----------
+    hidden, weight, input_ids, bias, attention_mask, chunk
+        As in :func:`surprisal_from_hidden`.
+
+    Returns
+    -------
+    Tensor
+        ``[B, T]`` float32 surprisal in nats; the first real token of a row and padding are ``0``.
+    """
+    B, T, _ = hidden.shape
+    V = weight.shape[0]
+    ids = input_ids
     out = torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
     if T < 2:
         return out
@@ -75,13 +129,31 @@ def surprisal_from_hidden(
             logits = logits + bias[a : a + chunk].float()
         lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=-1))
     out[:, 1:] = lse - picked
-    if attention_mask is not None:
-        mask = check_tensor("attention_mask", attention_mask, ndim=2).to(out.device).bool()
-        if tuple(mask.shape) != (B, T):
-            raise ValueError(f"attention_mask must be [B={B}, T={T}], got {tuple(mask.shape)}")
-        prev = torch.cat([torch.zeros(B, 1, dtype=torch.bool, device=out.device), mask[:, :-1]], 1)
-        out = torch.where(mask & prev, out, 0.0)
-    return out
+    return mask_surprisal(out, attention_mask)
+
+
+def mask_surprisal(out: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The padding rule shared by both paths: ``out[b, t]`` kept where tokens ``t`` and ``t − 1`` are both real
+    (so the first real token of a left-padded row and the padding are ``0``); ``out`` as is without a mask.
+
+    Parameters
+    ----------
+    out : Tensor
+        ``[B, T]`` float32 surprisal, ``0`` at ``t = 0``.
+    attention_mask : Tensor, optional
+        ``[B, T]`` (True / 1 = real token), already checked.
+
+    Returns
+    -------
+    Tensor
+        ``[B, T]`` float32.
+    """
+    if attention_mask is None:
+        return out
+    B = out.shape[0]
+    mask = attention_mask.to(out.device).bool()
+    prev = torch.cat([torch.zeros(B, 1, dtype=torch.bool, device=out.device), mask[:, :-1]], 1)
+    return torch.where(mask & prev, out, 0.0)
 
 
 def surprisal_from_logits(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

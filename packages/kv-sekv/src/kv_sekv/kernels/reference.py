@@ -17,11 +17,16 @@ import torch
 
 from kvcore.transfer import from_host
 
-__all__ = ["biased_attention_torch", "factored_attention_batch_torch", "factored_attention_torch"]
+__all__ = [
+    "biased_attention_torch",
+    "factored_attention_batch_torch",
+    "factored_attention_torch",
+    "factored_items_torch",
+]
 
 
 def biased_attention_torch(
-    keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, query: torch.Tensor, scale: float
+    keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None, query: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``softmax(q kᵀ·scale + bias) v`` per query head over its KV head's entries, float32.
 
@@ -29,8 +34,8 @@ def biased_attention_torch(
     ----------
     keys, values : Tensor
         ``[B, Hkv, N, D]``.
-    bias : Tensor
-        ``[B, Hkv, N]`` float additive logit bias (``-inf`` masks an entry).
+    bias : Tensor or None
+        ``[B, Hkv, N]`` float additive logit bias (``-inf`` masks an entry); ``None``: no bias (every entry counts).
     query : Tensor
         ``[B, Hq, Q, D]``, ``Hq`` a multiple of ``Hkv`` (query head ``j`` reads KV head ``j // (Hq/Hkv)``).
     scale : float
@@ -45,7 +50,9 @@ def biased_attention_torch(
     Hq, Q = query.shape[1], query.shape[2]
     g = Hq // Hkv
     q = query.float().reshape(B, Hkv, g * Q, D)
-    logits = q @ keys.float().transpose(-1, -2) * scale + bias.float()[:, :, None, :]
+    logits = q @ keys.float().transpose(-1, -2) * scale
+    if bias is not None:
+        logits = logits + bias.float()[:, :, None, :]
     lse = torch.logsumexp(logits, -1)
     safe = torch.where(torch.isfinite(lse), lse, 0.0)
     out = torch.exp(logits - safe[..., None]) @ values.float()
@@ -111,10 +118,22 @@ def factored_attention_batch_torch(
         merged with :func:`kvcore.attention.merge_attention` per group; a group with no item gives ``out = 0``,
         ``lse = -inf``.
     """
+    _P, G, Q, _D = query.shape
+    item_out, item_lse = factored_items_torch(query, key_factors, value_factors, scale)
+    return merge_items(item_out, item_lse, group, groups, G, Q)
+
+
+def factored_items_torch(
+    query: torch.Tensor,
+    key_factors: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    value_factors: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention of each item of :func:`factored_attention_batch_torch` over its own span, not merged:
+    ``(out [P, G·Q, D], lse [P, G·Q])`` float32 (every item has at least one token, so ``lse`` is finite)."""
     P, G, Q, D = query.shape
     if P == 0:
-        none = torch.zeros(0, G * Q, D, device=query.device)
-        return merge_items(none, none[..., 0], group, groups, G, Q)
+        return torch.zeros(0, G * Q, D, device=query.device), torch.zeros(0, G * Q, device=query.device)
     Uk, sk, Vk, Uv, sv, Vv, lengths = pad_items(key_factors, value_factors, D, query.device)
     valid = torch.arange(Uk.shape[1], device=query.device)[None, :] < lengths[:, None]  # [P, L]
     q = query.float().reshape(P, G * Q, D)
@@ -123,8 +142,7 @@ def factored_attention_batch_torch(
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     item_lse = torch.logsumexp(logits, -1)  # [P, GQ], finite: every item has >= 1 token
     p = torch.exp(logits - item_lse[..., None])
-    item_out = ((p @ Uv) * sv[:, None, :]) @ Vv  # [P, GQ, D]
-    return merge_items(item_out, item_lse, group, groups, G, Q)
+    return ((p @ Uv) * sv[:, None, :]) @ Vv, item_lse  # [P, GQ, D], [P, GQ]
 
 
 def pad_items(key_factors, value_factors, D: int, device) -> tuple[torch.Tensor, ...]:

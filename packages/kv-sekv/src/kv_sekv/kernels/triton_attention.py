@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import torch
 
-from kvcore import merge_split_attention
-
 try:
     import triton
     import triton.language as tl
@@ -32,7 +30,14 @@ try:
 except ImportError:  # pragma: no cover - exercised only without triton
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "biased_attention_triton", "factored_attention_batch_triton"]
+__all__ = [
+    "HAS_TRITON",
+    "biased_attention_splits_triton",
+    "biased_attention_triton",
+    "factored_attention_batch_triton",
+    "factored_items_triton",
+    "merge_split_parts",
+]
 
 if HAS_TRITON:
 
@@ -76,6 +81,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         TILES: tl.constexpr,
         ALIGNED: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
     ):
         # the host checked the key and value strides are multiples of 16 (and the bases 16-byte aligned): `x // 16 * 16`
         # (exact) tells the compiler, which then loads rows as vectors instead of one element at a time. (The bias's
@@ -104,7 +110,10 @@ if HAS_TRITON:
             nmask = n < N
             kv_mask = nmask[:, None] & dmask[None, :]
             k = tl.load(k_ptr + b * skb + kh * skh + n[:, None] * skn + d[None, :], mask=kv_mask, other=0.0)
-            bias = tl.load(b_ptr + b * sbb + kh * sbh + n, mask=nmask, other=float("-inf")).to(tl.float32)
+            if HAS_BIAS:
+                bias = tl.load(b_ptr + b * sbb + kh * sbh + n, mask=nmask, other=float("-inf")).to(tl.float32)
+            else:  # no bias: only the entries past N are masked
+                bias = tl.where(nmask, 0.0, float("-inf"))
             s = tl.sum(k.to(tl.float32) * q[None, :], 1) * scale + bias
             v = tl.load(v_ptr + b * svb + kh * svh + n[:, None] * svn + d[None, :], mask=kv_mask, other=0.0)
             m, l, acc = _online_softmax_step(m, l, acc, s, v.to(tl.float32))
@@ -171,7 +180,36 @@ def biased_attention_triton(
     block_n: int = 64,
     tiles: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of :func:`~kv_sekv.kernels.reference.biased_attention_torch` (same arguments and result).
+    """Triton version of :func:`~kv_sekv.kernels.reference.biased_attention_torch` (same arguments and result):
+    :func:`biased_attention_splits_triton`, its splits merged by one launch of kvcodec's merge kernel."""
+    B, _Hkv, _N, D = keys.shape
+    Hq, Q = query.shape[1], query.shape[2]
+    out, lse = merge_split_parts(*biased_attention_splits_triton(keys, values, bias, query, scale, block_n, tiles))
+    return out.reshape(B, Hq, Q, D), lse.reshape(B, Hq, Q)
+
+
+def merge_split_parts(outp: torch.Tensor, lsep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`kvcore.merge_split_attention` over ``dim=1`` of ``outp [R, S, D]`` / ``lsep [R, S]``:
+    ``(out [R, D], lse [R])`` in one launch of kvcodec's merge kernel (views of the inputs when ``S = 1``)."""
+    from kvcodec.kernels.triton_attention import merge_splits  # needs triton: imported where it runs
+
+    R, S, D = outp.shape
+    out, lse = merge_splits(outp.contiguous().view(R, S, 1, D), lsep.float().contiguous().view(R, S, 1))
+    return out.view(R, D), lse.view(R)
+
+
+def biased_attention_splits_triton(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor,
+    query: torch.Tensor,
+    scale: float,
+    block_n: int = 64,
+    tiles: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Stage-1 attention of :func:`biased_attention_triton` before its splits are merged: ``(outp [B·Hq·Q, S,
+    D], lsep [B·Hq·Q, S])`` float32, one normalised output and log-sum-exp per split of the entries (``lse = -inf``,
+    ``out = 0`` where a split saw no finite logit), rows in ``(batch, query head, query)`` order.
 
     The entries are split across programs (Flash-Decoding) in runs of ``tiles`` blocks of ``block_n``; ``tiles``
     defaults to the fewest (1 to 32) that keep the launch near :data:`TARGET_PROGRAMS` programs. The entry count
@@ -181,7 +219,7 @@ def biased_attention_triton(
     B, Hkv, N, D = keys.shape
     Hq, Q = query.shape[1], query.shape[2]
     k, v = keys.contiguous(), values.contiguous()
-    b = bias.float().contiguous()
+    b = k if bias is None else bias.float().contiguous()  # no bias: the kernel reads none (any pointer will do)
     q = query.contiguous()
     block_n = max(16, min(block_n, triton.next_power_of_2(max(N, 1))))
     rows = B * Hq * Q
@@ -194,20 +232,17 @@ def biased_attention_triton(
     BD = triton.next_power_of_2(D)
     outp = torch.empty(rows, nsplit, BD, dtype=torch.float32, device=keys.device)
     lsep = torch.empty(rows, nsplit, dtype=torch.float32, device=keys.device)
-    _biased_attention_kernel[(B * Hq, Q, nsplit)](
-        q, k, v, b, outp, lsep, float(scale), N,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        b.stride(0), b.stride(1),
-        HQ=Hq, GROUP=Hq // Hkv, D=D, BLOCK_D=BD, BLOCK_N=block_n, TILES=tiles,
-        ALIGNED=_aligned(k, v),
-    )  # fmt: skip
-    outp = outp[..., :D]
-    if nsplit == 1:
-        return outp[:, 0].reshape(B, Hq, Q, D), lsep[:, 0].reshape(B, Hq, Q)
-    out, lse = merge_split_attention(outp, lsep, dim=1)  # lse -inf where no split saw an entry
-    return out.reshape(B, Hq, Q, D), lse.reshape(B, Hq, Q)
+    if rows:
+        _biased_attention_kernel[(B * Hq, Q, nsplit)](
+            q, k, v, b, outp, lsep, float(scale), N,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            b.stride(0), b.stride(1),
+            HQ=Hq, GROUP=Hq // Hkv, D=D, BLOCK_D=BD, BLOCK_N=block_n, TILES=tiles,
+            ALIGNED=_aligned(k, v), HAS_BIAS=bias is not None,
+        )  # fmt: skip
+    return outp[..., :D], lsep
 
 
 def _aligned(*tensors: torch.Tensor) -> bool:
@@ -220,20 +255,29 @@ def _aligned(*tensors: torch.Tensor) -> bool:
 def factored_attention_batch_triton(query, key_factors, value_factors, scale, group, groups, block_n: int = 64):
     """Triton version of :func:`~kv_sekv.kernels.reference.factored_attention_batch_torch` (same arguments and
     result; module doc)."""
+    from .reference import merge_items
+
+    _P, G, Q, _D = query.shape
+    out, lse = factored_items_triton(query, key_factors, value_factors, scale, block_n)
+    return merge_items(out, lse, group, groups, G, Q)
+
+
+def factored_items_triton(query, key_factors, value_factors, scale, block_n: int = 64):
+    """Triton version of :func:`~kv_sekv.kernels.reference.factored_items_torch` (same arguments and result): every
+    item's attention over its span from the factors, one program per (item, query row), not merged."""
     if not HAS_TRITON:
-        raise ImportError("factored_attention_batch_triton needs triton (pip install kv-sekv[triton])")
-    from .reference import merge_items, pad_items
+        raise ImportError("factored_items_triton needs triton (pip install kv-sekv[triton])")
+    from .reference import pad_items
 
     P, G, Q, D = query.shape
-    if P == 0:
-        none = torch.zeros(0, G * Q, D, device=query.device)
-        return merge_items(none, none[..., 0], group, groups, G, Q)
-    Uk, sk, Vk, Uv, sv, Vv, lengths = pad_items(key_factors, value_factors, D, query.device)
-    L, RK, RV = Uk.shape[1], Uk.shape[2], Uv.shape[2]
     M = G * Q
-    q = query.float().reshape(P, M, D).contiguous()
     out = torch.empty(P, M, D, dtype=torch.float32, device=query.device)
     lse = torch.empty(P, M, dtype=torch.float32, device=query.device)
+    if P == 0:
+        return out, lse
+    Uk, sk, Vk, Uv, sv, Vv, lengths = pad_items(key_factors, value_factors, D, query.device)
+    L, RK, RV = Uk.shape[1], Uk.shape[2], Uv.shape[2]
+    q = query.float().reshape(P, M, D).contiguous()
     block_n = max(16, min(block_n, triton.next_power_of_2(L)))
     _factored_items_kernel[(P, M)](
         q, Uk, sk, Vk, Uv, sv, Vv, lengths.to(torch.int32), out, lse, float(scale),
@@ -241,7 +285,7 @@ def factored_attention_batch_triton(query, key_factors, value_factors, scale, gr
         BLOCK_RV=max(16, triton.next_power_of_2(RV)), BLOCK_D=triton.next_power_of_2(D), BLOCK_N=block_n,
         N_BLOCKS=triton.cdiv(L, block_n),
     )  # fmt: skip
-    return merge_items(out, lse, group, groups, G, Q)
+    return out, lse
 
 
 def factored_attention_triton(query, key_factors, value_factors, scale):
