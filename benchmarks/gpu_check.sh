@@ -34,7 +34,10 @@ if has tests; then
       -v --tb=short \
       core/kvcodec/tests/test_kernels.py core/kvcodec/tests/test_attention.py core/kvcodec/tests/test_attention_triton.py \
       packages/kv-hubkv/tests/test_hubkv_triton.py packages/kv-baselines/tests/quant \
-      packages/kv-hqekv/tests/test_kernels.py packages/kv-hex/tests/test_kernels.py packages/kv-sekv/tests/test_kernels.py
+      packages/kv-hqekv/tests/test_kernels.py packages/kv-hex/tests/test_kernels.py packages/kv-sekv/tests/test_kernels.py \
+      packages/kv-sekv/tests/test_routing_kernel.py packages/kv-sekv/tests/test_surprisal_kernel.py \
+      packages/kv-sekv/tests/test_summaries_kernel.py packages/kv-sekv/tests/test_store.py::test_stream_fetch_gives_the_same_result \
+      packages/kv-sekv/tests/test_store.py::test_two_stage_on_the_triton_path_equals_one_softmax
 fi
 # end to end through the HF adapter: one process per method, so a failing method leaves the others' rates
 # (64-step rounds: HqeKV re-plans every 32 decoded tokens, so each round times two re-plans at their rate)

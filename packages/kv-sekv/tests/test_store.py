@@ -68,18 +68,24 @@ def test_two_stage_merge_equals_one_softmax(args):
 @pytest.mark.parametrize(("budget", "B", "group", "tau", "seed"), [(0.4, 1, 2, 0.05, 0), (1.0, 2, 1, 0.05, 3)])
 def test_two_stage_on_the_triton_path_equals_one_softmax(monkeypatch, budget, B, group, tau, seed):
     """attend(q) through the kernels a GPU runs (routing gate, Stage 1 splits over the resident and the coarse
-    entries, Stage 2 items, kvcodec's merge kernel; under the Triton interpreter here) equals one softmax over
-    read(q), with spans expanded."""
+    entries, Stage 2 items, kvcodec's merge kernel; compiled on a GPU, under the Triton interpreter on a CPU) equals
+    one softmax over read(q), with spans expanded."""
     pytest.importorskip("triton")
     import os
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    cuda = torch.cuda.is_available()
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
     import kv_sekv.kernels.dispatch as dispatch
 
-    store, _, q, _ = _store(budget, B, group, tau, seed, T=96, config=ZOOM)
+    r = router(Hq=2 * group, Hkv=2, config=ZOOM, tau=tau, gate_bias=30.0, seed=seed)
+    x = context(B=B, T=96, seed=seed)
+    device = "cuda" if cuda else "cpu"
+    x = ScoringContext(x.keys.to(device), x.values.to(device), extras={"surprisal": x.extras["surprisal"].to(device)})
+    store = sekv(budget, r, ZOOM).compress(x)
+    q = (torch.randn(B, 2 * group, 1, 16, generator=torch.Generator().manual_seed(seed + 1)) * 3).to(device)
     want = reference_attention(store.read(q), q)
-    launched = []
+    launched = []  # on a GPU the kernels run compiled; on a CPU they are forced, under the interpreter
     monkeypatch.setattr(dispatch, "_use_triton", lambda t: launched.append(1) or True)
     got = store.attend(q)
     assert store.last_step.expanded > 0 and len(launched) == 5  # routing, 2x Stage 1, Stage 2, merge
@@ -329,4 +335,23 @@ def test_threaded_fetch_gives_the_same_result_and_counts_eq_20_bytes():
     sync.read(q)
     assert sync.last_step.fetched_bytes == threaded.last_step.fetched_bytes
     with pytest.raises(ValueError, match="fetch"):
-        sekv(0.4, r, ZOOM, fetch="stream")
+        sekv(0.4, r, ZOOM, fetch="async")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_stream_fetch_gives_the_same_result(device):
+    """fetch='stream': on CUDA the factors are copied on a copy stream beside Stage 1 and Stage 2 waits for them by
+    an event; the result and the bytes equal the synchronous path's (off CUDA it is the synchronous path)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("the copy stream exists on CUDA only (the CPU case runs everywhere)")
+    r = router(Hq=4, Hkv=2, config=ZOOM, tau=0.05, seed=0)
+    x = context(T=96, seed=0)
+    x = ScoringContext(x.keys.to(device), x.values.to(device), extras={"surprisal": x.extras["surprisal"].to(device)})
+    q = (torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(1)) * 3).to(device)
+    sync = sekv(0.4, r, ZOOM).compress(x)
+    streamed = sekv(0.4, r, ZOOM, fetch="stream").compress(x)
+    for _ in range(3):  # the copy stream and its event across steps
+        a, b = sync.attend(q), streamed.attend(q)
+        torch.testing.assert_close(b[0], a[0], rtol=0, atol=0)
+        torch.testing.assert_close(b[1], a[1], rtol=0, atol=0)
+    assert sync.last_step == streamed.last_step and sync.last_step.expanded > 0

@@ -12,7 +12,7 @@ from .config import SEKVConfig
 from .router import RouterSource, ShippedRouter
 from .scorer import SurprisalScorer
 from .selector import SpanSelector
-from .store import SEKVStore
+from .store import FETCH_MODES, SEKVStore
 
 __all__ = ["sekv"]
 
@@ -42,7 +42,7 @@ def sekv(
     strict : bool
         Apply α and w literally (``SpanPlan.used`` reports the budget used); default: raise α per sequence until
         the always-resident part fits (see :mod:`kv_sekv.segmentation`).
-    fetch : {"sync", "thread"}
+    fetch : {"sync", "thread", "stream"}
         How the store fetches the selected spans' CPU factors during ``attend`` (see :class:`~kv_sekv.SEKVStore`).
     reconstruct : bool
         ``False``: Table 5's "w/o SVD reconstruction" (no CPU span bases, spans never expanded; see
@@ -62,8 +62,8 @@ def sekv(
         if isinstance(budget, bool) or not isinstance(budget, Real):
             raise TypeError(f"budget must be a number in (0, 1], got {type(budget).__name__}")
         config = dataclasses.replace(config, budget=float(budget))  # validated by SEKVConfig
-    if fetch not in ("sync", "thread"):
-        raise ValueError(f"fetch must be 'sync' or 'thread', got {fetch!r}")
+    if fetch not in FETCH_MODES:
+        raise ValueError(f"fetch must be one of {FETCH_MODES}, got {fetch!r}")
     source = ShippedRouter() if router is None else router
     if not isinstance(source, RouterSource):
         raise TypeError(f"router must be a kv_sekv.SEKVRouter (or RouterSource), got {type(router).__name__}")

@@ -46,7 +46,10 @@ from .plan import SpanPlan
 from .router import RouterSource
 from .summaries import coarse_entries, routing_summaries
 
-__all__ = ["SEKVStore", "StepStats"]
+__all__ = ["FETCH_MODES", "SEKVStore", "StepStats"]
+
+#: how ``attend`` fetches the expanded spans' factors (:class:`SEKVStore`'s ``fetch``)
+FETCH_MODES = ("sync", "thread", "stream")
 
 
 @dataclass
@@ -103,9 +106,12 @@ class SEKVStore(Store):
         The router (``W``, ``τ``, ``g_φ``); required to write a :class:`~kv_sekv.SpanPlan` with spans.
     config : SEKVConfig
         ``R_max`` and the gate-drop threshold ``ε`` (``gate_eps``).
-    fetch : {"sync", "thread"}
-        How ``attend`` fetches the selected spans' factors: synchronously after Stage 1, or on a worker thread while
-        Stage 1 runs (the overlap of §3.3; CUDA streams are not used yet). Same result either way.
+    fetch : {"sync", "thread", "stream"}
+        How ``attend`` fetches the selected spans' factors (pinned host memory, copied without blocking the host):
+        after Stage 1 is issued, on the compute stream (``"sync"``); on a worker thread while Stage 1 runs
+        (``"thread"``); or, on CUDA, on a copy stream of its own issued before Stage 1, so the copy engine moves the
+        factors while the GPU runs Stage 1 and Stage 2 waits for them by an event (``"stream"``: the overlap of
+        §3.3; off CUDA, the synchronous path). Same result either way.
     reconstruct : bool
         ``False`` is Table 5's "w/o SVD reconstruction": no span basis is kept (the span tokens are dropped after
         their coarse entry and summaries are computed) and no span is ever expanded; the accelerator tier is SEKV's.
@@ -121,8 +127,8 @@ class SEKVStore(Store):
     reconstruct: bool = True
 
     def __post_init__(self) -> None:
-        if self.fetch not in ("sync", "thread"):
-            raise ValueError(f"fetch must be 'sync' or 'thread', got {self.fetch!r}")
+        if self.fetch not in FETCH_MODES:
+            raise ValueError(f"fetch must be one of {FETCH_MODES}, got {self.fetch!r}")
         if not isinstance(self.reconstruct, bool):
             raise TypeError(f"reconstruct must be a bool, got {type(self.reconstruct).__name__}")
         if self.router is not None and not isinstance(self.router, RouterSource):
@@ -439,6 +445,11 @@ class SEKVStore(Store):
             }
 
         pending = _executor().submit(fetch) if self.fetch == "thread" and pairs else None
+        copy_stream = _copy_stream(q.device) if self.fetch == "stream" and pairs and q.is_cuda else None
+        if copy_stream is not None:  # issued before Stage 1: the copies run beside its kernels
+            copy_stream.wait_stream(torch.cuda.current_stream(q.device))
+            with torch.cuda.stream(copy_stream):
+                pending = _Ready(fetch())
         # Stage 1 (overlaps the fetch): the resident entries where they are held (no concatenation with the
         # coarse entries: that copied the whole resident cache every step), then the coarse entries of the alive
         # spans with bias log|S|, -inf where the span is expanded (by index, from the host's choice: no copy of a
@@ -453,6 +464,11 @@ class SEKVStore(Store):
             bias_c = bias_c.view(-1).index_fill(0, flat, float("-inf")).view(B, H, M)
         parts.append(biased_attention_splits(sp.coarse_k, sp.coarse_v, bias_c, q, scale))
         factors = pending.result() if pending is not None else fetch()
+        if copy_stream is not None:  # Stage 2 waits for the copies; the allocator keeps their memory until it ran
+            compute = torch.cuda.current_stream(q.device)
+            compute.wait_stream(copy_stream)
+            for t in (t for kf, vf in factors.values() for t in (*kf, *vf)):
+                t.record_stream(compute)
         if chosen:
             parts.append(self._stage2(q, scale, pairs, spans, factors))
             stats.fetched_bytes = sum(
@@ -620,6 +636,26 @@ def _executor():
 
         _EXECUTOR.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-sekv-fetch"))
     return _EXECUTOR[0]
+
+
+class _Ready:
+    """A result already computed, with the ``result()`` of a future (the copy stream's fetch was issued at once)."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+_COPY_STREAMS: dict = {}
+
+
+def _copy_stream(device: torch.device):
+    """One CUDA stream per device for the factors' copies (created on first use)."""
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
 
 
 def _expand_index(idx: torch.Tensor, t: torch.Tensor, dims: int) -> torch.Tensor:
