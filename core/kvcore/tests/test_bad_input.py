@@ -282,6 +282,24 @@ def test_value_checks_default_on_for_cpu_tensors_and_switchable():
     assert bool(store.read().keys[0, :, 3].isnan().all())
 
 
+def test_dense_store_finds_its_last_positions_after_unchecked_appends():
+    """Unchecked appends (accelerators by default) do not copy each step's last positions; a checked append after
+    them finds the largest held position from the layout and still refuses one that does not follow it."""
+    from kvcore import DenseStore, value_checks
+
+    kv = torch.zeros(2, 1, 1, 4)
+    store = DenseStore()
+    store.append(torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), torch.tensor([[0, 1, 2], [4, 5, 6]]))
+    with value_checks(False):
+        store.append(kv, kv, torch.tensor([[3], [9]]))
+        store.append(kv, kv, torch.tensor([[7], [10]]))
+    assert store._last is None  # nothing copied for the checks that did not run
+    with pytest.raises(ValueError, match="positions"):
+        store.append(kv, kv, torch.tensor([[8], [10]]))  # row 1 holds position 10 already
+    store.append(kv, kv, torch.tensor([[8], [11]]))
+    assert store.read().positions[:, 0].tolist() == [[0, 1, 2, 3, 7, 8], [4, 5, 6, 9, 10, 11]]
+
+
 def test_value_checks_from_the_environment(monkeypatch):
     from kvcore.checks import values_checked
 

@@ -40,6 +40,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
 from kv_hf.step import STEP_ATTR, Step
+from kv_hf.step_memo import STEP
 from kvcore import merge_attention
 
 if TYPE_CHECKING:
@@ -287,7 +288,9 @@ def _make(base: Callable[..., Any], eager: bool) -> Callable[..., Any]:
         except BaseException:
             layer._step = None  # the step is abandoned; the next update must not report a missing commit
             raise
-        layer.commit(step, query, kwargs.get("position_ids"), _valid_new(new, query.shape[0], query.shape[2]), scaling)
+        B, q = query.shape[0], query.shape[2]  # every layer given the same mask shares one validity tensor
+        valid = STEP.get("valid", (attention_mask, B, q), lambda: _valid_new(new, B, q))
+        layer.commit(step, query, kwargs.get("position_ids"), valid, scaling)
         if step.on_commit is not None:
             step.on_commit(layer)
         return out

@@ -39,11 +39,23 @@ from kv_hf.entries import Pending
 from kv_hf.options import CacheOptions
 from kv_hf.providers import missing_message
 from kv_hf.step import COLLECT, SCRATCH, STEP_ATTR, STORE, Step
+from kv_hf.step_memo import STEP
 from kv_hf.support import DEFAULT_QUERY_WINDOW
 from kvcore import Compressor, ScoringContext, Store, retier_store, storage_bytes
 from kvcore.checks import check_integer_tensor
 
 __all__ = ["COLLECT", "SCRATCH", "STORE", "CompressedLayer", "Step"]
+
+
+#: the positions and next positions of a step, computed by its first layer and reused by the others
+_MEMO = STEP
+
+
+def _advance(nxt: torch.Tensor | None, positions: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """``[B]`` next true position per row after a step's ``positions`` (padding, ``valid`` False, excluded)."""
+    real = positions if valid is None else torch.where(valid, positions, -1)
+    last = real.max(-1).values + 1
+    return last if nxt is None else torch.maximum(nxt, last)
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -255,8 +267,7 @@ class CompressedLayer(CacheLayerMixin):
             )
         if self.mode == COLLECT or self._capture_stored:
             self._remember_queries(query, valid)
-        real = positions if valid is None else torch.where(valid, positions, -1)
-        last = real.max(-1).values + 1
+        real = valid  # as given (None: no padding), before COLLECT spells it out
         if self.mode == COLLECT:
             if valid is None:
                 valid = torch.ones(B, q, dtype=torch.bool, device=device)
@@ -268,7 +279,9 @@ class CompressedLayer(CacheLayerMixin):
                 self._held += q
             self._since += q
         self.seen += q
-        self.next_positions = last if self.next_positions is None else torch.maximum(self.next_positions, last)
+        # every layer of a step advances the same tensors: the first computes, the others reuse its result
+        prev = self.next_positions
+        self.next_positions = _MEMO.get("next", (positions, real, prev), lambda: _advance(prev, positions, real))
 
     @property
     def replan_every(self) -> int | None:
@@ -289,9 +302,18 @@ class CompressedLayer(CacheLayerMixin):
         if position_ids is not None:
             if position_ids.ndim != 2:
                 raise ValueError(f"kv_hf needs 2-D position_ids [B, q], got shape {tuple(position_ids.shape)}")
-            return position_ids.to(device=device, dtype=torch.long).expand(B, q)
-        start = self.next_positions if self.next_positions is not None else torch.full((B,), self.seen, device=device)
-        return start.to(device)[:, None] + torch.arange(q, device=device)
+            return _MEMO.get(
+                "positions",
+                (position_ids, B, q, device),
+                lambda: position_ids.to(device=device, dtype=torch.long).expand(B, q),
+            )
+        nxt, seen = self.next_positions, self.seen
+
+        def count_on() -> torch.Tensor:
+            start = nxt if nxt is not None else torch.full((B,), seen, device=device)
+            return start.to(device)[:, None] + torch.arange(q, device=device)
+
+        return _MEMO.get("count", (nxt, seen if nxt is None else None, B, q, device), count_on)
 
     def _remember_queries(self, query: torch.Tensor, valid: torch.Tensor) -> None:
         W = self.query_window

@@ -117,7 +117,7 @@ class DenseStore(Store):
                 self._uniform, self._T, self._C = True, T, C
             self._k.view(B, H, C, D)[:, :, T : T + n] = keys
             self._v.view(B, H, C, D)[:, :, T : T + n] = values
-            self._pos.view(B, H, C)[:, :, T : T + n] = positions[:, None, :].to(torch.int32)
+            self._pos.view(B, H, C)[:, :, T : T + n] = positions[:, None, :]  # int32 by the copy itself
             self._T = T + n
         else:
             if bool((self._len + n > self._cap).any()):
@@ -127,8 +127,8 @@ class DenseStore(Store):
             self._v[idx] = values.reshape(-1, D)
             self._pos[idx] = positions[:, None, :].expand(B, H, n).reshape(-1).to(torch.int32)
         self._len = self._len + n
-        if n:
-            self._last = positions[:, -1].clone()  # its own storage (counted by nbytes), not the caller's
+        if n:  # its own storage (counted by nbytes), not the caller's; unchecked, found again when asked
+            self._last = positions[:, -1].clone() if after is not None else None
 
     def _learn_layout(self) -> None:
         """Read (one host sync) whether every segment has the same length and capacity, and if so which."""
