@@ -95,6 +95,30 @@ def test_biased_attention_over_buffer_views_aligned_or_not():
         torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
 
 
+def test_biased_attention_reads_buffer_views_where_they_are(monkeypatch):
+    """The launcher hands the kernel the store's views themselves (any strides but a unit last one), not copies: a
+    `.contiguous()` of a view of a growing buffer copied the whole resident cache at every decode step."""
+    import kv_sekv.kernels.triton_attention as ta
+
+    seen = {}
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(q, k, v, b, *args, **kwargs):
+                seen.update(q=q, k=k, v=v, b=b)
+
+            return launch
+
+    kb, vb = torch.randn(2, 1, 2, 100, 16).to(DEVICE)
+    k, v = kb[:, :, :70], vb[:, :, :70]
+    q = torch.randn(1, 8, 4, 16).to(DEVICE).transpose(1, 2)  # [1, 4, 8, 16] with strides of a transposed layout
+    bias = torch.zeros(1, 2, 128).to(DEVICE)[..., :70]
+    monkeypatch.setattr(ta, "_biased_attention_kernel", Spy())
+    ta.biased_attention_splits_triton(k, v, bias, q, 0.25)
+    for name, t in (("k", k), ("v", v), ("q", q), ("b", bias)):
+        assert seen[name].data_ptr() == t.data_ptr() and seen[name].stride() == t.stride(), name
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_factored_attention_batch_triton_equals_reference(dtype):
     """The Stage-2 Triton kernel (under the interpreter on CPU) = the batched PyTorch reference: spans of mixed

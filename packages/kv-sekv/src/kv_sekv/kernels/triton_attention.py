@@ -218,9 +218,11 @@ def biased_attention_splits_triton(
         raise ImportError("biased_attention_triton needs triton (pip install kv-sekv[triton])")
     B, Hkv, N, D = keys.shape
     Hq, Q = query.shape[1], query.shape[2]
-    k, v = keys.contiguous(), values.contiguous()
-    b = k if bias is None else bias.float().contiguous()  # no bias: the kernel reads none (any pointer will do)
-    q = query.contiguous()
+    # the kernel takes every stride but the last: a view of a store's growing buffer is read where it is held (a
+    # `.contiguous()` here copied the whole resident cache at every step)
+    k, v, q = (t if t.stride(-1) == 1 else t.contiguous() for t in (keys, values, query))
+    b = k if bias is None else bias.float()  # no bias: the kernel reads none (any pointer will do)
+    b = b if b.stride(-1) == 1 else b.contiguous()
     block_n = max(16, min(block_n, triton.next_power_of_2(max(N, 1))))
     rows = B * Hq * Q
     if tiles is None:
