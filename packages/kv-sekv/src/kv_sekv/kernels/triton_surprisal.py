@@ -1,6 +1,6 @@
 """Triton kernel of SEKV's token surprisal ``H_t = −log softmax(h_{t−1} Wᵀ + b)[x_t]`` (SEKV §3.1, Eq. 1).
 
-Same signature and result as :func:`kv_sekv.surprisal.surprisal_torch`. The ``B · (T − 1)`` predicting positions
+Same signature and result as :func:`kv_sekv.kernels.surprisal.surprisal_torch`. The ``B · (T − 1)`` predicting positions
 (row ``b · (T − 1) + t`` is ``hidden[b, t]``, which predicts ``input_ids[b, t + 1]``) are cut into tiles of
 ``BLOCK_T`` rows and the vocabulary into splits of ``CHUNKS`` chunks of ``BLOCK_V`` entries; the grid is
 ``(row tiles, splits)``. A program computes its tile's logits over its split one chunk at a time (the inner
@@ -23,6 +23,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from .surprisal import mask_surprisal
 
 try:
     import triton
@@ -102,7 +104,7 @@ def surprisal_triton(
 ) -> torch.Tensor:
     """Surprisal of every token from the hidden states that predict it, SEKV §3.1, Eq. 1, as a Triton kernel.
 
-    Triton version of :func:`kv_sekv.surprisal.surprisal_torch` (same arguments and result; module doc for the
+    Triton version of :func:`kv_sekv.kernels.surprisal.surprisal_torch` (same arguments and result; module doc for the
     design). The input is assumed checked: :func:`kv_sekv.surprisal.surprisal_from_hidden` checks shapes, dtypes,
     the id range and the mask before it dispatches here, and a direct call with bad input has undefined results.
     The result carries no autograd graph.
@@ -140,8 +142,6 @@ def surprisal_triton(
     """
     if not HAS_TRITON:
         raise ImportError("surprisal_triton needs triton (pip install kv-sekv[triton])")
-    from ..surprisal import mask_surprisal
-
     if tensor_cores is None:
         tensor_cores = hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     native = tensor_cores and hidden.dtype == weight.dtype and hidden.dtype in (torch.float16, torch.bfloat16)
