@@ -217,6 +217,34 @@ def test_a_decode_step_reads_the_accelerator_once(budget):
     assert reads.total == 1, dict(reads.by_site)
 
 
+def test_decoded_tokens_are_counted_on_the_host_between_edits():
+    """The budget cap's count of decoded tokens per row is read once with the gates, then advanced by appends (no
+    device work per step); a crop, re-tier or reorder forgets it and the next step counts again -- always what the
+    held positions say."""
+    store, _, q, _ = _store(0.4, 2, 1, 0.05, 0, T=96, config=ZOOM)
+
+    def counted():
+        pos, last = store._dense.read().positions, torch.tensor(store._spans.prefill_last)
+        return (pos > last[:, None, None]).sum(-1).amax(-1).tolist()
+
+    store.attend(q)
+    assert store._spans.decoded == counted() == [0, 0]
+    g = torch.Generator().manual_seed(9)
+    for step in range(3):
+        kv = torch.randn(2, 2, 2, 16, generator=g)
+        store.append(kv, kv, torch.tensor([[200 + 2 * step, 201 + 2 * step]] * 2))
+        assert store._spans.decoded == counted() == [2 * step + 2] * 2
+        store.attend(q)
+    store.crop(203)  # drops the decoded tokens at 203..205
+    assert store._spans.decoded is None
+    store.attend(q)
+    assert store._spans.decoded == counted() == [3, 3]
+    store.retier(store.tiers())  # keeps everything, but a re-tier may evict: counted again
+    assert store._spans.decoded is None
+    store.attend(q)
+    assert store._spans.decoded == counted()
+
+
 def test_the_cap_binds_and_expands_in_a_known_case():
     """A case where the gate selects more spans than the budget takes: some, not all, are reconstructed."""
     store, _, q, _ = _store(0.4, 1, 2, 0.05, 0, T=96, config=ZOOM)

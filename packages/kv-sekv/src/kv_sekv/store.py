@@ -69,6 +69,9 @@ class _Spans:
     prefill_last: list[int]  # last prefill position per row (decoded tokens come after)
     budget: float  # fraction of the full cache; 1.0 = no cap
     host: tuple[list[list[int]], list[int]] | None = None  # on_host(), once the gate asked
+    # decoded tokens per row (the most any KV head holds past the prefill), on the host: read once with the gates,
+    # then advanced by appends; None after any other edit (found again at the next capped step)
+    decoded: list[int] | None = None
 
     def on_host(self) -> tuple[list[list[int]], list[int]]:
         """``(length[b][span], alive spans of row b over its KV heads)`` as Python ints, read once (a span state is
@@ -288,6 +291,8 @@ class SEKVStore(Store):
                 if bool((pos.long().min(-1).values <= last).any()):
                     raise ValueError("positions of appended entries must come after every position held in their row")
         self._dense.append(keys, values, positions)
+        if self._spans is not None and self._spans.decoded is not None:  # every head of every row gained them
+            self._spans.decoded = [d + keys.shape[2] for d in self._spans.decoded]
 
     def _stage1_entries(self, base: KVView, expanded: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """``(keys, values, bias, show)``: the resident entries of ``base`` (the dense read), then every span's coarse
@@ -342,10 +347,14 @@ class SEKVStore(Store):
         parts = [prio.flatten()]
         if capped:
             lens = self._dense.seq_lengths().to(query.device)  # resident per head (includes decoded tokens)
-            rpos = (self._dense.read() if base is None else base).positions
-            decoded = (rpos > from_host(sp.prefill_last, rpos.device)[:, None, None]).sum(-1).amax(-1)
-            parts += [lens.float().flatten(), decoded.float().to(query.device)]
+            parts.append(lens.float().flatten())
+            if sp.decoded is None:
+                rpos = (self._dense.read() if base is None else base).positions
+                decoded = (rpos > from_host(sp.prefill_last, rpos.device)[:, None, None]).sum(-1).amax(-1)
+                parts.append(decoded.float().to(query.device))
         host = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()  # the one host read
+        if capped and sp.decoded is None:
+            sp.decoded = [int(d) for d in host[-B:]]
         length, alive = sp.on_host()
         flat = [i for i, p in enumerate(host[: B * H * M]) if p >= 0]  # (b, h, span) in flat order
         selected = [(i // (H * M), i // M % H, i % M) for i in flat]
@@ -354,7 +363,7 @@ class SEKVStore(Store):
             chosen = []
         elif capped:
             cost = router.summary_cost(H, sp.coarse_k.shape[-1])
-            lens_h, decoded_h = host[B * H * M : -B], host[-B:]
+            lens_h, decoded_h = host[B * H * M : B * H * M + B * H], sp.decoded
             chosen = []
             for b in range(B):
                 cap = H * (sp.capacity[b] + math.ceil(sp.budget * int(decoded_h[b])))
@@ -549,6 +558,8 @@ class SEKVStore(Store):
                 )
             drop = evict.all(1) & (sp.length > 0)
         self._dense.retier(Plan(dense_bits, dense_vbits))
+        if self._spans is not None:  # decoded tokens may have been evicted: counted again when asked
+            self._spans.decoded = None
         if drop is not None and bool(drop.any()):
             self._drop_spans(drop)
 
@@ -594,6 +605,7 @@ class SEKVStore(Store):
         position = check_int("position", position, low=0)
         self._dense.crop(position)
         if self._spans is not None:
+            self._spans.decoded = None
             drop = (self._spans.last_pos >= position) & (self._spans.length > 0)
             if bool(drop.any()):
                 self._drop_spans(drop)
