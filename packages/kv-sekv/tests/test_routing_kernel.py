@@ -37,9 +37,10 @@ def test_routing_kernel_matches_reference(B, H, g, Q, M, D, DP, dtype):
     """Several blocks of spans (70 in blocks of 16), head dims and d' that are not powers of two, GQA groups of 1-3,
     two queries, padding spans (length 0), dead spans and thresholds that select some spans and not others."""
     args = _inputs(B, H, g, Q, M, D, DP, dtype, seed=M + D)
-    want = routing_priority_torch(*args)
-    got = routing_priority_triton(*args, block_m=16)
-    assert got.shape == (B, H, M) and got.dtype == torch.float32
+    want, want_bias = routing_priority_torch(*args)
+    got, got_bias = routing_priority_triton(*args, block_m=16)
+    assert got.shape == got_bias.shape == (B, H, M) and got.dtype == got_bias.dtype == torch.float32
+    torch.testing.assert_close(got_bias, want_bias, rtol=1e-6, atol=1e-6)  # log|S| where alive, -inf elsewhere
     selected = want >= 0
     if M >= 10:
         assert 0 < int(selected.sum()) < selected.numel()  # the case tests both outcomes
@@ -53,7 +54,7 @@ def test_routing_priority_is_the_largest_selecting_gate():
     above tau on an alive span, maximised over the KV head's query heads and queries, -1 otherwise."""
     B, H, g, Q, M, D, DP = 1, 2, 2, 2, 6, 8, 4
     query, W, tau, summary, length, alive = _inputs(B, H, g, Q, M, D, DP, torch.float32, seed=1)
-    got = routing_priority_torch(query, W, tau, summary, length, alive)
+    got, bias = routing_priority_torch(query, W, tau, summary, length, alive)
     for h in range(H):
         for m in range(M):
             best = -1.0
@@ -64,14 +65,15 @@ def test_routing_priority_is_the_largest_selecting_gate():
                     if gate > float(tau[j]) and bool(alive[0, h, m]):
                         best = max(best, gate)
             assert float(got[0, h, m]) == pytest.approx(best, rel=1e-5)
+            loglen = math.log(max(int(length[0, m]), 1)) if bool(alive[0, h, m]) else float("-inf")
+            assert float(bias[0, h, m]) == pytest.approx(loglen, rel=1e-6)
 
 
 def test_routing_dispatch_and_empty_and_bad_block():
     args = _inputs(1, 2, 2, 1, 0, 16, 8, torch.float32, seed=0)
-    assert routing_priority_triton(*args).shape == (1, 2, 0)
+    assert all(t.shape == (1, 2, 0) for t in routing_priority_triton(*args))
     args = _inputs(1, 2, 2, 1, 5, 16, 8, torch.float32, seed=2)
-    assert torch.equal(
-        routing_priority(*args), routing_priority_torch(*args) if DEVICE == "cpu" else routing_priority(*args)
-    )
+    if DEVICE == "cpu":  # the CPU path is the reference
+        assert all(torch.equal(a, b) for a, b in zip(routing_priority(*args), routing_priority_torch(*args)))
     with pytest.raises(ValueError, match="block_m"):
         routing_priority_triton(*args, block_m=24)

@@ -189,9 +189,9 @@ def test_the_cap_leaves_out_only_spans_that_no_longer_fit(seed):
     expanded ones left — one long top-gate span never blocks shorter ones (a strict prefix would)."""
     store, _, q, r = _store(0.35, 1, 2, 0.05, seed, T=96, config=ZOOM)
     sp = store._spans
-    capped, _, stats = store._zoom(q)
+    capped, _, stats, _ = store._zoom(q)
     sp.budget = 1.0
-    selected, _, _ = store._zoom(q)
+    selected, _, _, _ = store._zoom(q)
     sp.budget = 0.35
     cost = r.summary_cost(2, 16)
     room = 2 * sp.capacity[0] - float(store._dense.seq_lengths()[0].sum()) - float(sp.alive[0].sum()) * (1 + cost)

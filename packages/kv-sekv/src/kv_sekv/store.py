@@ -327,11 +327,12 @@ class SEKVStore(Store):
 
     def _zoom(
         self, query: torch.Tensor, base: KVView | None = None
-    ) -> tuple[torch.Tensor, list[tuple[int, int, int]], StepStats]:
-        """``(expanded, chosen, stats)``: the spans to reconstruct for ``query`` (gate, threshold, GQA union, budget
-        cap) as a ``[B, Hkv, M]`` bool mask on the CPU and as sorted ``(b, h, span)`` triples; one host read of the
-        accelerator per call (the gates and the budget's counts), the span choice in Python. ``base``: the dense
-        read the caller already made."""
+    ) -> tuple[torch.Tensor, list[tuple[int, int, int]], StepStats, torch.Tensor]:
+        """``(expanded, chosen, stats, coarse_bias)``: the spans to reconstruct for ``query`` (gate, threshold, GQA
+        union, budget cap) as a ``[B, Hkv, M]`` bool mask on the CPU and as sorted ``(b, h, span)`` triples, and the
+        coarse entries' Stage-1 bias before expansion (``log|S|`` where alive, else ``-inf``; from the routing
+        launch); one host read of the accelerator per call (the gates and the budget's counts), the span choice in
+        Python. ``base``: the dense read the caller already made."""
         sp = self._spans
         router = self._router()
         routing = router.layer(self.layer, query.device)
@@ -342,7 +343,7 @@ class SEKVStore(Store):
         # each KV head's strongest selecting gate (Eqs. 4-5, 9; -1: none selects the span), one launch on CUDA, goes
         # to the host with what the budget cap needs, in one copy: Stage 2's span choice is a host decision (it
         # drives the CPU -> GPU fetch), made in Python on that copy
-        prio = routing_priority(query, routing.W, routing.tau, sp.summary, sp.length, sp.alive)
+        prio, coarse_bias = routing_priority(query, routing.W, routing.tau, sp.summary, sp.length, sp.alive)
         capped = self.reconstruct and sp.budget < 1.0
         parts = [prio.flatten()]
         if capped:
@@ -383,7 +384,7 @@ class SEKVStore(Store):
             expanded[tuple(torch.tensor(c) for c in zip(*chosen))] = True
         stats.expanded = len(chosen)
         stats.tokens = sum(length[b][m] for b, _, m in chosen)
-        return expanded, chosen, stats
+        return expanded, chosen, stats, coarse_bias
 
     def _expanded_tokens(self, chosen: list[tuple[int, int, int]], B: int, H: int, device, dtype):
         """Reconstructed tokens of the expanded ``(b, h, span)`` triples, per head, as ``(keys, values, positions)``
@@ -407,7 +408,7 @@ class SEKVStore(Store):
             return self._coarse_view(None)[0]
         base = self._dense.read()
         q = check_query(query, base.keys.shape[1], base.keys.shape[-1], base.keys.shape[0])
-        expanded, chosen, stats = self._zoom(q, base)
+        expanded, chosen, stats, _ = self._zoom(q, base)
         view, _kind, _ = self._coarse_view(expanded)
         B, H, _, D = view.keys.shape
         per_head, stats.fetched_bytes = self._expanded_tokens(chosen, B, H, view.keys.device, view.keys.dtype)
@@ -441,7 +442,7 @@ class SEKVStore(Store):
         scale = check_scale(scale, D)
         if self._spans is None:
             return biased_attention(base.keys, base.values, None if base.bias_free else base.logit_bias, q, scale)
-        _expanded, chosen, stats = self._zoom(q, base)
+        _expanded, chosen, stats, bias_c = self._zoom(q, base)
         sp = self._spans
         pairs = sorted({(b, h) for b, h, _ in chosen})
         spans = {(b, h): [s for bb, hh, s in chosen if (bb, hh) == (b, h)] for b, h in pairs}
@@ -465,12 +466,11 @@ class SEKVStore(Store):
         # host mask to the device) or gone
         resident_bias = None if base.bias_free else base.logit_bias
         parts = [biased_attention_splits(base.keys, base.values, resident_bias, q, scale)]
-        bias_c = torch.where(sp.alive, torch.log(sp.length.clamp_min(1).float())[:, None, :], float("-inf"))
         B, Hq, Q = q.shape[0], q.shape[1], q.shape[2]
         M = sp.length.shape[1]
         if chosen:
             flat = from_host([(b * H + h) * M + s for b, h, s in chosen], bias_c.device)
-            bias_c = bias_c.view(-1).index_fill(0, flat, float("-inf")).view(B, H, M)
+            bias_c.view(-1).index_fill_(0, flat, float("-inf"))  # this step's own tensor (the routing launch's)
         parts.append(biased_attention_splits(sp.coarse_k, sp.coarse_v, bias_c, q, scale))
         factors = pending.result() if pending is not None else fetch()
         if copy_stream is not None:  # Stage 2 waits for the copies; the allocator keeps their memory until it ran

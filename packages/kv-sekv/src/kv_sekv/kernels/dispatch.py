@@ -92,7 +92,7 @@ def factored_attention_batch(query, key_factors, value_factors, scale, group, gr
 
 
 def routing_priority(query, W, tau, summary, length, alive):
-    """Largest selecting routing gate per KV head and span (Eqs. 4–5, 9; see
+    """Largest selecting routing gate per KV head and span (Eqs. 4–5, 9), and Stage 1's coarse-entry bias (see
     :func:`~kv_sekv.kernels.routing.routing_priority_torch`; on CUDA one launch of
     :func:`~kv_sekv.kernels.triton_routing.routing_priority_triton`)."""
     if _use_triton(query):

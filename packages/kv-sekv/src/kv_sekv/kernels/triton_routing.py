@@ -5,7 +5,8 @@ head, block of spans) loads each of the head's query heads' projection ``W^{(h)}
 decode query (Eq. 4), scores its block of unit routing summaries (Eq. 5, ``log|S|`` from the span lengths), applies
 the head's threshold and the span's liveness (Eq. 9) and keeps the largest selecting gate — where the PyTorch path
 runs a dozen operations per layer and step (einsum, matmul, log, sigmoid, comparisons, a repeat of the liveness
-mask, a reduction). Products and sums in float32 (the shapes are tiny: ``d′ = 32``). The query heads per KV head
+mask, a reduction); it also writes Stage 1's bias of the coarse entries (``log|S|`` where the span is alive), which
+it has at hand. Products and sums in float32 (the shapes are tiny: ``d′ = 32``). The query heads per KV head
 and the queries per step are compile-time loop bounds (the interpreter needs constant bounds); the span count is a
 run-time argument. Tested against the reference under ``TRITON_INTERPRET=1``.
 """
@@ -37,6 +38,7 @@ if HAS_TRITON:
         len_ptr,
         alive_ptr,
         out_ptr,
+        bias_ptr,
         M,
         inv_sqrt_dp,
         H: tl.constexpr,
@@ -75,6 +77,7 @@ if HAS_TRITON:
                 gate = tl.sigmoid(tl.sum(s * qp[None, :], 1) * inv_sqrt_dp + loglen)  # Eq. 5
                 best = tl.maximum(best, tl.where((gate > tau) & alive, gate, -1.0))  # Eq. 9
         tl.store(out_ptr + bh * M + m, best, mask=mmask)
+        tl.store(bias_ptr + bh * M + m, tl.where(alive, loglen, float("-inf")), mask=mmask)  # Stage 1's coarse bias
 
 
 def routing_priority_triton(
@@ -85,7 +88,7 @@ def routing_priority_triton(
     length: torch.Tensor,
     alive: torch.Tensor,
     block_m: int = 64,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`~kv_sekv.kernels.routing.routing_priority_torch` (same arguments and result;
     ``block_m`` spans per program)."""
     if not HAS_TRITON:
@@ -96,13 +99,14 @@ def routing_priority_triton(
     H, M = alive.shape[1], alive.shape[2]
     DP = W.shape[1]
     out = torch.empty(B, H, M, dtype=torch.float32, device=query.device)
+    bias = torch.empty(B, H, M, dtype=torch.float32, device=query.device)
     if B * H * M == 0:
-        return out
+        return out, bias
     block_m = max(16, min(block_m, triton.next_power_of_2(M)))
     _routing_kernel[(B * H, triton.cdiv(M, block_m))](
         query.contiguous(), W.float().contiguous(), tau.float().contiguous(), summary.contiguous(),
-        length.contiguous(), alive.contiguous().view(torch.uint8), out, M, 1.0 / math.sqrt(DP),
+        length.contiguous(), alive.contiguous().view(torch.uint8), out, bias, M, 1.0 / math.sqrt(DP),
         H=H, GROUP=Hq // H, Q=Q, D=D, DP=DP, BLOCK_D=triton.next_power_of_2(D),
         BLOCK_DP=triton.next_power_of_2(DP), BLOCK_M=block_m,
     )  # fmt: skip
-    return out
+    return out, bias
