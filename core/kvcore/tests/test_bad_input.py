@@ -300,6 +300,25 @@ def test_dense_store_finds_its_last_positions_after_unchecked_appends():
     assert store.read().positions[:, 0].tolist() == [[0, 1, 2, 3, 7, 8], [4, 5, 6, 9, 10, 11]]
 
 
+def test_a_uniform_dense_read_holds_no_bias():
+    """Heads of one length: the view is bias-free and its zero bias is one shared zero expanded (no per-read fill),
+    which attention treats as zeros and an in-place write refuses."""
+    from kvcore import DenseStore, reference_attention
+
+    store = DenseStore()
+    kv = torch.randn(2, 3, 5, 4)
+    store.append(kv, kv, torch.arange(5).expand(2, 5))
+    view = store.read()
+    assert view.bias_free and view.logit_bias.shape == (2, 3, 5) and view.logit_bias.stride() == (0, 0, 0)
+    assert store.read().logit_bias.data_ptr() == view.logit_bias.data_ptr() and not bool(view.logit_bias.any())
+    q = torch.randn(2, 3, 1, 4)
+    out = reference_attention(view, q)[0]
+    ref = torch.softmax(q @ kv.transpose(-1, -2) / 2.0, -1) @ kv
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError):
+        view.logit_bias.add_(1.0)
+
+
 def test_value_checks_from_the_environment(monkeypatch):
     from kvcore.checks import values_checked
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvcore.checks import (
@@ -17,6 +19,14 @@ from kvcore.memory import storage_bytes
 from kvcore.plan import EVICT, FULL, Plan
 from kvcore.protocols import Store
 from kvcore.view import KVView
+
+
+@functools.cache
+def _zero_bias(device: torch.device) -> torch.Tensor:
+    """One float32 zero per device, expanded to a bias-free view's ``[B, H, T]`` logit bias: reading a uniform
+    store allocates and fills no bias (its consumers skip it, ``KVView.bias_free``; an in-place write to the
+    expanded view is refused by torch rather than shared)."""
+    return torch.zeros(1, 1, 1, device=device)
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -161,7 +171,7 @@ class DenseStore(Store):
         k = self._k.view(B, H, cap, D)[:, :, :T]
         v = self._v.view(B, H, cap, D)[:, :, :T]
         pos = self._pos.view(B, H, cap)[:, :, :T].long()
-        return KVView(k, v, pos, torch.zeros(B, H, T, device=k.device), bias_free=True)
+        return KVView(k, v, pos, _zero_bias(k.device).expand(B, H, T), bias_free=True)
 
     def tiers(self) -> Plan:
         """``FULL`` for every held entry, ``EVICT`` for padding, laid out like :meth:`read`."""
