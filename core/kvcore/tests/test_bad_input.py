@@ -319,6 +319,29 @@ def test_a_uniform_dense_read_holds_no_bias():
         view.logit_bias.add_(1.0)
 
 
+def test_dense_store_uniform_length_is_known_on_the_host_only_when_it_is():
+    """``uniform_length()``: every head's length when the host knows it (a read or an append learnt it), ``None``
+    before, after another edit, and when heads differ -- never a read of its own."""
+    from kvcore import EVICT, FULL, DenseStore
+    from kvcore.testing.host_reads import HostReads
+
+    store = DenseStore()
+    assert store.uniform_length() is None
+    kv = torch.randn(1, 2, 4, 4)
+    store.append(kv, kv, torch.arange(4)[None])
+    store.append(kv[:, :, :1], kv[:, :, :1], torch.tensor([[4]]))
+    with HostReads() as reads:
+        assert store.uniform_length() == 5
+    assert reads.total == 0
+    store.crop(3)
+    assert store.uniform_length() is None  # forgotten by the edit
+    store.read()
+    assert store.uniform_length() == 3  # learnt again by the read
+    store.retier(Plan(torch.tensor([[[FULL, FULL, EVICT], [FULL, FULL, FULL]]], dtype=torch.uint8)))
+    store.read()
+    assert store.uniform_length() is None and store.seq_lengths().tolist() == [[2, 3]]  # heads differ
+
+
 def test_value_checks_from_the_environment(monkeypatch):
     from kvcore.checks import values_checked
 

@@ -346,9 +346,10 @@ class SEKVStore(Store):
         prio, coarse_bias = routing_priority(query, routing.W, routing.tau, sp.summary, sp.length, sp.alive)
         capped = self.reconstruct and sp.budget < 1.0
         parts = [prio.flatten()]
+        held = self._dense.uniform_length() if capped else None  # resident per head, known on the host
         if capped:
-            lens = self._dense.seq_lengths().to(query.device)  # resident per head (includes decoded tokens)
-            parts.append(lens.float().flatten())
+            if held is None:  # resident per head (includes decoded tokens), read with the gates
+                parts.append(self._dense.seq_lengths().to(query.device).float().flatten())
             if sp.decoded is None:
                 rpos = (self._dense.read() if base is None else base).positions
                 decoded = (rpos > from_host(sp.prefill_last, rpos.device)[:, None, None]).sum(-1).amax(-1)
@@ -364,7 +365,8 @@ class SEKVStore(Store):
             chosen = []
         elif capped:
             cost = router.summary_cost(H, sp.coarse_k.shape[-1])
-            lens_h, decoded_h = host[B * H * M : B * H * M + B * H], sp.decoded
+            lens_h = [held] * (B * H) if held is not None else host[B * H * M : B * H * M + B * H]
+            decoded_h = sp.decoded
             chosen = []
             for b in range(B):
                 cap = H * (sp.capacity[b] + math.ceil(sp.budget * int(decoded_h[b])))

@@ -211,6 +211,11 @@ class DenseStore(Store):
     def nbytes(self, device: torch.device | str | None = None) -> int:
         return storage_bytes([self._k, self._v, self._pos, self._start, self._len, self._cap, self._last], device)
 
+    def uniform_length(self) -> int | None:
+        """The number of entries every head holds, where the host knows it without a read (every head holds as many,
+        learnt by a read or an append since the last other edit), else ``None``."""
+        return self._T if self._uniform else None
+
     def seq_lengths(self) -> torch.Tensor:
         B, H = self._shape
         if self._len is None:
