@@ -47,10 +47,6 @@ from kvcore.checks import check_integer_tensor
 __all__ = ["COLLECT", "SCRATCH", "STORE", "CompressedLayer", "Step"]
 
 
-#: the positions and next positions of a step, computed by its first layer and reused by the others
-_MEMO = STEP
-
-
 def _advance(nxt: torch.Tensor | None, positions: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """``[B]`` next true position per row after a step's ``positions`` (padding, ``valid`` False, excluded)."""
     real = positions if valid is None else torch.where(valid, positions, -1)
@@ -267,7 +263,7 @@ class CompressedLayer(CacheLayerMixin):
             )
         if self.mode == COLLECT or self._capture_stored:
             self._remember_queries(query, valid)
-        real = valid  # as given (None: no padding), before COLLECT spells it out
+        given_valid = valid  # as given (None: no padding), before COLLECT spells it out
         if self.mode == COLLECT:
             if valid is None:
                 valid = torch.ones(B, q, dtype=torch.bool, device=device)
@@ -281,7 +277,9 @@ class CompressedLayer(CacheLayerMixin):
         self.seen += q
         # every layer of a step advances the same tensors: the first computes, the others reuse its result
         prev = self.next_positions
-        self.next_positions = _MEMO.get("next", (positions, real, prev), lambda: _advance(prev, positions, real))
+        self.next_positions = STEP.get(
+            "next", (positions, given_valid, prev), lambda: _advance(prev, positions, given_valid)
+        )
 
     @property
     def replan_every(self) -> int | None:
@@ -302,7 +300,7 @@ class CompressedLayer(CacheLayerMixin):
         if position_ids is not None:
             if position_ids.ndim != 2:
                 raise ValueError(f"kv_hf needs 2-D position_ids [B, q], got shape {tuple(position_ids.shape)}")
-            return _MEMO.get(
+            return STEP.get(
                 "positions",
                 (position_ids, B, q, device),
                 lambda: position_ids.to(device=device, dtype=torch.long).expand(B, q),
@@ -313,7 +311,7 @@ class CompressedLayer(CacheLayerMixin):
             start = nxt if nxt is not None else torch.full((B,), seen, device=device)
             return start.to(device)[:, None] + torch.arange(q, device=device)
 
-        return _MEMO.get("count", (nxt, seen if nxt is None else None, B, q, device), count_on)
+        return STEP.get("count", (nxt, seen if nxt is None else None, B, q, device), count_on)
 
     def _remember_queries(self, query: torch.Tensor, valid: torch.Tensor) -> None:
         W = self.query_window

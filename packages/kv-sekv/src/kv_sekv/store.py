@@ -458,10 +458,11 @@ class SEKVStore(Store):
 
         pending = _executor().submit(fetch) if self.fetch == "thread" and pairs else None
         copy_stream = _copy_stream(q.device) if self.fetch == "stream" and pairs and q.is_cuda else None
+        factors = None
         if copy_stream is not None:  # issued before Stage 1: the copies run beside its kernels
             copy_stream.wait_stream(torch.cuda.current_stream(q.device))
             with torch.cuda.stream(copy_stream):
-                pending = _Ready(fetch())
+                factors = fetch()
         # Stage 1 (overlaps the fetch): the resident entries where they are held (no concatenation with the
         # coarse entries: that copied the whole resident cache every step), then the coarse entries of the alive
         # spans with bias log|S|, -inf where the span is expanded (by index, from the host's choice: no copy of a
@@ -474,7 +475,8 @@ class SEKVStore(Store):
             flat = from_host([(b * H + h) * M + s for b, h, s in chosen], bias_c.device)
             bias_c.view(-1).index_fill_(0, flat, float("-inf"))  # this step's own tensor (the routing launch's)
         parts.append(biased_attention_splits(sp.coarse_k, sp.coarse_v, bias_c, q, scale))
-        factors = pending.result() if pending is not None else fetch()
+        if factors is None:
+            factors = pending.result() if pending is not None else fetch()
         if copy_stream is not None:  # Stage 2 waits for the copies; the allocator keeps their memory until it ran
             compute = torch.cuda.current_stream(q.device)
             compute.wait_stream(copy_stream)
@@ -650,16 +652,6 @@ def _executor():
 
         _EXECUTOR.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-sekv-fetch"))
     return _EXECUTOR[0]
-
-
-class _Ready:
-    """A result already computed, with the ``result()`` of a future (the copy stream's fetch was issued at once)."""
-
-    def __init__(self, value) -> None:
-        self.value = value
-
-    def result(self):
-        return self.value
 
 
 _COPY_STREAMS: dict = {}
