@@ -3,13 +3,13 @@
 # Runs from a checkout with the members' src folders on PYTHONPATH (no install needed). Logs go to $OUT (or ./gpu_out).
 #
 #   bash benchmarks/gpu_check.sh                       # every step
-#   bash benchmarks/gpu_check.sh tests,attend,hubkv    # some steps: attend hubkv tests hex hqekv smoke hf sweep quant
+#   bash benchmarks/gpu_check.sh tests,attend,hubkv    # some steps: attend hubkv tests hex hqekv smoke hf sekv sweep quant
 #
 # Each step runs under its own time limit, so one slow or failing step leaves the others' logs.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 source benchmarks/device_env.sh  # the members on PYTHONPATH, their entry points registered
-steps=",${1:-tests,attend,sweep,hubkv,hqekv,hex,smoke,hf,quant},"
+steps=",${1:-tests,attend,sweep,hubkv,hqekv,hex,smoke,hf,sekv,quant},"
 has() { [[ $steps == *",$1,"* ]]; }
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, log to $OUT/NAME.txt, print its tail
   local name=$1 limit=$2; shift 2
@@ -37,13 +37,20 @@ if has tests; then
       packages/kv-hqekv/tests/test_kernels.py packages/kv-hex/tests/test_kernels.py packages/kv-sekv/tests/test_kernels.py \
       packages/kv-sekv/tests/test_routing_kernel.py packages/kv-sekv/tests/test_surprisal_kernel.py \
       packages/kv-sekv/tests/test_summaries_kernel.py packages/kv-sekv/tests/test_store.py::test_stream_fetch_gives_the_same_result \
-      packages/kv-sekv/tests/test_store.py::test_two_stage_on_the_triton_path_equals_one_softmax
+      packages/kv-sekv/tests/test_store.py::test_two_stage_on_the_triton_path_equals_one_softmax \
+      packages/kv-sekv/tests/test_cli.py::test_training_on_cuda_from_host_sequences_resumes_on_the_cpu
 fi
 # end to end through the HF adapter: one process per method, so a failing method leaves the others' rates
 # (64-step rounds: HqeKV re-plans every 32 decoded tokens, so each round times two re-plans at their rate)
 has hf && TAIL=60 step hf_decode 300 bash -c 'for m in full kivi-2 hqekv-2 hex-3 sekv; do echo "## $m";
     timeout 58 python3 benchmarks/bench_hf_decode.py --random-model --tokens 4000 --steps 64 --rounds 3 --methods $m \
     2>&1 | grep -v "^|---" | tail -4; done'
+# SEKV (issue 15): decode step time with and without the fetch overlap (sync / copy stream / worker thread), then
+# router training steps on the GPU (SmolLM2's shapes, random weights: the weights cannot travel to the device)
+has sekv && TAIL=12 step sekv_decode 150 python3 benchmarks/bench_sekv_decode.py --random-model --tokens 4000 \
+    --steps 32 --rounds 3
+has sekv && TAIL=14 step sekv_train 120 python3 benchmarks/sekv_train_step.py --device cuda --random-model \
+    --steps 6 --seq-len 1024
 has sweep && TAIL=8 step bench_fused_sweep 60 python3 benchmarks/bench_fused_attend.py --sweep --lengths 16384 --batch 1 --bits 2
 has hqekv && step bench_hqekv 60 python3 benchmarks/bench_hqekv.py --lengths 4096,16384,65536
 has hex && step bench_hex 60 python3 benchmarks/bench_hex.py --tables attend --attend-lengths 3840,16384

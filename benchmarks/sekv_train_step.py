@@ -7,6 +7,11 @@ AdamW step. CPU time is the process's user + system time (``resource.getrusage``
 
 Run: ``uv run python benchmarks/sekv_train_step.py --steps 6 --threads 1`` (needs kvbench's offline SmolLM2 and
 gensim's lee_background corpus). The first step is a warm-up and is not counted.
+
+On a GPU (``--device cuda``) the phases are wall time with the device synchronised at each boundary;
+``--random-model`` builds SmolLM2-135M's architecture with seeded random weights (float32, as the CLI trains) and
+random token sequences, for a machine without the weights or the corpus (the time of a step depends on the shapes,
+not on the weights).
 """
 
 from __future__ import annotations
@@ -38,33 +43,56 @@ def cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=1)
-    a = p.parse_args()
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--random-model", action="store_true", help="SmolLM2's shapes, random weights and tokens")
+    a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    model, tok, model_id = load_model("smollm2")
+    dev = torch.device(a.device)
+    if a.random_model:
+        from bench_hf_decode import random_smollm2
+
+        model, model_id = random_smollm2(dev, torch.float32), "SmolLM2-135M shapes, random weights"
+        g = torch.Generator().manual_seed(0)
+        seqs = torch.randint(100, 10_000, ((a.steps + 1) * a.batch_size, a.seq_len), generator=g)
+    else:
+        model, tok, model_id = load_model("smollm2")
+        model.to(dev)
+        seqs = corpus_sequences(read_corpus(None), tok, a.seq_len)
     model.requires_grad_(False)
-    seqs = corpus_sequences(read_corpus(None), tok, a.seq_len)
+    if dev.type == "cuda":  # wall time, the device synchronised at each phase boundary
+
+        def clock() -> float:
+            torch.cuda.synchronize(dev)
+            return time.perf_counter()
+    else:
+        clock = cpu_s
+    unit = "CPU-s" if dev.type == "cpu" else "s"
     c = model.config
     cfg = SEKVConfig(window=64, budget=0.2)
-    router = SEKVRouter.untrained(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim, cfg)
+    router = SEKVRouter.untrained(
+        c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim, cfg
+    ).to(dev)
     opt = torch.optim.AdamW(router.parameters(), lr=1e-3)
     tc = TrainConfig(local_window=64)
     phases: dict[str, float] = {}
     wall, total = 0.0, 0.0
+    losses: list[float] = []
     for i in range(a.steps + 1):
-        ids = seqs[i * a.batch_size : (i + 1) * a.batch_size]
+        ids = seqs[i * a.batch_size : (i + 1) * a.batch_size].to(dev)
         T = ids.shape[1]
         split = math.floor(tc.split * T)
-        w0, c0 = time.perf_counter(), cpu_s()
+        c0 = clock()
+        w0 = time.perf_counter()
         marks = [c0]
 
         def mark() -> None:
-            marks.append(cpu_s())
+            marks.append(clock())
 
         record = TeacherRecord(split)
         with torch.no_grad(), teacher_recording(model, record):
@@ -75,12 +103,14 @@ def main() -> None:
         mark()
         state = prepare_training(router, record, segs, h[:, :split], tc.local_window)
         mark()
-        pos = torch.arange(split, T).expand(ids.shape[0], -1)
+        pos = torch.arange(split, T, device=dev).expand(ids.shape[0], -1)
         with sekv_training(model, state):
             student = model(ids[:, split:], position_ids=pos, use_cache=False).logits.float()
         logp_t = torch.log_softmax(teacher[:, split:], -1)
         kl = (logp_t.exp() * (logp_t - torch.log_softmax(student, -1))).sum(-1).mean()
         rec = state.records
+        if not rec["zoom"]:
+            raise SystemExit(f"no span at --seq-len {a.seq_len} with this config: nothing to train (use >= 256)")
         loss = (
             kl
             + torch.stack(rec["zoom"]).mean()
@@ -94,6 +124,7 @@ def main() -> None:
         mark()
         if i == 0:
             continue  # warm-up
+        losses.append(float(loss.detach()))
         wall += time.perf_counter() - w0
         total += marks[-1] - marks[0]
         names = (
@@ -107,11 +138,11 @@ def main() -> None:
         for name, x, y in zip(names, marks, marks[1:]):
             phases[name] = phases.get(name, 0.0) + y - x
     n = a.steps
-    print(f"# {model_id}, {platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
-    print(
-        f"# seq-len {a.seq_len}, batch {a.batch_size}, {n} steps: {total / n:.2f} CPU-s, {wall / n:.2f} s wall per step"
-    )
-    print("| phase | CPU-s / step | share |")
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{platform.machine()} CPU"
+    print(f"# {model_id}, {where}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(f"# seq {a.seq_len}, batch {a.batch_size}, {n} steps: {total / n:.2f} {unit}, {wall / n:.2f} s wall / step")
+    print(f"# losses of the counted steps: {' '.join(f'{x:.4f}' for x in losses)}")
+    print(f"| phase | {unit} / step | share |")
     print("|---|---|---|")
     for name, v in phases.items():
         print(f"| {name} | {v / n:.3f} | {100 * v / total:.0f} % |")
