@@ -6,7 +6,10 @@ For each member this script builds the wheel (``uv build --package <name> --whee
 without ``PYTHONPATH``:
 
 * imports the member's module and fails on torch's "Failed to initialize NumPy" warning (an undeclared numpy);
-* loads every ``kvcompress.methods`` entry point the member declares;
+* loads every ``kvcompress.methods`` entry point the member declares, builds each method it registers at its
+  default budget and compresses random keys and values of SmolLM2-135M's layer shape with it (queries where the
+  scorer needs them, a random surprisal for SEKV; a method needing another model-made extra, such as KVzip's,
+  is built but not run), checking that the store reads back every kept entry's shape and counts its bytes;
 * runs ``<script> --help`` for every console script it declares.
 
 Extras that name other workspace members (``kv-hubkv[baselines]``) get a row of their own, installed with those
@@ -172,9 +175,35 @@ with warnings.catch_warnings(record=True) as caught, redirect_stderr(buf):
 text = buf.getvalue() + "\\n".join(str(w.message) for w in caught)
 if {NUMPY_WARNING!r} in text:
     sys.exit("importing printed torch's numpy warning (numpy is not declared): " + text[-500:])
-for ep in distribution({member.name!r}).entry_points:
-    if ep.group == {ENTRY_POINT_GROUP!r}:
-        ep.load()
+eps = distribution({member.name!r}).entry_points
+tables = [(ep.name, ep.load()) for ep in eps if ep.group == {ENTRY_POINT_GROUP!r}]
+if tables:  # build every registered method and compress random tensors of SmolLM2-135M's layer shape with it
+    import torch
+    from kvcore import ScoringContext
+    from kvcore.registry import collect
+    g = torch.Generator().manual_seed(0)
+    B, H, HQ, T, D = 1, 3, 9, 512, 64
+    k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+    q = torch.randn(B, HQ, 32, D, generator=g)
+    ran, built, elsewhere = [], [], []
+    for name, method in collect(tables).items():
+        try:
+            comp = method.build()
+        except LookupError:  # composes a method of a package this venv lacks (kv-hubkv without its baselines extra)
+            elsewhere.append(name)
+            continue
+        extras = {{"surprisal": torch.rand(B, T, generator=g) * 8}} if "surprisal" in comp.scorer.needs_extras else {{}}
+        if set(comp.scorer.needs_extras) - set(extras):
+            built.append(name)
+            continue
+        ctx = ScoringContext(k, v, q if comp.scorer.needs_queries else None, layer_idx=0, extras=extras)
+        store = comp.compress(ctx)
+        view = store.read()
+        if view.keys.shape[:2] != (B, H) or view.keys.shape[-1] != D or not store.nbytes() > 0:
+            sys.exit(f"method {{name}}: read {{tuple(view.keys.shape)}}, nbytes {{store.nbytes()}}")
+        ran.append(name)
+    print("compressed:", " ".join(ran) or "-", "(built only:", " ".join(built) or "-",
+          "/ need another package:", (" ".join(elsewhere) or "-") + ")")
 print("ok")
 """
 
@@ -209,6 +238,7 @@ def check(
     code, log = run([str(python), "-c", check_script(member, extra_modules)], cwd=work, env=clean_env())
     if code != 0 or not log.strip().endswith("ok"):
         return _fail(row, start, "import", log)
+    compressed = [line for line in log.splitlines() if line.startswith("compressed:")]
     for script in member.scripts:
         code, log = run([str(venv / "bin" / script), "--help"], cwd=work, env=clean_env())
         if code != 0:
@@ -217,6 +247,7 @@ def check(
     notes = [f"imports {', '.join([member.module, *extra_modules])}"]
     if member.entry_points:
         notes.append(f"entry points {', '.join(member.entry_points)} load")
+        notes.extend(compressed[-1:])
     if member.scripts:
         notes.append(f"{', '.join(member.scripts)} --help runs")
     row.detail = "; ".join(notes)
