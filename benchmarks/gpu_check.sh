@@ -47,9 +47,9 @@ has hf && TAIL=60 step hf_decode 300 bash -c 'for m in full kivi-2 hqekv-2 hex-3
     2>&1 | grep -v "^|---" | tail -4; done'
 # SEKV (issue 15): decode step time with and without the fetch overlap (sync / copy stream / worker thread), then
 # router training steps on the GPU (SmolLM2's shapes, random weights: the weights cannot travel to the device)
-has sekv && TAIL=12 step sekv_decode 150 python3 benchmarks/bench_sekv_decode.py --random-model --tokens 4000 \
+has sekv && TAIL=12 step sekv_decode 120 python3 benchmarks/bench_sekv_decode.py --random-model --tokens 4000 \
     --steps 32 --rounds 3
-has sekv && TAIL=14 step sekv_train 120 python3 benchmarks/sekv_train_step.py --device cuda --random-model \
+has sekv && TAIL=14 step sekv_train 90 python3 benchmarks/sekv_train_step.py --device cuda --random-model \
     --steps 6 --seq-len 1024
 has sweep && TAIL=8 step bench_fused_sweep 60 python3 benchmarks/bench_fused_attend.py --sweep --lengths 16384 --batch 1 --bits 2
 has hqekv && step bench_hqekv 60 python3 benchmarks/bench_hqekv.py --lengths 4096,16384,65536
