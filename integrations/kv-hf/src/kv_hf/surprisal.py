@@ -6,8 +6,8 @@ for the last position only (``logits_to_keep=1``). Instead of a second forward p
 (``model.get_decoder()``) keeps its final hidden states ``[B, T, d_model]`` during the prefill (chunks
 concatenated), and the surprisal is computed from them and the output embedding in chunks of the vocabulary with
 an online log-sum-exp: the ``[T, V]`` log-softmax is never materialised (extra cost: one ``T × V × d_model`` matmul,
-streamed, and the ``[B, T, d_model]`` hidden states held until the end of the prefill). Models with logit
-soft-capping are refused.
+streamed, and the ``[B, T, d_model]`` hidden states held until the end of the prefill): kvcore's
+:func:`kvcore.surprisal.token_surprisal`, which defines the extra. Models with logit soft-capping are refused.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from kvcore.surprisal import token_surprisal
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -70,39 +72,6 @@ def check_input(cache: CompressedCache, input_ids: torch.Tensor, attention_mask:
         raise ValueError("the surprisal provider needs a fresh cache (the surprisal is computed over the prompt)")
 
 
-def token_surprisal(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    input_ids: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-    vocab_chunk: int = 8192,
-) -> torch.Tensor:
-    """``[B, T]`` float32 surprisal (nats) from hidden states ``[B, T, d]`` and the LM head ``weight [V, d]``; the
-    first real token of a row and padding are 0."""
-    B, T, _ = hidden.shape
-    out = torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
-    if T < 2:
-        return out
-    h = hidden[:, :-1].float()
-    target = input_ids[:, 1:].to(hidden.device).long()
-    picked = (h * weight.float()[target]).sum(-1)
-    if bias is not None:
-        picked = picked + bias.float()[target]
-    lse = torch.full((B, T - 1), float("-inf"), device=hidden.device)
-    for a in range(0, weight.shape[0], vocab_chunk):
-        logits = h @ weight[a : a + vocab_chunk].float().T
-        if bias is not None:
-            logits = logits + bias[a : a + vocab_chunk].float()
-        lse = torch.logaddexp(lse, torch.logsumexp(logits, -1))
-    out[:, 1:] = lse - picked
-    if attention_mask is not None:
-        mask = attention_mask.to(out.device).bool()
-        prev = torch.cat([torch.zeros(B, 1, dtype=torch.bool, device=out.device), mask[:, :-1]], 1)
-        out = torch.where(mask & prev, out, 0.0)
-    return out.clamp_min(0.0)
-
-
 def provide(
     model: PreTrainedModel,
     cache: CompressedCache,
@@ -114,8 +83,9 @@ def provide(
     captured: HiddenCapture,
     attention_mask: torch.Tensor | None = None,
 ) -> dict[int, dict[str, Any]]:
-    """``{layer_idx: {"surprisal": [B, T]}}`` for every layer of ``cache`` from the captured hidden states (computed
-    without autograd: the surprisal is an input to compression, never differentiated)."""
+    """``{layer_idx: {"surprisal": [B, T]}}`` for every layer of ``cache`` from the captured hidden states, by
+    :func:`kvcore.surprisal.token_surprisal` (without autograd: the surprisal is an input to compression, never
+    differentiated)."""
     config = SurprisalConfig() if config is None else config
     if getattr(model.config, "final_logit_softcapping", None):
         raise ValueError("the surprisal provider does not support logit soft-capping (final_logit_softcapping)")
