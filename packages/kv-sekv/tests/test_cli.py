@@ -9,6 +9,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 kvbench_models = pytest.importorskip("kvbench.models")
 
+from sekv_testkit import tiny_llama
+
 from kv_sekv import SEKVConfig, SEKVRouter
 from kv_sekv.cli import main, pick_device
 from kv_sekv.train import TrainConfig, train_router
@@ -17,28 +19,12 @@ from kv_sekv.train.loop import losses
 CONFIG = SEKVConfig(window=4, min_span=4, max_rank=4, proj_dim=8, budget=0.4, lambda_budget=0.0)
 
 
-def _llama(vocab: int = 128):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-    )
-    cfg._attn_implementation = "sdpa"
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama over SmolLM2's vocabulary, saved with SmolLM2's tokenizer (a transformers model path)."""
     tok = kvbench_models.load_tokenizer()
     path = tmp_path_factory.mktemp("tiny-llama")
-    _llama(len(tok)).save_pretrained(path)
+    tiny_llama(len(tok)).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 
@@ -85,7 +71,7 @@ def test_device_option():
 def test_losses_refuse_a_router_on_another_device():
     """A router left on another device than the backbone is named, not met by a device-mismatch error deep inside
     attention (``train_router`` moves it; direct ``losses`` callers must)."""
-    model = _llama().requires_grad_(False)
+    model = tiny_llama().requires_grad_(False)
     router = SEKVRouter.untrained(2, 4, 2, 8, CONFIG, gate_bias=0.0).to("meta")
     ids = torch.randint(3, 128, (1, 32), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="router is on meta and the model on cpu"):
@@ -98,13 +84,13 @@ def test_training_on_cuda_from_host_sequences_resumes_on_the_cpu(tmp_path):
     falls on a fixed batch, and a checkpoint written there resumes with the backbone on the CPU."""
     seqs = torch.randint(3, 128, (1, 32), generator=torch.Generator().manual_seed(0))
     tc = TrainConfig(steps=4, lr=3e-2, eval_every=2, local_window=4, warmup=0.0)
-    model = _llama().cuda()
+    model = tiny_llama().cuda()
     router = SEKVRouter.untrained(2, 4, 2, 8, CONFIG, gate_bias=0.0)
     before = None
     out = train_router(model, router, seqs, seqs, tc, tmp_path, progress=False, stop_after=2)
     assert out["step"] == 2 and router.W.device.type == "cuda"
     before = out["history"][0]["total"]
     cpu_router = SEKVRouter.untrained(2, 4, 2, 8, CONFIG, gate_bias=0.0)
-    done = train_router(_llama(), cpu_router, seqs, seqs, tc, tmp_path, progress=False)
+    done = train_router(tiny_llama(), cpu_router, seqs, seqs, tc, tmp_path, progress=False)
     assert done["step"] == 4 and cpu_router.W.device.type == "cpu"
     assert done["history"][-1]["total"] < before

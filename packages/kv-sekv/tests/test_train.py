@@ -6,6 +6,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from sekv_testkit import tiny_llama
+
 from kv_sekv import SEKVConfig, SEKVRouter
 from kv_sekv.train import TrainConfig, train_router
 from kv_sekv.train.loop import losses
@@ -13,29 +15,12 @@ from kv_sekv.train.loop import losses
 CONFIG = SEKVConfig(window=4, min_span=4, max_rank=4, proj_dim=8, budget=0.4, lambda_budget=0.0)
 
 
-def _model(init=0.02):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        initializer_range=init,
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-    )
-    cfg._attn_implementation = "sdpa"
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
 def _seqs(n=4, T=48):
     return torch.randint(3, 128, (n, T), generator=torch.Generator().manual_seed(0))
 
 
 def test_gradients_reach_every_trainable_part():
-    model, router = _model().requires_grad_(False), SEKVRouter.untrained(2, 4, 2, 8, CONFIG, gate_bias=0.0)
+    model, router = tiny_llama().requires_grad_(False), SEKVRouter.untrained(2, 4, 2, 8, CONFIG, gate_bias=0.0)
     terms = losses(model, router, _seqs()[:1], TrainConfig(local_window=4), 0.1)
     terms["total"].backward()
     assert float(router.W.grad.abs().sum()) > 0 and float(router.tau.grad.abs().sum()) > 0
@@ -44,7 +29,7 @@ def test_gradients_reach_every_trainable_part():
 
 def test_loss_decreases_on_a_fixed_batch(tmp_path):
     """...and the backbone's weights are untouched."""
-    model, router = _model(), SEKVRouter.untrained(2, 4, 2, 8, CONFIG, gate_bias=0.0)
+    model, router = tiny_llama(), SEKVRouter.untrained(2, 4, 2, 8, CONFIG, gate_bias=0.0)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     batch = _seqs(T=32)[:1]
     tc = TrainConfig(steps=5, lr=3e-2, eval_every=5, local_window=4, warmup=0.0)
@@ -57,7 +42,7 @@ def test_loss_decreases_on_a_fixed_batch(tmp_path):
 
 
 def test_resume_reproduces_an_uninterrupted_run(tmp_path):
-    model, seqs = _model(), _seqs(T=32)
+    model, seqs = tiny_llama(), _seqs(T=32)
     tc = TrainConfig(steps=3, lr=1e-2, eval_every=2, local_window=4)
     straight = SEKVRouter.untrained(2, 4, 2, 8, CONFIG, gate_bias=0.0)
     train_router(model, straight, seqs[:3], seqs[3:], tc, tmp_path / "a", progress=False)
@@ -82,7 +67,7 @@ def test_teacher_recording_keeps_the_model_output():
     """The recording attention of the teacher pass is the model's own causal attention: same logits."""
     from kv_sekv.train import TeacherRecord, teacher_recording
 
-    model, ids = _model(), _seqs(n=2, T=24)
+    model, ids = tiny_llama(), _seqs(n=2, T=24)
     with torch.no_grad():
         plain = model(ids).logits
         rec = TeacherRecord(10)
@@ -100,7 +85,7 @@ def test_student_at_full_resolution_is_the_teacher(tau):
     teacher's prefix keys and values reproduces the teacher (KL ≈ 0); with no span zoomed (τ ≈ 1) the coarse entries
     replace the spans and the KL is positive."""
     cfg = SEKVConfig(window=4, min_span=4, max_rank=8, proj_dim=8, budget=0.4, tau_init=tau)
-    model, router = _model(init=0.2), SEKVRouter.untrained(2, 4, 2, 8, cfg, gate_bias=30.0)  # peaked outputs
+    model, router = tiny_llama(init=0.2), SEKVRouter.untrained(2, 4, 2, 8, cfg, gate_bias=30.0)  # peaked outputs
     rates: dict = {}
     with torch.no_grad():
         terms = losses(model, router, _seqs(n=2, T=48)[:2], TrainConfig(local_window=4), 0.0, rates)
@@ -139,7 +124,7 @@ def test_peaked_attention_keeps_the_loss_finite():
     """Regression: with logits of hundreds (a sharp random model), the softmax shift must be the max over the terms
     that count (z is 0 or 1 in the forward pass) and the others must not overflow, else 0/0 or 0·inf gives NaN."""
     cfg = SEKVConfig(window=4, min_span=4, max_rank=4, proj_dim=8, budget=0.4, tau_init=0.999)
-    model, router = _model(init=1.0), SEKVRouter.untrained(2, 4, 2, 8, cfg, gate_bias=30.0)
+    model, router = tiny_llama(init=1.0), SEKVRouter.untrained(2, 4, 2, 8, cfg, gate_bias=30.0)
     terms = losses(model, router, _seqs(n=2, T=48), TrainConfig(local_window=4), 0.1)
     terms["total"].backward()
     assert all(bool(torch.isfinite(v)) for v in terms.values())
@@ -151,7 +136,7 @@ def test_early_stopping_keeps_the_best_monitored_step(monitor):
     """The router ends with the parameters of the evaluation with the lowest held-out ``monitor`` term."""
     from kv_sekv.train import evaluate
 
-    model, seqs = _model(), _seqs(T=32)
+    model, seqs = tiny_llama(), _seqs(T=32)
     tc = TrainConfig(steps=5, lr=5e-2, eval_every=1, patience=10, local_window=4, monitor=monitor, warmup=0.0)
     router = SEKVRouter.untrained(2, 4, 2, 8, CONFIG, gate_bias=0.0)
     out = train_router(model, router, seqs[:3], seqs[3:], tc, None, progress=False)
