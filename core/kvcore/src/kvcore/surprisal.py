@@ -1,10 +1,11 @@
 """Token surprisal ``H_t = −log p(x_t | x_<t)``: the definition of the standard ``"surprisal"`` extra.
 
-A scorer that reads ``ctx.extras["surprisal"]`` (SEKV's, Fu et al. 2025, §3.1, Eq. 1) and the adapter that supplies
-it must agree on what it is; this module is that agreement and its PyTorch reference. The surprisal is computed
-from the model's final hidden states and its output embedding, the vocabulary in chunks with an online log-sum-exp,
-so the ``[T, V]`` log-softmax is never materialised (peak ``[T, chunk]`` floats). Faster implementations (kv-sekv's
-Triton kernel, :func:`kv_sekv.surprisal_from_hidden`) keep this signature and result and are tested against
+A scorer that reads ``ctx.extras["surprisal"]`` (SEKV's: Abaskohi et al., "SEKV: Resolution-Adaptive KV Cache with
+Hierarchical Semantic Memory", §3.1, Eq. 1) and the adapter that supplies it must agree on what it is; this module
+is that agreement and its PyTorch reference. The surprisal is computed from the model's final hidden states and its
+output embedding, the vocabulary in chunks with an online log-sum-exp, so the ``[T, V]`` log-softmax is never
+materialised (peak ``[T, chunk]`` floats). Faster implementations (kv-sekv's Triton kernel,
+:func:`kv_sekv.surprisal_from_hidden`) keep this signature and result and are tested against
 :func:`surprisal_reference`.
 """
 
