@@ -95,6 +95,35 @@ def test_triton_several_blocks_per_row(block_n):
     _close(tk.refine_triton_config(s, 0.9, prot, cfg, block_n=block_n), refine_torch(s, 0.9, prot, kernel_size=7))
 
 
+@settings(max_examples=10, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    H=st.integers(1, 3),
+    N=st.integers(1, 70),
+    plateau=st.booleans(),
+    prot_style=st.sampled_from(["none", "shared", "per_head"]),
+    kernel_size=st.sampled_from([1, 3, 5]),
+    block_n=st.sampled_from([4, 8, 16]),
+)
+def test_quad_mixing_equals_shifted_reloads(seed, H, N, plateau, prot_style, kernel_size, block_n):
+    """Invariant: the quad path (neighbours from registers and 2-entry halos) writes exactly what the shifted
+    reloads write, with hub windows straddling quads and chunks, tails shorter than a quad, and protection."""
+    s, prot = _inputs(seed, (2,), H, N, plateau, prot_style, torch.float32)
+    cfg = HubKVConfig(kernel_size=kernel_size)
+    quads = tk.refine_triton_config(s, 0.9, prot, cfg, block_n=block_n, quad_path=True)
+    shifted = tk.refine_triton_config(s, 0.9, prot, cfg, block_n=block_n, quad_path=False)
+    assert torch.equal(quads, shifted)
+    _close(quads, refine_torch(s, 0.9, prot, **cfg.as_kwargs()))
+
+
+def test_quad_path_refuses_what_it_cannot_take():
+    s = torch.rand(1, 2, 40, device=DEVICE)
+    with pytest.raises(ValueError, match="quad_path=True needs kernel_size <= 5"):
+        tk.refine_triton_config(s, 0.5, None, HubKVConfig(kernel_size=7), quad_path=True)
+    with pytest.raises(TypeError, match="quad_path must be None, True or False"):
+        tk.refine_triton_config(s, 0.5, None, HubKVConfig(), quad_path="yes")
+
+
 def test_triton_plateau_and_ceiling_above_one():
     # scores up to 1 with hubs at s = 1 -> some z > 1 -> protected tokens get nextafter(max z)
     s = torch.tensor([[[1.0, 1.0, 0.2, 1.0, 0.5, 0.5, 0.1, 0.9], [0.3, 0.3, 0.3, 0.3, 0.9, 0.0, 0.0, 0.7]]])

@@ -17,7 +17,12 @@ grid**, each program holding one ``[BLOCK_H, BLOCK_N]`` tile (``BLOCK_H = next_p
 3. *mixing* of the program's chunk — masked one-sided max-pools over the ``k`` left and ``k`` right neighbours
    (protected neighbours read as ``-inf``; left strict / right non-strict comparison gives the lowest-index
    tie-break, see :mod:`kv_hubkv.hubs`), then the SMD discount, head weight and ratio gate as one multiply
-   (``z = s·((1-λ) + λβq)``, q ∈ {1, γ}; App. J.3); protected entries get 1;
+   (``z = s·((1-λ) + λβq)``, q ∈ {1, γ}; App. J.3); protected entries get 1. For hub windows up to 5 (``k <= 2``,
+   the paper's default) the chunk is read as quads of consecutive entries: a neighbour is one of the quad's own
+   entries, split out of registers, or one of the two entries before / after it, read by two 2-entry halo loads
+   per quad. Reloading the tile shifted by each of the ``2k`` neighbour offsets, for the scores and the protection
+   flags, compiled to ~160 scalar 8- and 16-bit loads per thread on sm_90 (the unshifted tile: 6 vector loads),
+   so the pass was bound by load instructions, not bytes;
 4. *protected score* ``P`` (:mod:`kv_hubkv.ceiling`) — every program increments a completion counter
    (acquire/release); the last one reads every row's maximum, resets the counter for the next call and,
    only if that maximum reached 1 (then ``P`` is the next float above it), rewrites the protected
@@ -106,6 +111,77 @@ if HAS_TRITON:
         else:
             u = valid
         return offs_h, hmask, offs_n, valid, s_base, p_base, x, u
+
+    @triton.jit
+    def _mixed(x, u, left, right, fac_hub, fac_non, ceiling):
+        # left strict / right non-strict: the lowest index wins ties (see kv_hubkv.hubs); z = (1-λ)s + λβs̃ in the
+        # factorised form s·((1-λ) + λβq), q ∈ {1, γ} (App. J.3); protected entries get the ceiling
+        hub = (x > left) & (x >= right)
+        return tl.where(u, x * tl.where(hub, fac_hub, fac_non), ceiling)
+
+    @triton.jit
+    def _quad_load(s_ptr, p_ptr, s_off, p_off, idx, ok, HAS_PROT: tl.constexpr):
+        # scores at idx (float32) and whether each is an unprotected entry in range (-inf-able neighbour)
+        x = tl.load(s_ptr + s_off + idx, mask=ok, other=0.0).to(tl.float32)
+        if HAS_PROT:
+            ok = ok & (tl.load(p_ptr + p_off + idx, mask=ok, other=1) == 0)
+        return x, ok
+
+    @triton.jit
+    def _mix_quads(
+        s_ptr, p_ptr, out_ptr, row, c, H, N, s_sr, s_sh, p_sr, p_sh, o_sr, o_sh, fac_hub, fac_non, ceiling,
+        K: tl.constexpr, HAS_PROT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        # The chunk as [BLOCK_H, BLOCK_N / 4, 4] quads of consecutive entries (one vector load / store each where
+        # aligned). Entry 4q + i's neighbours within [-2, +2] are the quad's own entries (split out of registers)
+        # or the two before / after it (two 2-entry halo loads per quad), never a shifted reload of the whole
+        # tile (K shifted scalar loads per side of scores and of protection flags, which dominated the kernel).
+        NQ: tl.constexpr = BLOCK_N // 4
+        offs_h = tl.arange(0, BLOCK_H)
+        hmask = offs_h < H
+        q0 = c * BLOCK_N + tl.arange(0, NQ) * 4
+        s_off = row * s_sr + offs_h[:, None, None] * s_sh
+        p_off = row * p_sr + offs_h[:, None, None] * p_sh
+        h3 = hmask[:, None, None]
+        i4 = q0[None, :, None] + tl.arange(0, 4)[None, None, :]
+        x4, u4 = _quad_load(s_ptr, p_ptr, s_off, p_off, i4, h3 & (i4 < N), HAS_PROT)
+        ip = q0[None, :, None] + tl.arange(0, 2)[None, None, :] - 2  # entries 4q - 2, 4q - 1
+        xp, up = _quad_load(s_ptr, p_ptr, s_off, p_off, ip, h3 & (ip >= 0) & (ip < N), HAS_PROT)
+        inx = q0[None, :, None] + tl.arange(0, 2)[None, None, :] + 4  # entries 4q + 4, 4q + 5
+        xn, un = _quad_load(s_ptr, p_ptr, s_off, p_off, inx, h3 & (inx < N), HAS_PROT)
+        # neighbours read as -inf where protected or out of range
+        nb4 = tl.where(u4, x4, float("-inf"))
+        pm2, pm1 = tl.split(tl.where(up, xp, float("-inf")))
+        n0, n1 = tl.split(tl.where(un, xn, float("-inf")))
+        # [.., 4] -> [.., 2, 2] (entry 2a + b) -> split b -> split a: entries 0, 2 and 1, 3
+        e02, e13 = tl.split(tl.reshape(nb4, (BLOCK_H, NQ, 2, 2)))
+        e0, e2 = tl.split(e02)
+        e1, e3 = tl.split(e13)
+        x02, x13 = tl.split(tl.reshape(x4, (BLOCK_H, NQ, 2, 2)))
+        x0, x2 = tl.split(x02)
+        x1, x3 = tl.split(x13)
+        u02, u13 = tl.split(tl.reshape(u4, (BLOCK_H, NQ, 2, 2)))
+        u0, u2 = tl.split(u02)
+        u1, u3 = tl.split(u13)
+        if K == 0:  # no neighbour: every entry is its window's maximum
+            none = tl.full(x0.shape, float("-inf"), tl.float32)
+            o0 = _mixed(x0, u0, none, none, fac_hub, fac_non, ceiling)
+            o1 = _mixed(x1, u1, none, none, fac_hub, fac_non, ceiling)
+            o2 = _mixed(x2, u2, none, none, fac_hub, fac_non, ceiling)
+            o3 = _mixed(x3, u3, none, none, fac_hub, fac_non, ceiling)
+        elif K == 1:
+            o0 = _mixed(x0, u0, pm1, e1, fac_hub, fac_non, ceiling)
+            o1 = _mixed(x1, u1, e0, e2, fac_hub, fac_non, ceiling)
+            o2 = _mixed(x2, u2, e1, e3, fac_hub, fac_non, ceiling)
+            o3 = _mixed(x3, u3, e2, n0, fac_hub, fac_non, ceiling)
+        else:
+            o0 = _mixed(x0, u0, tl.maximum(pm1, pm2), tl.maximum(e1, e2), fac_hub, fac_non, ceiling)
+            o1 = _mixed(x1, u1, tl.maximum(e0, pm1), tl.maximum(e2, e3), fac_hub, fac_non, ceiling)
+            o2 = _mixed(x2, u2, tl.maximum(e1, e0), tl.maximum(e3, n0), fac_hub, fac_non, ceiling)
+            o3 = _mixed(x3, u3, tl.maximum(e2, e1), tl.maximum(n0, n1), fac_hub, fac_non, ceiling)
+        # join(join(o0, o2), join(o1, o3)) is [.., 2, 2] with [a, b] = entry 2a + b: back to quads
+        out4 = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (BLOCK_H, NQ, 4))
+        tl.store(out_ptr + row * o_sr + offs_h[:, None, None] * o_sh + i4, out4, mask=h3 & (i4 < N))
 
     @triton.jit
     def _hubkv_stats_kernel(
@@ -221,41 +297,46 @@ if HAS_TRITON:
         HAS_PROT: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        QUADS: tl.constexpr,
     ):
         # program (row, chunk): hubs (Eq. 6), SMD (Eq. 7), calibration + gate (Eqs. 9-10) of the chunk with the row's
         # head factors; protected entries get the call's protected score P (Eq. 13, kv_hubkv.ceiling): 1, or the
         # next float above the call's largest z when that reached 1
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
-        offs_h, hmask, offs_n, valid, s_base, p_base, x, u = _chunk_tile(
-            s_ptr, p_ptr, row, c, H, N, s_sr, s_sh, s_sn, p_sr, p_sh, p_sn, HAS_PROT, BLOCK_H, BLOCK_N
-        )
-        fac_hub = tl.load(fac_ptr + row * 2 * BLOCK_H + offs_h)
-        fac_non = tl.load(fac_ptr + (row * 2 + 1) * BLOCK_H + offs_h)
+        offs_h = tl.arange(0, BLOCK_H)
+        hmask = offs_h < H
+        fac_hub = tl.load(fac_ptr + row * 2 * BLOCK_H + offs_h)[:, None]
+        fac_non = tl.load(fac_ptr + (row * 2 + 1) * BLOCK_H + offs_h)[:, None]
         zmax = _from_order_key(tl.load(zmax_ptr))
         ceiling = tl.where(zmax >= 1.0, _next_up(tl.maximum(zmax, 1.0)), 1.0)
-        left = tl.full((BLOCK_H, BLOCK_N), float("-inf"), tl.float32)
-        right = tl.full((BLOCK_H, BLOCK_N), float("-inf"), tl.float32)
-        for j in tl.static_range(1, K + 1):
-            il = offs_n - j
-            ml = hmask[:, None] & (il[None, :] >= 0) & (il[None, :] < N)
-            xl = tl.load(s_base + il[None, :] * s_sn, mask=ml, other=float("-inf")).to(tl.float32)
-            ir = offs_n + j
-            mr = hmask[:, None] & (ir[None, :] < N)
-            xr = tl.load(s_base + ir[None, :] * s_sn, mask=mr, other=float("-inf")).to(tl.float32)
-            if HAS_PROT:
-                pl = tl.load(p_base + il[None, :] * p_sn, mask=ml, other=1)
-                xl = tl.where(pl == 0, xl, float("-inf"))
-                pq = tl.load(p_base + ir[None, :] * p_sn, mask=mr, other=1)
-                xr = tl.where(pq == 0, xr, float("-inf"))
-            left = tl.maximum(left, xl)
-            right = tl.maximum(right, xr)
-        # left strict / right non-strict: the lowest index wins ties (see kv_hubkv.hubs)
-        hub = (x > left) & (x >= right)
-        # z = (1-λ)s + λβs̃ in the factorised form s·((1-λ) + λβq), q ∈ {1, γ} (App. J.3)
-        z = x * tl.where(hub, fac_hub[:, None], fac_non[:, None])
-        out = tl.where(u, z, ceiling)
-        tl.store(out_ptr + row * o_sr + offs_h[:, None] * o_sh + offs_n[None, :], out, mask=valid)
+        if QUADS:  # K <= 2: neighbours from the tile's own registers plus a 2-entry halo per quad (module doc)
+            _mix_quads(
+                s_ptr, p_ptr, out_ptr, row, c, H, N, s_sr, s_sh, p_sr, p_sh, o_sr, o_sh, fac_hub, fac_non, ceiling,
+                K, HAS_PROT, BLOCK_H, BLOCK_N,
+            )  # fmt: skip
+        else:
+            offs_h, hmask, offs_n, valid, s_base, p_base, x, u = _chunk_tile(
+                s_ptr, p_ptr, row, c, H, N, s_sr, s_sh, s_sn, p_sr, p_sh, p_sn, HAS_PROT, BLOCK_H, BLOCK_N
+            )
+            left = tl.full((BLOCK_H, BLOCK_N), float("-inf"), tl.float32)
+            right = tl.full((BLOCK_H, BLOCK_N), float("-inf"), tl.float32)
+            for j in tl.static_range(1, K + 1):
+                il = offs_n - j
+                ml = hmask[:, None] & (il[None, :] >= 0) & (il[None, :] < N)
+                xl = tl.load(s_base + il[None, :] * s_sn, mask=ml, other=float("-inf")).to(tl.float32)
+                ir = offs_n + j
+                mr = hmask[:, None] & (ir[None, :] < N)
+                xr = tl.load(s_base + ir[None, :] * s_sn, mask=mr, other=float("-inf")).to(tl.float32)
+                if HAS_PROT:
+                    pl = tl.load(p_base + il[None, :] * p_sn, mask=ml, other=1)
+                    xl = tl.where(pl == 0, xl, float("-inf"))
+                    pq = tl.load(p_base + ir[None, :] * p_sn, mask=mr, other=1)
+                    xr = tl.where(pq == 0, xr, float("-inf"))
+                left = tl.maximum(left, xl)
+                right = tl.maximum(right, xr)
+            out = _mixed(x, u, left, right, fac_hub, fac_non, ceiling)
+            tl.store(out_ptr + row * o_sr + offs_h[:, None] * o_sh + offs_n[None, :], out, mask=valid)
         # the last program of the call (every program read zmax before its release increment) resets the call's
         # maximum and the counter for the next call
         done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
@@ -292,6 +373,7 @@ def refine_triton_config(
     workspace: RefineWorkspace | None = None,
     check: str = "eager",
     out: torch.Tensor | None = None,
+    quad_path: bool | None = None,
 ) -> torch.Tensor:
     """:func:`refine_triton` with a ready :class:`HubKVConfig`.
 
@@ -316,11 +398,18 @@ def refine_triton_config(
         :meth:`RefineWorkspace.raise_if_error` reads it (the returned scores are then unspecified).
     out : torch.Tensor, optional
         float32 contiguous output of the scores' shape to write into (a preallocated buffer).
+    quad_path : bool, optional
+        The mixing reads each chunk as quads of consecutive entries and finds the hub neighbours in registers
+        (module doc) where it can: hub windows up to 5 (``kernel_size <= 5``), ``block_n >= 4``, entries contiguous
+        along the tokens (``None``, default); always (``True``: ``ValueError`` where it cannot) or never
+        (``False``: shifted reloads of the tile per neighbour, the earlier form, kept as a baseline).
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed: pip install 'kv-hubkv[triton]' (or use refine_torch)")
     if check not in ("eager", "deferred"):
         raise ValueError(f"check must be 'eager' or 'deferred', got {check!r}")
+    if quad_path is not None and not isinstance(quad_path, bool):
+        raise TypeError(f"quad_path must be None, True or False, got {quad_path!r}")
     scores, prot, r = prepare(scores, ratio, protected, config, values=False)
     shape = scores.shape
     dev = scores.device
@@ -359,6 +448,19 @@ def refine_triton_config(
         p_strides = (0, 0, 0)
     lam = config.gate(r)
     warps = num_warps  # (the interpreter ignores it)
+    # the quad path needs entries contiguous along N (scores, protection, output) and whole quads per chunk
+    quads = (
+        (quad_path if quad_path is not None else True)
+        and config.half_window <= 2
+        and bn >= 4
+        and s3.stride(2) == 1
+        and (prot is None or p3.stride(2) == 1)
+    )
+    if quad_path and not quads:
+        raise ValueError(
+            f"quad_path=True needs kernel_size <= 5, block_n >= 4 and scores / protection contiguous along the "
+            f"tokens; got kernel_size {config.kernel_size}, block_n {bn}, score strides {tuple(s3.stride())}"
+        )
     _hubkv_stats_kernel[(R, C)](
         s3,
         p3,
@@ -405,6 +507,7 @@ def refine_triton_config(
         HAS_PROT=prot is not None,
         BLOCK_H=block_h,
         BLOCK_N=bn,
+        QUADS=quads,
         num_warps=warps,
     )
     if check == "eager":
