@@ -9,7 +9,8 @@ tokens and a ``floor(0.02 N)`` recent window protected; compression ratio 0.95. 
 * ``refine``        HubKV refinement alone (``kv_hubkv.refine``: Triton on CUDA, PyTorch on CPU);
 * ``refine+select`` refinement followed by the same selection;
 * with Triton also ``kernel`` (the two HubKV kernels' own device time per call, from ``torch.profiler``: what the
-  call time adds on top of it is launch, argument checks and the host synchronisation), the hot-path form
+  call time adds on top of it is launch, argument checks and the host synchronisation), ``kernel (shifted)`` (the
+  same with the mixing's earlier form, ``quad_path=False``: the tile reloaded per neighbour offset), the hot-path form
   ``kv_hubkv.Refiner(check="deferred")`` (reused scratch, no synchronisation per call: ``hot``), the same
   with the launch captured in a CUDA graph (``graph``), each followed by the selection, and the unfused PyTorch
   reference (``refine_torch``) on the GPU with Triton vs reference.
@@ -44,8 +45,8 @@ except ImportError:  # running from a checkout without the workspace installed
     sys.path[:0] = [str(root / "packages/kv-hubkv/src"), str(root / "core/kvcore/src")]
     import kv_hubkv
 
-from kv_hubkv import Refiner, refine_torch
-from kv_hubkv.triton_kernel import HAS_TRITON, refine_triton
+from kv_hubkv import HubKVConfig, Refiner, refine_torch
+from kv_hubkv.triton_kernel import HAS_TRITON, refine_triton, refine_triton_config
 
 L_FULL, H_KV = 36, 8
 N_FULL = (4096, 8192, 16384, 32768)
@@ -151,7 +152,7 @@ def main(argv=None) -> None:
     )
     cols = ["N", "B", "select", "refine", "refine+select", "overhead"]
     if use_triton:
-        cols += ["kernel", "hot refine", "hot+select", "hot overhead"]
+        cols += ["kernel", "kernel (shifted)", "hot refine", "hot+select", "hot overhead"]
         if device.type == "cuda":
             cols += ["graph+select", "graph overhead"]
         cols += ["ref refine", "ref refine+select", "ref overhead", "ref/triton", "max abs diff", "peak MB"]
@@ -171,10 +172,14 @@ def main(argv=None) -> None:
             if use_triton:
                 hot = Refiner(check="deferred")
                 t_k = kernel_ms(lambda: refine_triton(scores, ratio, prot), device)
+                t_ks = kernel_ms(
+                    lambda: refine_triton_config(scores, ratio, prot, HubKVConfig(), quad_path=False), device
+                )
                 t_hot = median_ms(lambda: hot(scores, ratio, prot), min_run)
                 t_hot_both = median_ms(lambda: select(hot(scores, ratio, prot), prot, ratio), min_run)
                 hot.raise_if_error()
-                row += [f"{t_k:.3f}", f"{t_hot:.3f}", f"{t_hot_both:.3f}", f"{t_hot_both / t_sel - 1:+.1%}"]
+                row += [f"{t_k:.3f}", f"{t_ks:.3f}", f"{t_hot:.3f}", f"{t_hot_both:.3f}"]
+                row += [f"{t_hot_both / t_sel - 1:+.1%}"]
                 if device.type == "cuda":
                     graph = Refiner(check="deferred", cuda_graph=True)
                     t_g = median_ms(lambda: select(graph(scores, ratio, prot), prot, ratio), min_run)
