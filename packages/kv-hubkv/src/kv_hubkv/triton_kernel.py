@@ -113,6 +113,10 @@ if HAS_TRITON:
         return offs_h, hmask, offs_n, valid, s_base, p_base, x, u
 
     @triton.jit
+    def _chunk_stats_combine(n0, s0, lo0, hi0, b0, n1, s1, lo1, hi1, b1):
+        return n0 + n1, s0 + s1, tl.minimum(lo0, lo1), tl.maximum(hi0, hi1), b0 + b1
+
+    @triton.jit
     def _mixed(x, u, left, right, fac_hub, fac_non, ceiling):
         # left strict / right non-strict: the lowest index wins ties (see kv_hubkv.hubs); z = (1-λ)s + λβs̃ in the
         # factorised form s·((1-λ) + λβq), q ∈ {1, γ} (App. J.3); protected entries get the ceiling
@@ -222,17 +226,29 @@ if HAS_TRITON:
         offs_h, hmask, _offs_n, valid, _s_base, _p_base, x, u = _chunk_tile(
             s_ptr, p_ptr, row, c, H, N, s_sr, s_sh, s_sn, p_sr, p_sh, p_sn, HAS_PROT, BLOCK_H, BLOCK_N
         )
-        nb = tl.sum(u.to(tl.float32), axis=1)
-        mb = tl.sum(tl.where(u, x, 0.0), axis=1) / tl.maximum(nb, 1.0)
+        # count, sum, min, max and non-finite count (protected included; NaN fails every comparison) in one
+        # reduction of five operands (one exchange between warps where five separate reductions made five), then
+        # the centred sum of squares around the chunk's mean
+        nb, sb, lo, hi, bad = tl.reduce(
+            (
+                u.to(tl.float32),
+                tl.where(u, x, 0.0),
+                tl.where(u, x, float("inf")),
+                tl.where(u, x, float("-inf")),
+                (valid & ~(tl.abs(x) < float("inf"))).to(tl.float32),
+            ),
+            1,
+            _chunk_stats_combine,
+        )
+        mb = sb / tl.maximum(nb, 1.0)
         d = tl.where(u, x - mb[:, None], 0.0)
         base = part_ptr + ((row * BLOCK_C + c) * 6) * BLOCK_H + offs_h
         tl.store(base, nb)
         tl.store(base + BLOCK_H, mb)
         tl.store(base + 2 * BLOCK_H, tl.sum(d * d, axis=1))
-        tl.store(base + 3 * BLOCK_H, tl.min(tl.where(u, x, float("inf")), axis=1))
-        tl.store(base + 4 * BLOCK_H, tl.max(tl.where(u, x, float("-inf")), axis=1))
-        # non-finite anywhere (protected included; NaN fails every comparison)
-        tl.store(base + 5 * BLOCK_H, tl.sum((valid & ~(tl.abs(x) < float("inf"))).to(tl.float32), axis=1))
+        tl.store(base + 3 * BLOCK_H, lo)
+        tl.store(base + 4 * BLOCK_H, hi)
+        tl.store(base + 5 * BLOCK_H, bad)
         # the row's last chunk (release/acquire on the row's counter orders the other chunks' partials before it)
         done = tl.atomic_add(rowcount_ptr + row, 1, sem="acq_rel")
         if done == C - 1:
