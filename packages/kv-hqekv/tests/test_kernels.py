@@ -275,17 +275,25 @@ def test_triton_transcode_equals_reference(dtype):
 @pytest.mark.parametrize("masked", [False, True])
 def test_triton_window_importance_equals_reference(masked):
     """The tiled kernel (8-key tiles, two per program, several splits) = window_importance_ref: causal window of 5
-    queries, GQA 2, padding excluded, normalized and plain sums, and a context exactly as long as the window."""
+    queries, GQA 2, padding excluded, normalized and plain sums, and a context exactly as long as the window; with
+    rows 16-aligned (the kernel is told so and reads rows as vectors) and views of padded buffers (it is not)."""
     pytest.importorskip("triton")
     from kv_hqekv.kernels.triton_importance import window_importance_triton
+
+    def padded(x):  # the same values in a buffer whose rows are 19 wide: strides not multiples of 16
+        buf = torch.zeros(*x.shape[:-1], x.shape[-1] + 3)
+        buf[..., : x.shape[-1]] = x
+        return buf[..., : x.shape[-1]]
 
     g = torch.Generator().manual_seed(7)
     for B, Hq, H, m, N in ((2, 4, 2, 5, 37), (1, 2, 1, 6, 6)):
         q, k = torch.randn(B, Hq, m, 16, generator=g), torch.randn(B, H, N, 16, generator=g)
         valid = (torch.rand(B, N, generator=g) > 0.3) if masked else None
         for normalize in (True, False):
-            got = window_importance_triton(_to(q), _to(k), _to(valid), normalize, block_n=8, tiles=2).cpu()
-            torch.testing.assert_close(got, window_importance_ref(q, k, valid, normalize), atol=1e-5, rtol=1e-5)
+            want = window_importance_ref(q, k, valid, normalize)
+            for qq, kk in ((q, k), (padded(q), padded(k))):
+                got = window_importance_triton(_to(qq), _to(kk), _to(valid), normalize, block_n=8, tiles=2).cpu()
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_bad_input_names_the_argument():

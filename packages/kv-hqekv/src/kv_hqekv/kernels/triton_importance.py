@@ -89,12 +89,14 @@ def _window_lse_kernel(
     TILES: tl.constexpr, HAS_VALID: tl.constexpr,
     MAPPED: tl.constexpr, G: tl.constexpr, KGROUP_IS_ROW: tl.constexpr, KGCOL: tl.constexpr,
     KHAS4: tl.constexpr, KHAS2: tl.constexpr, KHAS1: tl.constexpr, KCB4: tl.constexpr, KCB2: tl.constexpr,
-    KCB1: tl.constexpr, FMAX: tl.constexpr, OUT: tl.constexpr, DOT: tl.constexpr,
+    KCB1: tl.constexpr, FMAX: tl.constexpr, OUT: tl.constexpr, DOT: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     sp = tl.program_id(1)
     b = pid // H
     h = pid % H
+    if ALIGNED:  # the host checked these run-time strides are multiples of 16: `x // 16 * 16` tells the compiler
+        sqb, sqh, sqm, skb, skh = sqb // 16 * 16, sqh // 16 * 16, sqm // 16 * 16, skb // 16 * 16, skh // 16 * 16
     seg = pid.to(tl.int64)
     q, r, rmask, d, dmask = _load_window(q_ptr, b, h, sqb, sqh, sqm, sqd, M_WIN, GROUP, D, BLOCK_M, BLOCK_D)
     q = as_dot(q, DOT)
@@ -128,12 +130,14 @@ def _window_sum_kernel(
     TILES: tl.constexpr, HAS_VALID: tl.constexpr,
     MAPPED: tl.constexpr, G: tl.constexpr, KGROUP_IS_ROW: tl.constexpr, KGCOL: tl.constexpr,
     KHAS4: tl.constexpr, KHAS2: tl.constexpr, KHAS1: tl.constexpr, KCB4: tl.constexpr, KCB2: tl.constexpr,
-    KCB1: tl.constexpr, FMAX: tl.constexpr, OUT: tl.constexpr, DOT: tl.constexpr,
+    KCB1: tl.constexpr, FMAX: tl.constexpr, OUT: tl.constexpr, DOT: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     sp = tl.program_id(1)
     b = pid // H
     h = pid % H
+    if ALIGNED:  # the host checked these run-time strides are multiples of 16: `x // 16 * 16` tells the compiler
+        sqb, sqh, sqm, skb, skh = sqb // 16 * 16, sqh // 16 * 16, sqm // 16 * 16, skb // 16 * 16, skh // 16 * 16
     seg = pid.to(tl.int64)
     q, r, rmask, d, dmask = _load_window(q_ptr, b, h, sqb, sqh, sqm, sqd, M_WIN, GROUP, D, BLOCK_M, BLOCK_D)
     q = as_dot(q, DOT)
@@ -247,6 +251,12 @@ def _importance(
         meta.update(MAPPED=True, G=layout.block, FMAX=float(torch.finfo(side.dtype).max), OUT=OUT_CODE[side.dtype])
         meta.update({"K" + k: v for k, v in smeta.items()})
         kptr = dummy[1]
+    # rows start 16-element aligned (the strides left unspecialised above are multiples of 16, the bases aligned):
+    # the kernels then read query and key rows as vectors (on sm_90 each element was a 16-bit load of its own)
+    tensors = (queries,) if side is not None else (queries, keys)
+    meta["ALIGNED"] = all(
+        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(x % 16 == 0 for x in t.stride()[:-1]) for t in tensors
+    )
     sqrt_d = float(torch.tensor(math.sqrt(D), dtype=torch.float32))
     _window_lse_kernel[(S, nsplit)](
         queries, kptr, vptr, mx, sm, *strides, H, N, m, nsplit, sqrt_d, *side_ptrs, *blocked, **meta,
