@@ -55,9 +55,12 @@ if HAS_TRITON:
         BLOCK_D: tl.constexpr,
         BLOCK_T: tl.constexpr,
         CHUNKS: tl.constexpr,
+        ALIGNED: tl.constexpr,
     ):
         """Program (span s, head h, channel block j): ``out[h, s, j·BLOCK_D : (j+1)·BLOCK_D]`` = the sum over the
         span's ``len[s]`` tokens ``order[start[s] : start[s] + len[s]]`` of ``w_t · x[h, t, ·]`` in float32."""
+        if ALIGNED:  # the host checked the head stride is a multiple of 16: rows then load as vectors
+            sxh = sxh // 16 * 16
         s = tl.program_id(0)
         h = tl.program_id(1).to(tl.int64)
         d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -160,6 +163,6 @@ def coarse_entries_triton(
     _coarse_entries_kernel[(n_spans, H, triton.cdiv(D, BD))](
         x, w, order, start, length, out,
         x.stride(0), x.stride(1), x.stride(2), n_spans,
-        D=D, BLOCK_D=BD, BLOCK_T=BT, CHUNKS=chunks,
+        D=D, BLOCK_D=BD, BLOCK_T=BT, CHUNKS=chunks, ALIGNED=x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0,
     )  # fmt: skip
     return out
