@@ -97,9 +97,19 @@ def _load_side(
         b1 = tl.load(codes_ptr + r[:, None] * PW + byte[None, :] + 1, mask=m2 & ((byte + 1) < PW)[None, :], other=0)
         word = b0 | (b1.to(tl.int32) << 8)
         code = (word >> sh[None, :]) & ((1 << BITS) - 1)
-    col = d // GCOL
-    s = tl.load(scales_ptr + g[:, None] * C + col[None, :], mask=m2, other=0.0).to(tl.float32)
-    z = tl.load(zeros_ptr + g[:, None] * C + col[None, :], mask=m2, other=0.0).to(tl.float32)
+    if GCOL > 1 and (GCOL & (GCOL - 1)) == 0 and d.shape[0] == D and D % GCOL == 0:
+        # channel groups (values per token): each of the row's D / GCOL parameters loaded once and spread over its
+        # GCOL channels in registers (one load per channel read the same parameter GCOL times)
+        CC: tl.constexpr = D // GCOL
+        cc = tl.arange(0, CC)
+        s = tl.load(scales_ptr + g[:, None] * CC + cc[None, :], mask=quant[:, None], other=0.0).to(tl.float32)
+        z = tl.load(zeros_ptr + g[:, None] * CC + cc[None, :], mask=quant[:, None], other=0.0).to(tl.float32)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (quant.shape[0], CC, GCOL)), (quant.shape[0], D))
+        z = tl.reshape(tl.broadcast_to(z[:, :, None], (quant.shape[0], CC, GCOL)), (quant.shape[0], D))
+    else:
+        col = d // GCOL
+        s = tl.load(scales_ptr + g[:, None] * C + col[None, :], mask=m2, other=0.0).to(tl.float32)
+        z = tl.load(zeros_ptr + g[:, None] * C + col[None, :], mask=m2, other=0.0).to(tl.float32)
     deq = z + code.to(tl.float32) * s
     deq = tl.minimum(tl.maximum(deq, -FMAX), FMAX)
     deq = cache_round(deq, OUT)
