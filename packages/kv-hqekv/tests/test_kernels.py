@@ -281,7 +281,7 @@ def test_triton_window_importance_equals_reference(masked):
     from kv_hqekv.kernels.triton_importance import window_importance_triton
 
     def padded(x):  # the same values in a buffer whose rows are 19 wide: strides not multiples of 16
-        buf = torch.zeros(*x.shape[:-1], x.shape[-1] + 3)
+        buf = torch.zeros(*x.shape[:-1], x.shape[-1] + 3, dtype=x.dtype)
         buf[..., : x.shape[-1]] = x
         return buf[..., : x.shape[-1]]
 
@@ -290,10 +290,15 @@ def test_triton_window_importance_equals_reference(masked):
         q, k = torch.randn(B, Hq, m, 16, generator=g), torch.randn(B, H, N, 16, generator=g)
         valid = (torch.rand(B, N, generator=g) > 0.3) if masked else None
         for normalize in (True, False):
-            want = window_importance_ref(q, k, valid, normalize)
-            for qq, kk in ((q, k), (padded(q), padded(k))):
-                got = window_importance_triton(_to(qq), _to(kk), _to(valid), normalize, block_n=8, tiles=2).cpu()
-                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            # float32 (IEEE products) and float16 on the matrix units (where aligned rows are hinted)
+            for dtype, tc, tol in ((torch.float32, None, 1e-5), (torch.float16, True, 2e-3)):
+                qd, kd = q.to(dtype), k.to(dtype)
+                want = window_importance_ref(qd.float(), kd.float(), valid, normalize)
+                for qq, kk in ((qd, kd), (padded(qd), padded(kd))):
+                    got = window_importance_triton(
+                        _to(qq), _to(kk), _to(valid), normalize, block_n=16, tiles=2, tensor_cores=tc
+                    ).cpu()
+                    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
 def test_bad_input_names_the_argument():

@@ -252,9 +252,11 @@ def _importance(
         meta.update({"K" + k: v for k, v in smeta.items()})
         kptr = dummy[1]
     # rows start 16-element aligned (the strides left unspecialised above are multiples of 16, the bases aligned):
-    # the kernels then read query and key rows as vectors (on sm_90 each element was a 16-bit load of its own)
+    # the kernels then read query and key rows as vectors (on sm_90 each element was a 16-bit load of its own).
+    # Matrix-unit path only: on the IEEE float32 path the hint made Triton (3.6 and 3.9) compile the kernels with
+    # 32 registers and ~2.8 KB of spills per thread for sm_90 (benchmarks/sm90_resources.py --float32)
     tensors = (queries,) if side is not None else (queries, keys)
-    meta["ALIGNED"] = all(
+    meta["ALIGNED"] = bool(dot) and all(
         t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(x % 16 == 0 for x in t.stride()[:-1]) for t in tensors
     )
     sqrt_d = float(torch.tensor(math.sqrt(D), dtype=torch.float32))
