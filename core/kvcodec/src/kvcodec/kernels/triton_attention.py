@@ -62,6 +62,28 @@ def code_lanes(codes_ptr, r, ok, PW, BITS: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def group_params(scales_ptr, zeros_ptr, g, ok, d, C, GCOL: tl.constexpr, D: tl.constexpr):
+    """float32 ``(scale, zero)`` tiles ``[R, d.shape[0]]`` (0 where not ``ok``): parameter rows ``g`` of ``[rows, C]``
+    tables, channel ``d`` reading column ``d // GCOL``. Where whole rows are read (a power-of-two head dim) and
+    groups of a power-of-two ``GCOL > 1`` tile them (values quantized per token in channel groups), each of a row's
+    ``D / GCOL`` parameters is loaded once and spread over its channels in registers; loading per channel read each
+    parameter ``GCOL`` times, one 16-bit load at a time on sm_90."""
+    if GCOL > 1 and (GCOL & (GCOL - 1)) == 0 and d.shape[0] == D and D % GCOL == 0:
+        CC: tl.constexpr = D // GCOL
+        cc = tl.arange(0, CC)
+        s = tl.load(scales_ptr + g[:, None] * CC + cc[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        z = tl.load(zeros_ptr + g[:, None] * CC + cc[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (ok.shape[0], CC, GCOL)), (ok.shape[0], D))
+        z = tl.reshape(tl.broadcast_to(z[:, :, None], (ok.shape[0], CC, GCOL)), (ok.shape[0], D))
+    else:
+        m2 = ok[:, None] & (d < D)[None, :]
+        col = d // GCOL
+        s = tl.load(scales_ptr + g[:, None] * C + col[None, :], mask=m2, other=0.0).to(tl.float32)
+        z = tl.load(zeros_ptr + g[:, None] * C + col[None, :], mask=m2, other=0.0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
 def _load_side(
     codes_ptr,
     scales_ptr,
@@ -97,19 +119,7 @@ def _load_side(
         b1 = tl.load(codes_ptr + r[:, None] * PW + byte[None, :] + 1, mask=m2 & ((byte + 1) < PW)[None, :], other=0)
         word = b0 | (b1.to(tl.int32) << 8)
         code = (word >> sh[None, :]) & ((1 << BITS) - 1)
-    if GCOL > 1 and (GCOL & (GCOL - 1)) == 0 and d.shape[0] == D and D % GCOL == 0:
-        # channel groups (values per token): each of the row's D / GCOL parameters loaded once and spread over its
-        # GCOL channels in registers (one load per channel read the same parameter GCOL times)
-        CC: tl.constexpr = D // GCOL
-        cc = tl.arange(0, CC)
-        s = tl.load(scales_ptr + g[:, None] * CC + cc[None, :], mask=quant[:, None], other=0.0).to(tl.float32)
-        z = tl.load(zeros_ptr + g[:, None] * CC + cc[None, :], mask=quant[:, None], other=0.0).to(tl.float32)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (quant.shape[0], CC, GCOL)), (quant.shape[0], D))
-        z = tl.reshape(tl.broadcast_to(z[:, :, None], (quant.shape[0], CC, GCOL)), (quant.shape[0], D))
-    else:
-        col = d // GCOL
-        s = tl.load(scales_ptr + g[:, None] * C + col[None, :], mask=m2, other=0.0).to(tl.float32)
-        z = tl.load(zeros_ptr + g[:, None] * C + col[None, :], mask=m2, other=0.0).to(tl.float32)
+    s, z = group_params(scales_ptr, zeros_ptr, g, quant, d, C, GCOL, D)
     deq = z + code.to(tl.float32) * s
     deq = tl.minimum(tl.maximum(deq, -FMAX), FMAX)
     deq = cache_round(deq, OUT)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kv_hqekv.kernels.blocked import BlockedSide
-from kvcodec.kernels.triton_attention import code_lanes
+from kvcodec.kernels.triton_attention import code_lanes, group_params
 from kvcodec.kernels.triton_dot import DOT_CODE, cache_round
 
 OUT_CODE = DOT_CODE  # the cache dtype's rounding code, as kvcodec's kernels use it
@@ -55,19 +55,7 @@ def _tier_dequant(
         sh = (d % CPB) * BITS
         packed = tl.load(codes_ptr + r[:, None] * PW + byte[None, :], mask=m2, other=0).to(tl.int32)
         code = (packed >> sh[None, :]) & ((1 << BITS) - 1)
-    if GCOL > 1 and (GCOL & (GCOL - 1)) == 0 and d.shape[0] == D and D % GCOL == 0:
-        # channel groups (values): each of the row's D / GCOL parameters loaded once and spread over its GCOL
-        # channels in registers (one load per channel read the same parameter GCOL times, element by element)
-        CC: tl.constexpr = D // GCOL
-        cc = tl.arange(0, CC)
-        s = tl.load(scales_ptr + g[:, None] * CC + cc[None, :], mask=sel[:, None], other=0.0).to(tl.float32)
-        z = tl.load(zeros_ptr + g[:, None] * CC + cc[None, :], mask=sel[:, None], other=0.0).to(tl.float32)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (sel.shape[0], CC, GCOL)), (sel.shape[0], D))
-        z = tl.reshape(tl.broadcast_to(z[:, :, None], (sel.shape[0], CC, GCOL)), (sel.shape[0], D))
-    else:
-        col = d // GCOL
-        s = tl.load(scales_ptr + g[:, None] * C + col[None, :], mask=m2, other=0.0).to(tl.float32)
-        z = tl.load(zeros_ptr + g[:, None] * C + col[None, :], mask=m2, other=0.0).to(tl.float32)
+    s, z = group_params(scales_ptr, zeros_ptr, g, sel, d, C, GCOL, D)
     if CB:
         level = tl.load(cb_ptr + code, mask=m2, other=0.0).to(tl.float32)
         y = level * s + z
