@@ -12,7 +12,7 @@ import kv_sekv.surprisal as surprisal_mod
 from kv_sekv.kernels import triton_surprisal
 from kv_sekv.kernels.triton_surprisal import HAS_TRITON, surprisal_triton
 from kv_sekv.surprisal import surprisal_from_hidden, surprisal_from_logits
-from kvcore.surprisal import surprisal_reference
+from kvcore.surprisal import token_surprisal
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -54,7 +54,7 @@ def test_kernel_equals_reference(B, T, D, V, bias, dtype):
     hidden, weight, b, ids = _case(B, T, D, V, bias=bias, dtype=dtype, seed=V)
     got = surprisal_triton(hidden, weight, ids, b, **SMALL)
     assert got.dtype == torch.float32 and got.shape == (B, T)
-    _close(got, surprisal_reference(hidden, weight, ids, b, chunk=7))
+    _close(got, token_surprisal(hidden, weight, ids, b, chunk=7))
     _close(got, _full(hidden, weight, b, ids))
     assert bool((got[:, 0] == 0).all())
 
@@ -69,7 +69,7 @@ def test_any_vocabulary_split_matches_reference(chunks_per_split):
     hidden_view.copy_(hidden)
     weight_view = weight.T.contiguous().T  # [V, D] with strides (1, V)
     got = surprisal_triton(hidden_view, weight_view, ids, b, chunks_per_split=chunks_per_split, **SMALL)
-    _close(got, surprisal_reference(hidden, weight, ids, b))
+    _close(got, token_surprisal(hidden, weight, ids, b))
     _close(got, _full(hidden, weight, b, ids))
     assert float(got.max()) > 10  # large logits: a naive softmax would not see these
 
@@ -79,7 +79,7 @@ def test_left_padding_and_first_real_token_are_zero():
     hidden, weight, b, ids = _case(3, 6, 20, 37, seed=2)
     mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1]], device=DEVICE)
     got = surprisal_triton(hidden, weight, ids, b, mask, **SMALL)
-    _close(got, surprisal_reference(hidden, weight, ids, b, mask))
+    _close(got, token_surprisal(hidden, weight, ids, b, mask))
     full = surprisal_triton(hidden, weight, ids, b, **SMALL)
     assert got[1, :3].tolist() == [0.0, 0.0, 0.0] and got[2].tolist() == [0.0] * 6
     assert bool((full[1, :3] != 0).any())  # the mask did the zeroing
@@ -92,7 +92,7 @@ def test_shortest_sequences(T):
     hidden, weight, b, ids = _case(3, T, 16, 21, seed=T)
     got = surprisal_triton(hidden, weight, ids, b, **SMALL)
     assert got.shape == (3, T)
-    _close(got, surprisal_reference(hidden, weight, ids, b))
+    _close(got, token_surprisal(hidden, weight, ids, b))
     _close(got, _full(hidden, weight, b, ids))
     assert bool((got[:, 0] == 0).all()) and (T == 1 or bool((got[:, 1] > 0).all()))
 
@@ -112,7 +112,7 @@ def test_surprisal_from_hidden_dispatches_after_its_checks(monkeypatch):
     mask = torch.tensor([[0, 1, 1, 1]], device=DEVICE)
     got = surprisal_from_hidden(hidden, weight, ids, b, mask)
     assert calls == [1]
-    _close(got, surprisal_reference(hidden, weight, ids, b, mask))
+    _close(got, token_surprisal(hidden, weight, ids, b, mask))
     bad = [
         (ValueError, "weight", (hidden, torch.randn(20, 5, device=DEVICE), ids)),
         (ValueError, "input_ids", (hidden, weight, ids + 20)),

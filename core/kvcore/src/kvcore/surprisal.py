@@ -6,7 +6,7 @@ is that agreement and its PyTorch reference. The surprisal is computed from the 
 output embedding, the vocabulary in chunks with an online log-sum-exp, so the ``[T, V]`` log-softmax is never
 materialised (peak ``[T, chunk]`` floats). Faster implementations (kv-sekv's Triton kernel,
 :func:`kv_sekv.surprisal_from_hidden`) keep this signature and result and are tested against
-:func:`surprisal_reference`.
+:func:`token_surprisal`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from kvcore.checks import check_float, check_int, check_tensor
 
-__all__ = ["check_surprisal_args", "mask_surprisal", "surprisal_reference", "token_surprisal"]
+__all__ = ["check_surprisal_args", "mask_surprisal", "token_surprisal"]
 
 
 def token_surprisal(
@@ -59,7 +59,23 @@ def token_surprisal(
     hidden, weight, input_ids, bias, attention_mask, chunk = check_surprisal_args(
         hidden, weight, input_ids, bias, attention_mask, chunk
     )
-    return surprisal_reference(hidden, weight, input_ids, bias, attention_mask, chunk)
+    B, T, _ = hidden.shape
+    out = torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
+    if T < 2:
+        return out
+    h = hidden[:, :-1].float()  # position t-1 predicts token t
+    target = input_ids[:, 1:].to(hidden.device).long()
+    lse = torch.full((B, T - 1), float("-inf"), device=hidden.device)
+    picked = (h * weight.float()[target]).sum(-1)
+    if bias is not None:
+        picked = picked + bias.float()[target]
+    for a in range(0, weight.shape[0], chunk):  # the vocabulary in chunks, an online log-sum-exp in float32
+        logits = h @ weight[a : a + chunk].float().T
+        if bias is not None:
+            logits = logits + bias[a : a + chunk].float()
+        lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=-1))
+    out[:, 1:] = lse - picked
+    return mask_surprisal(out, attention_mask)
 
 
 def check_surprisal_args(
@@ -94,38 +110,10 @@ def check_surprisal_args(
     return hidden, weight, ids, bias, attention_mask, chunk
 
 
-def surprisal_reference(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    input_ids: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-    chunk: int = 8192,
-) -> torch.Tensor:
-    """:func:`token_surprisal` without the argument checks (for callers that checked them): the vocabulary in chunks
-    of ``chunk`` entries with an online log-sum-exp, in float32. The reference GPU kernels are tested against."""
-    B, T, _ = hidden.shape
-    out = torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
-    if T < 2:
-        return out
-    h = hidden[:, :-1].float()  # position t-1 predicts token t
-    target = input_ids[:, 1:].to(hidden.device).long()
-    lse = torch.full((B, T - 1), float("-inf"), device=hidden.device)
-    picked = (h * weight.float()[target]).sum(-1)
-    if bias is not None:
-        picked = picked + bias.float()[target]
-    for a in range(0, weight.shape[0], chunk):
-        logits = h @ weight[a : a + chunk].float().T
-        if bias is not None:
-            logits = logits + bias[a : a + chunk].float()
-        lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=-1))
-    out[:, 1:] = lse - picked
-    return mask_surprisal(out, attention_mask).clamp_min(0.0)
-
-
 def mask_surprisal(out: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """The padding rule every implementation shares: ``out[b, t]`` kept where tokens ``t`` and ``t − 1`` are both
-    real (so the first real token of a left-padded row and the padding are ``0``); ``out`` as is without a mask.
+    """The last step every implementation shares: ``out[b, t]`` kept where tokens ``t`` and ``t − 1`` are both real
+    (so the first real token of a left-padded row and the padding are ``0``; every entry kept without a mask), and
+    clamped at 0 (a token of probability ~1 may come out a hair below it by rounding).
 
     Parameters
     ----------
@@ -140,8 +128,8 @@ def mask_surprisal(out: torch.Tensor, attention_mask: torch.Tensor | None) -> to
         ``[B, T]`` float32.
     """
     if attention_mask is None:
-        return out
+        return out.clamp_min(0.0)
     B = out.shape[0]
     mask = attention_mask.to(out.device).bool()
     prev = torch.cat([torch.zeros(B, 1, dtype=torch.bool, device=out.device), mask[:, :-1]], 1)
-    return torch.where(mask & prev, out, 0.0)
+    return torch.where(mask & prev, out, 0.0).clamp_min(0.0)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvcore.checks import check_float, check_tensor
-from kvcore.surprisal import check_surprisal_args, surprisal_reference
+from kvcore.surprisal import check_surprisal_args, token_surprisal
 
 from .kernels import dispatch
 
@@ -33,7 +33,7 @@ def surprisal_from_hidden(
 
     The arguments are checked as kvcore checks them; then CUDA tensors (with Triton installed) go to the Triton
     kernel :func:`~kv_sekv.kernels.triton_surprisal.surprisal_triton`, others to kvcore's PyTorch reference
-    :func:`~kvcore.surprisal.surprisal_reference` (same result up to float32 summation order). ``chunk`` is the
+    :func:`~kvcore.surprisal.token_surprisal` (same result up to float32 summation order). ``chunk`` is the
     vocabulary step of the PyTorch path (memory ``B·T·chunk`` floats); the kernel's memory does not depend on it.
 
     Returns
@@ -42,14 +42,14 @@ def surprisal_from_hidden(
         ``[B, T]`` float32 surprisal in nats; the first real token of a row and padding are ``0`` (SEKV makes the
         first token an anchor regardless).
     """
+    if not (isinstance(hidden, torch.Tensor) and dispatch._use_triton(hidden)):  # kvcore's checks and reference
+        return token_surprisal(hidden, weight, input_ids, bias, attention_mask, chunk)
+    from .kernels.triton_surprisal import surprisal_triton
+
     hidden, weight, ids, bias, attention_mask, chunk = check_surprisal_args(
         hidden, weight, input_ids, bias, attention_mask, chunk
     )
-    if dispatch._use_triton(hidden):
-        from .kernels.triton_surprisal import surprisal_triton
-
-        return surprisal_triton(hidden, weight, ids, bias, attention_mask, chunk)
-    return surprisal_reference(hidden, weight, ids, bias, attention_mask, chunk)
+    return surprisal_triton(hidden, weight, ids, bias, attention_mask, chunk)
 
 
 def surprisal_from_logits(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

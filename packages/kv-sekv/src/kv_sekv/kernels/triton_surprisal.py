@@ -1,6 +1,6 @@
 """Triton kernel of SEKV's token surprisal ``H_t = −log softmax(h_{t−1} Wᵀ + b)[x_t]`` (SEKV §3.1, Eq. 1).
 
-Same signature and result as :func:`kvcore.surprisal.surprisal_reference`. The ``B · (T − 1)`` predicting positions
+Same signature and result as :func:`kvcore.surprisal.token_surprisal`. The ``B · (T − 1)`` predicting positions
 (row ``b · (T − 1) + t`` is ``hidden[b, t]``, which predicts ``input_ids[b, t + 1]``) are cut into tiles of
 ``BLOCK_T`` rows and the vocabulary into splits of ``CHUNKS`` chunks of ``BLOCK_V`` entries; the grid is
 ``(row tiles, splits)``. A program computes its tile's logits over its split one chunk at a time (the inner
@@ -104,7 +104,7 @@ def surprisal_triton(
 ) -> torch.Tensor:
     """Surprisal of every token from the hidden states that predict it, SEKV §3.1, Eq. 1, as a Triton kernel.
 
-    Triton version of :func:`kvcore.surprisal.surprisal_reference` (same arguments and result; module doc for the
+    Triton version of :func:`kvcore.surprisal.token_surprisal` (same arguments and result; module doc for the
     design). The input is assumed checked: :func:`kv_sekv.surprisal.surprisal_from_hidden` checks shapes, dtypes,
     the id range and the mask before it dispatches here, and a direct call with bad input has undefined results.
     The result carries no autograd graph.
@@ -178,4 +178,4 @@ def surprisal_triton(
         K_BLOCKS=triton.cdiv(D, block_k), HAS_BIAS=bias is not None, CAST_F32=not native, num_warps=8,
     )  # fmt: skip
     out[:, 1:] = (torch.logsumexp(lse, dim=1) - pick.sum(1)).view(B, T - 1)
-    return mask_surprisal(out, attention_mask).clamp_min(0.0)
+    return mask_surprisal(out, attention_mask)
