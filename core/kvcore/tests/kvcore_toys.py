@@ -26,7 +26,7 @@ from kvcore import (
     storage_bytes,
 )
 from kvcore.attention import check_query, check_scale
-from kvcore.checks import check_finite, check_int, check_integer_tensor, check_positions
+from kvcore.checks import check_batch_index, check_finite, check_int, check_positions
 
 
 class KeyNorm:
@@ -344,9 +344,7 @@ class ToyTieredStore(Store):
 
     def reorder(self, index):
         B, H, D = self.shape
-        check_integer_tensor("index", index, ndim=1)
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= B):
-            raise ValueError(f"index must hold batch rows in [0, {B}), got {index.tolist()}")
+        index = check_batch_index("index", index, B)
         self.heads = [list(self.heads[int(i) * H + h]) for i in index for h in range(H)]
         self.shape = (len(index), H, D)
 

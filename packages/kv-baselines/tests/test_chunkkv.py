@@ -17,6 +17,9 @@ def _ctx(B, H, T, D=8, W=4, seed=0):
     )
 
 
+# a short T at ratio 0.75 keeps fewer entries than the window protects: the compressor then keeps the window and
+# warns (that warning has its own test in test_scorers.py); the invariant below holds either way
+@pytest.mark.filterwarnings("ignore::kvcore.ShortInputWarning")
 @settings(max_examples=25, deadline=None)
 @given(T=st.integers(12, 60), chunk=st.integers(1, 9), ratio=st.sampled_from([0.3, 0.5, 0.75]), seed=st.integers(0, 99))
 def test_kept_tokens_are_whole_chunks_shared_by_every_head(T, chunk, ratio, seed):

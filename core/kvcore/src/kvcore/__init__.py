@@ -26,6 +26,7 @@ from kvcore.stores import DenseStore
 from kvcore.transfer import from_host
 from kvcore.view import KVView
 from kvcore.wrapping import WrappingScorer
+from kvcore.write_checks import check_write_plan
 
 __version__ = "0.2.0"
 
@@ -52,6 +53,7 @@ __all__ = [
     "WrappingScorer",
     "cap_plan",
     "check_retier_plan",
+    "check_write_plan",
     "checks",
     "from_host",
     "merge_attention",

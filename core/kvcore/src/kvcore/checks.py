@@ -14,10 +14,12 @@ and ``write``/``retier`` always check values.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from numbers import Integral, Real
 
 import torch
 
@@ -90,28 +92,34 @@ def check_ratio(name: str, ratio: object) -> float:
     return ratio
 
 
+def _bounds(low: float | None, high: float | None) -> str:
+    """``>= low``, ``<= high`` or ``in [low, high]``."""
+    if high is None:
+        return f">= {low}"
+    return f"<= {high}" if low is None else f"in [{low}, {high}]"
+
+
 def check_int(name: str, value: object, *, low: int | None = None, high: int | None = None) -> int:
-    """An ``int`` (not a bool) in ``[low, high]``."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """An integer (``int`` or any ``numbers.Integral`` such as a NumPy integer, not a bool) in ``[low, high]``;
+    returned as ``int``."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
     if (low is not None and value < low) or (high is not None and value > high):
-        lo = "-inf" if low is None else low
-        hi = "inf" if high is None else high
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+        raise ValueError(f"{name} must be an int {_bounds(low, high)}, got {value}")
     return value
 
 
 def check_number(name: str, value: object, *, low: float | None = None, high: float | None = None) -> float:
-    """A finite real number (int or float, not a bool) in ``[low, high]``; returned as float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    """A finite real number (any ``numbers.Real``: int, float, a NumPy scalar; not a bool) in ``[low, high]``;
+    returned as float."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
     value = float(value)
-    if value != value or value in (float("inf"), float("-inf")):
+    if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     if (low is not None and value < low) or (high is not None and value > high):
-        lo = "-inf" if low is None else low
-        hi = "inf" if high is None else high
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+        raise ValueError(f"{name} must be {_bounds(low, high)}, got {value}")
     return value
 
 
@@ -121,6 +129,27 @@ def check_integer_tensor(name: str, x: object, *, ndim: int | tuple[int, ...] | 
     if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
     return x
+
+
+def check_batch_index(name: str, index: object, batch: int | None) -> torch.Tensor:
+    """``index`` as an int64 tensor of batch rows, each in ``[0, batch)`` (``batch`` None: any row >= 0): what
+    ``Store.reorder`` and a cache's beam reordering take (rows may repeat or vanish). An integer tensor only -- a
+    float index is refused, never truncated. One host read of the index's range.
+
+    Raises
+    ------
+    TypeError
+        ``index`` is not a one-dimensional integer tensor.
+    ValueError
+        A row outside ``[0, batch)``.
+    """
+    index = check_integer_tensor(name, index, ndim=1)
+    if index.numel():
+        lo, hi = torch.stack(torch.aminmax(index.long())).tolist()
+        if lo < 0 or (batch is not None and hi >= batch):
+            rows = f"[0, {batch})" if batch is not None else ">= 0"
+            raise ValueError(f"{name} must hold batch rows in {rows}, got {index.tolist()}")
+    return index.long()
 
 
 MAX_POSITION = torch.iinfo(torch.int32).max

@@ -42,7 +42,7 @@ from kv_hf.step import COLLECT, SCRATCH, STEP_ATTR, STORE, Step
 from kv_hf.step_memo import STEP
 from kv_hf.support import DEFAULT_QUERY_WINDOW
 from kvcore import Compressor, ScoringContext, Store, retier_store, storage_bytes
-from kvcore.checks import check_integer_tensor
+from kvcore.checks import check_batch_index
 
 __all__ = ["COLLECT", "SCRATCH", "STORE", "CompressedLayer", "Step"]
 
@@ -500,11 +500,7 @@ class CompressedLayer(CacheLayerMixin):
     def _select_rows(self, index: object, name: str) -> None:
         """Keep batch rows ``index`` (validated first: an integer tensor of rows in ``[0, batch)``, never truncated
         from floats), in every part of the layer."""
-        index = check_integer_tensor(name, index, ndim=1)
-        B = self._batch
-        if B is not None and index.numel() and (int(index.min()) < 0 or int(index.max()) >= B):
-            raise ValueError(f"{name} must hold batch rows in [0, {B}), got {index.tolist()}")
-        index = index.long()
+        index = check_batch_index(name, index, self._batch)
         if self.held():
             self._held = None
             self.store.reorder(index)

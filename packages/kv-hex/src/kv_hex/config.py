@@ -6,10 +6,11 @@ hitters 2 % and a recent window of 8 tokens (§4.2), streaming blocks of 96 toke
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from numbers import Integral, Real
+from numbers import Integral
 from typing import Any
+
+from kvcore.checks import check_int, check_number
 
 __all__ = ["BITS", "MASK_KINDS", "MODES", "SCOPES", "HEXConfig"]
 
@@ -22,23 +23,6 @@ SCOPES = ("layer", "head")
 MASK_KINDS = ("expander", "random", "none")
 """Element-level full-precision mask: the Ramanujan expander (HEX), a random unstructured mask of the same
 density (the control of §3.2's structural claim), or none (KCVT / H2O-only ablations)."""
-
-
-def _real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
-
-
-def _int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value}")
-    return int(value)
 
 
 def _choice(name: str, value: Any, allowed: tuple) -> Any:
@@ -105,16 +89,16 @@ class HEXConfig:
             raise TypeError(f"bits must be an int, got {type(self.bits).__name__}")
         _choice("bits", int(self.bits), BITS)
         object.__setattr__(self, "bits", int(self.bits))
-        rho = _real("rho", self.rho)
+        rho = check_number("rho", self.rho)
         if not 0.0 < rho < 1.0:
             raise ValueError(f"rho must lie in the open interval (0, 1), got {rho}")
         object.__setattr__(self, "rho", rho)
-        hh = _real("heavy_ratio", self.heavy_ratio)
+        hh = check_number("heavy_ratio", self.heavy_ratio)
         if not 0.0 <= hh < 1.0:
             raise ValueError(f"heavy_ratio must lie in [0, 1), got {hh}")
         object.__setattr__(self, "heavy_ratio", hh)
-        object.__setattr__(self, "recent", _int("recent", self.recent, 0))
-        object.__setattr__(self, "block_size", _int("block_size", self.block_size, 1))
+        object.__setattr__(self, "recent", check_int("recent", self.recent, low=0))
+        object.__setattr__(self, "block_size", check_int("block_size", self.block_size, low=1))
         _choice("mode", self.mode, MODES)
         _choice("mask_scope", self.mask_scope, SCOPES)
         _choice("value_scope", self.value_scope, SCOPES)
@@ -122,7 +106,7 @@ class HEXConfig:
         if not isinstance(self.masked_stats, bool):
             raise TypeError(f"masked_stats must be a bool, got {type(self.masked_stats).__name__}")
         if self.seed is not None:
-            object.__setattr__(self, "seed", _int("seed", self.seed, 0))
+            object.__setattr__(self, "seed", check_int("seed", self.seed, low=0))
 
     def heavy_count(self, n: int) -> int:
         """Heavy hitters of an ``n``-token segment: ``int(heavy_ratio * n)`` (spec A4, H2O/GEAR truncation)."""

@@ -15,13 +15,23 @@ from kv_hex.selector import hex_tiers
 from kv_hex.uniform import UniformCall, uniform_part
 from kvcodec.narrow import narrow, narrow_positions
 from kvcodec.segments import segment_ids
-from kvcore import EVICT, FULL, KVView, Plan, Store, check_retier_plan, merge_attention, reachable_bytes
+from kvcore import (
+    EVICT,
+    FULL,
+    KVView,
+    Plan,
+    Store,
+    check_retier_plan,
+    check_write_plan,
+    merge_attention,
+    reachable_bytes,
+)
 from kvcore.attention import check_query, check_scale
 from kvcore.checks import (
     check_append,
+    check_batch_index,
     check_finite,
     check_int,
-    check_integer_tensor,
     check_kv,
     check_positions,
 )
@@ -147,22 +157,16 @@ class HEXStore(Store):
         """Replace the content (see the class docstring). All-or-nothing."""
         self._check_kv(keys, values, held=False)
         B, H, T, D = keys.shape
-        if not isinstance(plan, Plan) or tuple(plan.key_bits.shape) != (B, H, T):
-            raise ValueError(f"plan must be a kvcore.Plan of shape [B={B}, H={H}, T={T}]")
-        if plan.full_precision is not None:
-            raise ValueError(
-                "HEXStore derives its element-level full-precision mask from its config (the static expander mask); "
-                "plan.full_precision must be None"
-            )
-        kb, vb = plan.key_bits.to(keys.device), plan.bits_for_values.to(keys.device)
-        allowed = {EVICT, FULL, self.config.bits}
-        for name, bits in (("key_bits", kb), ("value_bits", vb)):
-            tiers = set(torch.unique(bits).tolist())
-            if tiers - allowed:
-                raise ValueError(f"plan.{name} uses tiers {sorted(tiers)}; this HEXStore holds {sorted(allowed)}")
+        kb, vb = check_write_plan(
+            plan,
+            (B, H, T),
+            keys.device,
+            "HEXStore",
+            key_tiers={EVICT, FULL, self.config.bits},
+            same_kept=True,
+            full_precision_note=": it derives its element-level mask from its config (the static expander mask)",
+        )
         keep = kb != EVICT
-        if not torch.equal(keep, vb != EVICT):
-            raise ValueError("HEXStore needs the same kept entries for keys and values (tiers may differ)")
         positions = check_positions("positions", positions, (B, T), keep=keep).to(keys.device)
         check_finite("keys (kept entries)", keys[keep])
         check_finite("values (kept entries)", values[keep])
@@ -751,10 +755,7 @@ class HEXStore(Store):
         if self._shape is None:
             return
         B, H, D = self._shape
-        check_integer_tensor("index", index, ndim=1)
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= B):
-            raise ValueError(f"index must hold batch rows in [0, {B}), got {index.tolist()}")
-        rows = index.to(self._res["pos"].device).long()
+        rows = check_batch_index("index", index, B).to(self._res["pos"].device)
         segments, res = self._keep_parts(None, rows)
         self._shape = (rows.numel(), H, D)
         try:

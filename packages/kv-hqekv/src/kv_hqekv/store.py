@@ -20,12 +20,12 @@ from kv_hqekv.kernels import (
 from kv_hqekv.quantizers import tier_quantizer
 from kvcodec.ragged import Entries, QuantUnits, Residual, compact_entries
 from kvcodec.segments import rank_in_segment
-from kvcore import EVICT, FULL, KVView, Plan, Store, cap_plan, check_retier_plan, reachable_bytes
+from kvcore import EVICT, FULL, KVView, Plan, Store, cap_plan, check_retier_plan, check_write_plan, reachable_bytes
 from kvcore.checks import (
     check_append,
+    check_batch_index,
     check_finite,
     check_int,
-    check_integer_tensor,
     check_kv,
     check_positions,
     values_checked,
@@ -214,17 +214,7 @@ class HqeKVStore(Store):
         entries per group, one block for HqeKV plans). All-or-nothing."""
         self._check_kv(keys, values, held=False)
         B, H, T, D = keys.shape
-        if not isinstance(plan, Plan) or tuple(plan.key_bits.shape) != (B, H, T):
-            raise ValueError(f"plan must be a kvcore.Plan of shape [B={B}, H={H}, T={T}]")
-        if plan.full_precision is not None:
-            raise ValueError("HqeKVStore does not hold element-level full-precision masks (plan.full_precision)")
-        kb, vb = plan.key_bits.to(keys.device), plan.bits_for_values.to(keys.device)
-        for name, bits in (("key_bits", kb), ("value_bits", vb)):
-            bad = set(torch.unique(bits).tolist()) - self.supported_bits
-            if bad:
-                raise ValueError(
-                    f"plan.{name} uses tiers {sorted(bad)}; HqeKVStore holds {sorted(self.supported_bits)}"
-                )
+        kb, vb = check_write_plan(plan, (B, H, T), keys.device, "HqeKVStore", key_tiers=self.supported_bits)
         keep = kb != EVICT
         vb = torch.where(keep, vb, EVICT)  # a value whose key is evicted is unreachable (class doc)
         positions = check_positions("positions", positions, (B, T), keep=keep).to(keys.device)
@@ -503,11 +493,8 @@ class HqeKVStore(Store):
         if self._shape is None:
             return
         B, H, D = self._shape
-        check_integer_tensor("index", index, ndim=1)
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= B):
-            raise ValueError(f"index must hold batch rows in [0, {B}), got {index.tolist()}")
         device = self._parts["k"][0].length.device
-        take = (index.to(device).long()[:, None] * H + torch.arange(H, device=device)).flatten()
+        take = (check_batch_index("index", index, B).to(device)[:, None] * H + torch.arange(H, device=device)).flatten()
         parts = self._staged()
         for staged in parts.values():
             for part in staged:

@@ -7,21 +7,13 @@ discount factor γ = 0.5, a bounded head-wise selectivity exponent τ = 0.5, cli
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
-from numbers import Integral, Real
+from numbers import Integral
 from typing import Any
 
+from kvcore.checks import check_number
+
 __all__ = ["HubKVConfig"]
-
-
-def _real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -72,22 +64,22 @@ class HubKVConfig:
         if ks < 1 or ks % 2 == 0:
             raise ValueError(f"kernel_size must be an odd integer >= 1, got {ks}")
         object.__setattr__(self, "kernel_size", int(ks))
-        gamma = _real("gamma", self.gamma)
+        gamma = check_number("gamma", self.gamma)
         if not 0.0 < gamma < 1.0:
             raise ValueError(f"gamma must lie in the open interval (0, 1), got {gamma}")
-        tau = _real("tau", self.tau)
+        tau = check_number("tau", self.tau)
         if tau < 0.0:
             raise ValueError(f"tau must be >= 0, got {tau}")
-        bmin = _real("beta_min", self.beta_min)
-        bmax = _real("beta_max", self.beta_max)
+        bmin = check_number("beta_min", self.beta_min)
+        bmax = check_number("beta_max", self.beta_max)
         if bmin <= 0.0:
             raise ValueError(f"beta_min must be > 0, got {bmin}")
         if bmin > bmax:
             raise ValueError(f"beta_min must be <= beta_max, got beta_min={bmin} > beta_max={bmax}")
-        p = _real("p", self.p)
+        p = check_number("p", self.p)
         if p <= 0.0:
             raise ValueError(f"p (gate exponent) must be > 0, got {p}")
-        eps = _real("eps", self.eps)
+        eps = check_number("eps", self.eps)
         if eps <= 0.0:
             raise ValueError(f"eps must be > 0, got {eps}")
         for name, v in (("gamma", gamma), ("tau", tau), ("beta_min", bmin), ("beta_max", bmax), ("p", p), ("eps", eps)):

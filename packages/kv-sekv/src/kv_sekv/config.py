@@ -8,29 +8,11 @@ budget of 10 % of the full KV cache.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from numbers import Integral, Real
-from typing import Any
+
+from kvcore.checks import check_int, check_number
 
 __all__ = ["SEKVConfig"]
-
-
-def _real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
-
-
-def _int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value}")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -106,11 +88,11 @@ class SEKVConfig:
 
     def __post_init__(self) -> None:
         for name, low in (("min_span", 1), ("max_rank", 1), ("proj_dim", 1), ("window", 0)):
-            object.__setattr__(self, name, _int(name, getattr(self, name), low))
+            object.__setattr__(self, name, check_int(name, getattr(self, name), low=low))
         if self.max_span is not None and self.max_span != "auto":
             if isinstance(self.max_span, str):
                 raise ValueError(f"max_span must be an int >= min_span, 'auto' or None, got {self.max_span!r}")
-            object.__setattr__(self, "max_span", _int("max_span", self.max_span, self.min_span))
+            object.__setattr__(self, "max_span", check_int("max_span", self.max_span, low=self.min_span))
         ranges = {
             "alpha": (0.0, None, False),
             "tau_init": (0.0, 1.0, True),
@@ -126,7 +108,7 @@ class SEKVConfig:
             "rho": (0.0, 1.0, False),
         }
         for name, (low, high, low_closed) in ranges.items():
-            v = _real(name, getattr(self, name))
+            v = check_number(name, getattr(self, name))
             ok_low = v >= low if low_closed else v > low
             # upper bounds: budget, window_share and rho are closed at 1; tau_init and gate_eps are open
             ok_high = high is None or (v <= high if name in ("budget", "window_share", "rho") else v < high)

@@ -8,9 +8,9 @@ import torch
 
 from kvcore.checks import (
     check_append,
+    check_batch_index,
     check_finite,
     check_int,
-    check_integer_tensor,
     check_kv,
     check_positions,
     values_checked,
@@ -242,10 +242,7 @@ class DenseStore(Store):
         if self._k is None:
             return
         B, H = self._shape
-        check_integer_tensor("index", index, ndim=1)
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= B):
-            raise ValueError(f"index must hold batch rows in [0, {B}), got {index.tolist()}")
-        index = index.to(self._len.device)
+        index = check_batch_index("index", index, B).to(self._len.device)
         segs = (index[:, None] * H + torch.arange(H, device=index.device)).flatten()
         self._shape = (index.numel(), H)
         self._relayout(segs, self._len[segs])

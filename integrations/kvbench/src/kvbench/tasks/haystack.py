@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbench.tasks.sample import TaskSample
 from kvbench.tasks.tokens import count_tokens
 
 
@@ -44,6 +45,44 @@ class BuiltContext:
     needle_offsets: list[int] = field(default_factory=list)
     needle_depths: list[float] = field(default_factory=list)
     n_units: int = 0
+
+    def sample(
+        self,
+        *,
+        question: str,
+        answers: Sequence[str],
+        needles: Sequence[str],
+        target_length: int,
+        depth: float,
+        seed: int,
+        task: str,
+        kind: str,
+        max_new_tokens: int,
+        **info: Any,
+    ) -> TaskSample:
+        """The :class:`~kvbench.tasks.sample.TaskSample` of this context: its ``info`` holds the inserted ``needles``,
+        where they landed (``needle_offsets``, ``needle_depths``), the haystack's span, then the task's own ``info``
+        entries."""
+        return TaskSample(
+            context=self.context,
+            question=question,
+            answers=list(answers),
+            max_new_tokens=max_new_tokens,
+            task=task,
+            kind=kind,
+            length=self.length,
+            target_length=target_length,
+            depth=depth,
+            seed=seed,
+            info={
+                "needles": list(needles),
+                "needle_offsets": self.needle_offsets,
+                "needle_depths": self.needle_depths,
+                "haystack_start": self.haystack_start,
+                "haystack_end": self.haystack_end,
+                **info,
+            },
+        )
 
 
 class UnitStream:

@@ -72,24 +72,16 @@ def kv_retrieval(
             break
     else:  # pragma: no cover - 128-bit collisions
         raise RuntimeError("could not place a unique key")
-    return TaskSample(
-        context=built.context,
+    return built.sample(
         question=question,
         answers=[value],
-        max_new_tokens=count_tokens(tokenizer, value) + max_new_tokens,
-        task="kv_retrieval",
-        kind="retrieval",
-        length=built.length,
+        needles=[needle],
         target_length=length,
         depth=depth,
         seed=seed,
-        info={
-            "key": key,
-            "needles": [needle],
-            "needle_offsets": built.needle_offsets,
-            "needle_depths": built.needle_depths,
-            "haystack_start": built.haystack_start,
-            "haystack_end": built.haystack_end,
-            "num_records": built.n_units + 1,
-        },
+        task="kv_retrieval",
+        kind="retrieval",
+        max_new_tokens=count_tokens(tokenizer, value) + max_new_tokens,
+        key=key,
+        num_records=built.n_units + 1,
     )

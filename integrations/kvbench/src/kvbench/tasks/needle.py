@@ -78,27 +78,19 @@ def _niah(
     else:  # pragma: no cover - the corpus holds no 7-digit numbers
         raise RuntimeError(f"could not place unique needles for {name}")
     per_answer = count_tokens(tokenizer, " " + answers[0]) + 2
-    return TaskSample(
-        context=built.context,
+    return built.sample(
         question=question,
-        answers=list(answers),
-        max_new_tokens=max(max_new_tokens, per_answer * num_values),
-        task=name,
-        kind="multi_retrieval" if num_values > 1 else "retrieval",
-        length=built.length,
+        answers=answers,
+        needles=texts,
         target_length=length,
         depth=depth,
         seed=seed,
-        info={
-            "key": query,
-            "keys": keys,
-            "needles": texts,
-            "needle_offsets": built.needle_offsets,
-            "needle_depths": built.needle_depths,
-            "haystack_start": built.haystack_start,
-            "haystack_end": built.haystack_end,
-            "corpus_start_sentence": start,
-        },
+        task=name,
+        kind="multi_retrieval" if num_values > 1 else "retrieval",
+        max_new_tokens=max(max_new_tokens, per_answer * num_values),
+        key=query,
+        keys=keys,
+        corpus_start_sentence=start,
     )
 
 

@@ -102,23 +102,15 @@ def passage_qa(
             break
     else:  # pragma: no cover - the corpus has many numbered sentences
         raise RuntimeError("could not place a passage whose number occurs once")
-    return TaskSample(
-        context=built.context,
+    return built.sample(
         question=question,
         answers=[number],
-        max_new_tokens=max(max_new_tokens, count_tokens(tokenizer, " " + number) + 2),
-        task="passage_qa",
-        kind="qa",
-        length=built.length,
+        needles=[gold],
         target_length=length,
         depth=depth,
         seed=seed,
-        info={
-            "needles": [gold],
-            "sentence": i,
-            "needle_offsets": built.needle_offsets,
-            "needle_depths": built.needle_depths,
-            "haystack_start": built.haystack_start,
-            "haystack_end": built.haystack_end,
-        },
+        task="passage_qa",
+        kind="qa",
+        max_new_tokens=max(max_new_tokens, count_tokens(tokenizer, " " + number) + 2),
+        sentence=i,
     )

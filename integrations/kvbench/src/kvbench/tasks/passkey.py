@@ -86,22 +86,14 @@ def passkey(
             break
     else:  # pragma: no cover - the filler holds no digits
         raise RuntimeError("could not place a unique pass key")
-    return TaskSample(
-        context=built.context,
+    return built.sample(
         question=QUESTION,
         answers=[key],
-        max_new_tokens=max(max_new_tokens, count_tokens(tokenizer, " " + key) + 2),
-        task="passkey",
-        kind="retrieval",
-        length=built.length,
+        needles=[needle],
         target_length=length,
         depth=depth,
         seed=seed,
-        info={
-            "needles": [needle],
-            "needle_offsets": built.needle_offsets,
-            "needle_depths": built.needle_depths,
-            "haystack_start": built.haystack_start,
-            "haystack_end": built.haystack_end,
-        },
+        task="passkey",
+        kind="retrieval",
+        max_new_tokens=max(max_new_tokens, count_tokens(tokenizer, " " + key) + 2),
     )

@@ -99,23 +99,15 @@ def variable_tracking(
     else:  # pragma: no cover
         raise RuntimeError("could not place unique variable chains")
     per_name = max(count_tokens(tokenizer, " " + n) for n in answers) + 1
-    return TaskSample(
-        context=built.context,
+    return built.sample(
         question=question,
-        answers=list(answers),
-        max_new_tokens=max(max_new_tokens, per_name * n_vars + 4),
-        task="variable_tracking",
-        kind="tracking",
-        length=built.length,
+        answers=answers,
+        needles=texts,
         target_length=length,
         depth=depth,
         seed=seed,
-        info={
-            "value": values[0],
-            "needles": texts,
-            "needle_offsets": built.needle_offsets,
-            "needle_depths": built.needle_depths,
-            "haystack_start": built.haystack_start,
-            "haystack_end": built.haystack_end,
-        },
+        task="variable_tracking",
+        kind="tracking",
+        max_new_tokens=max(max_new_tokens, per_name * n_vars + 4),
+        value=values[0],
     )

@@ -13,14 +13,25 @@ from kv_baselines.quant.kivi_layout import Positions, Side, uniform
 from kvcodec import CodeRows, QuantizedSegment, UniformQuantizer, quantized_attention
 from kvcodec.kernels.dispatch import use_triton
 from kvcodec.segments import offsets_in_segment, segment_ids
-from kvcore import EVICT, FULL, KVView, Plan, Quantizer, Store, check_retier_plan, reachable_bytes, reference_attention
+from kvcore import (
+    EVICT,
+    FULL,
+    KVView,
+    Plan,
+    Quantizer,
+    Store,
+    check_retier_plan,
+    check_write_plan,
+    reachable_bytes,
+    reference_attention,
+)
 from kvcore.attention import check_query, check_scale
 from kvcore.checks import (
     MAX_POSITION,
     check_append,
+    check_batch_index,
     check_finite,
     check_int,
-    check_integer_tensor,
     check_kv,
     check_positions,
     values_checked,
@@ -397,19 +408,16 @@ class KIVIStore(Store):
         content built before the held one is replaced: a call that raises leaves the store as it was."""
         self._check_kv(keys, values, held=False)
         B, H, T, D = keys.shape
-        if not isinstance(plan, Plan) or tuple(plan.key_bits.shape) != (B, H, T):
-            raise ValueError(f"plan must be a kvcore.Plan of shape [B={B}, H={H}, T={T}]")
-        if plan.full_precision is not None:
-            raise ValueError("KIVIStore does not hold element-level full-precision masks (plan.full_precision)")
-        kb, vb = plan.key_bits.to(keys.device), plan.bits_for_values.to(keys.device)
-        for name, bits, q in (("key_bits", kb, self.key_quantizer), ("value_bits", vb, self.value_quantizer)):
-            tiers = set(torch.unique(bits).tolist())
-            allowed = {EVICT, FULL, q.bits}
-            if tiers - allowed:
-                raise ValueError(f"plan.{name} uses tiers {sorted(tiers)}; this KIVIStore holds {sorted(allowed)}")
+        kb, vb = check_write_plan(
+            plan,
+            (B, H, T),
+            keys.device,
+            "KIVIStore",
+            key_tiers={EVICT, FULL, self.key_quantizer.bits},
+            value_tiers={EVICT, FULL, self.value_quantizer.bits},
+            same_kept=True,
+        )
         keep = kb != EVICT
-        if not torch.equal(keep, vb != EVICT):
-            raise ValueError("KIVIStore needs the same kept entries for keys and values (tiers may differ)")
         positions = check_positions("positions", positions, (B, T), keep=keep).to(keys.device)
         check_finite("keys (kept entries)", keys[keep])
         check_finite("values (kept entries)", values[keep])
@@ -565,11 +573,9 @@ class KIVIStore(Store):
         if self._shape is None:
             return
         B, H, D = self._shape
-        check_integer_tensor("index", index, ndim=1)
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= B):
-            raise ValueError(f"index must hold batch rows in [0, {B}), got {index.tolist()}")
+        index = check_batch_index("index", index, B)
         device = self._pos.count.device
-        take = (index.to(device).long()[:, None] * H + torch.arange(H, device=device)).flatten()
+        take = (index.to(device)[:, None] * H + torch.arange(H, device=device)).flatten()
         count = self._pos.count
         sides = {kind: side.take_segments(take, count) for kind, side in self._sides.items()}
         self._commit(sides, self._pos.take(take), (index.numel(), H, D))
