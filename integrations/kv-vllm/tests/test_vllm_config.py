@@ -25,7 +25,7 @@ def test_eviction_methods_are_refused_with_the_reason():
 def test_bad_settings(tmp_path):
     with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config keys \['cpu_budget'\]"):
         ConnectorConfig.from_extra_config({"cpu_budget": 1})
-    with pytest.raises(ValueError, match="cpu_bytes must be in"):
+    with pytest.raises(ValueError, match="cpu_bytes must be an int >= 0, got -1"):
         ConnectorConfig(cpu_bytes=-1)
     with pytest.raises(TypeError, match="cpu_bytes must be an int"):
         ConnectorConfig(cpu_bytes="1G")

@@ -152,7 +152,7 @@ def _bad_inputs():
         ((x, sid[None], w, 2), ValueError, "^span_id must have rank 1"),
         ((x, sid, w.double(), 2), TypeError, "^weights must be float32"),
         ((x, sid, w[:4], 2), ValueError, r"^weights must have shape \[n=6\]"),
-        ((x, sid, w, -1), ValueError, "^n_spans must be in"),
+        ((x, sid, w, -1), ValueError, r"^n_spans must be an int >= 0, got -1"),
         ((x, sid, w, 2.0), TypeError, "^n_spans must be an int"),
         ((x, sid, w, 1), ValueError, "^span_id holds span 1, but n_spans is 1"),
     ]
