@@ -86,6 +86,22 @@ def test_kvbench_command_lines_parse(where: str, line: str) -> None:
         pytest.fail(f"{where}: `{line}` is refused by kvbench: {e}")
 
 
+def test_the_default_run_time_is_stated_alike_everywhere() -> None:
+    """``kvbench --help`` states the default run's measured time; the benchmarks page and kvbench's README (and the
+    profiles' docstring) must state the same figure, so a re-measurement changed in one place fails here."""
+    from kvbench.cli import DESCRIPTION
+
+    measured = re.search(r"\((\d+) s measured", DESCRIPTION)
+    assert measured, "kvbench --help must state the default run's measured time"
+    figure = f"{measured.group(1)} s measured"
+    for doc in (
+        ROOT / "docs" / "benchmarks.md",
+        ROOT / "integrations" / "kvbench" / "README.md",
+        ROOT / "integrations" / "kvbench" / "src" / "kvbench" / "profiles.py",
+    ):
+        assert figure in doc.read_text(), f"{doc.relative_to(ROOT)} does not state '{figure}'"
+
+
 @pytest.mark.parametrize("where, line", kvbench_lines("kv-sekv"))
 def test_kv_sekv_command_lines_parse(where: str, line: str) -> None:
     from kv_sekv.cli import parser

@@ -31,8 +31,8 @@ bytes each cache really holds, and timings. Every row is paired with its referen
 confidence interval, and '*' marks a difference whose interval excludes zero (with at least 10 pairs).
 
 The default run (no options, profile quick) compares the full cache, StreamingLLM, SnapKV and Knorm at ratios
-0.5 / 0.75 / 0.9 and KIVI-4 / KIVI-2 at ratio 0: at most about 6.5 minutes on an idle 2-core CPU (381 s measured
-before methods shared prefills; shorter since, not re-measured).
+0.5 / 0.75 / 0.9 and KIVI-4 / KIVI-2 at ratio 0: about two minutes on an idle 2-core CPU (126 s measured
+2026-11-27, loading the model included).
 Profile quick: {PROFILES["quick"].describe()}.
 Profile paper: {PROFILES["paper"].describe()}.
 
