@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.checks import check_float, check_int, check_tensor
+from kvcore.checks import check_float, check_int, check_integer_tensor, check_tensor
 
 __all__ = ["check_surprisal_args", "mask_surprisal", "token_surprisal"]
 
@@ -89,7 +89,7 @@ def check_surprisal_args(
     """The arguments of :func:`token_surprisal`, checked (same errors); returned as they were given."""
     hidden = check_float("hidden", check_tensor("hidden", hidden, ndim=3))
     weight = check_float("weight", check_tensor("weight", weight, ndim=2))
-    ids = check_tensor("input_ids", input_ids, ndim=2)
+    ids = check_integer_tensor("input_ids", input_ids, ndim=2)
     chunk = check_int("chunk", chunk, low=1)
     B, T, Dm = hidden.shape
     V = weight.shape[0]
@@ -97,8 +97,6 @@ def check_surprisal_args(
         raise ValueError(f"weight must be [V, d_model={Dm}], got {tuple(weight.shape)}")
     if tuple(ids.shape) != (B, T):
         raise ValueError(f"input_ids must be [B={B}, T={T}], got {tuple(ids.shape)}")
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise TypeError(f"input_ids must be an integer tensor, got {ids.dtype}")
     if bias is not None and tuple(bias.shape) != (V,):
         raise ValueError(f"bias must be [V={V}], got {tuple(bias.shape)}")
     if T > 0 and bool(((ids < 0) | (ids >= V)).any()):
