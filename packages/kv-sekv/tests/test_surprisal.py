@@ -43,3 +43,13 @@ def test_bad_input():
         surprisal_from_hidden(h, W, ids.float())
     with pytest.raises(ValueError, match="chunk"):
         surprisal_from_hidden(h, W, ids, chunk=0)
+
+
+def test_logits_reference_refuses_bad_ids_by_name():
+    logits, ids = torch.randn(1, 4, 5), torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(TypeError, match="input_ids must be an integer tensor"):
+        surprisal_from_logits(logits, ids.float() + 0.7)  # never truncated to a valid-looking index
+    with pytest.raises(ValueError, match=r"input_ids must be \[B=1, T=4\]"):
+        surprisal_from_logits(logits, ids[:, :3])
+    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, V=5\)"):
+        surprisal_from_logits(logits, ids + 5)

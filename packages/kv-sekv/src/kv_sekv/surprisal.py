@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.checks import check_float, check_tensor
+from kvcore.checks import check_float, check_integer_tensor, check_tensor
 from kvcore.surprisal import check_surprisal_args, token_surprisal
 
 from .kernels import dispatch
@@ -53,9 +53,16 @@ def surprisal_from_hidden(
 
 
 def surprisal_from_logits(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Reference: ``H_t = −log_softmax(logits[:, t−1])[x_t]`` from full ``[B, T, V]`` logits (tests, training)."""
+    """Reference: ``H_t = −log_softmax(logits[:, t−1])[x_t]`` from full ``[B, T, V]`` logits (tests, training);
+    ``input_ids [B, T]`` integer ids in ``[0, V)`` (a ValueError / TypeError naming it otherwise, never a float
+    index truncated)."""
     logits = check_float("logits", check_tensor("logits", logits, ndim=3))
-    B, T, _ = logits.shape
+    B, T, V = logits.shape
+    input_ids = check_integer_tensor("input_ids", input_ids, ndim=2)
+    if tuple(input_ids.shape) != (B, T):
+        raise ValueError(f"input_ids must be [B={B}, T={T}], got {tuple(input_ids.shape)}")
+    if T > 0 and bool(((input_ids < 0) | (input_ids >= V)).any()):
+        raise ValueError(f"input_ids must lie in [0, V={V})")
     out = torch.zeros(B, T, dtype=torch.float32, device=logits.device)
     if T >= 2:
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
