@@ -132,6 +132,15 @@ if HAS_TRITON:
         return x, ok
 
     @triton.jit
+    def _quarters(t, BLOCK_H: tl.constexpr, NQ: tl.constexpr):
+        # [.., NQ, 4] quads -> their entries 0, 1, 2, 3 as four [.., NQ] tensors, split out of registers:
+        # [.., 4] -> [.., 2, 2] (entry 2a + b) -> split b -> split a
+        t02, t13 = tl.split(tl.reshape(t, (BLOCK_H, NQ, 2, 2)))
+        t0, t2 = tl.split(t02)
+        t1, t3 = tl.split(t13)
+        return t0, t1, t2, t3
+
+    @triton.jit
     def _mix_quads(
         s_ptr, p_ptr, out_ptr, row, c, H, N, s_sr, s_sh, p_sr, p_sh, o_sr, o_sh, fac_hub, fac_non, ceiling,
         K: tl.constexpr, HAS_PROT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -157,16 +166,9 @@ if HAS_TRITON:
         nb4 = tl.where(u4, x4, float("-inf"))
         pm2, pm1 = tl.split(tl.where(up, xp, float("-inf")))
         n0, n1 = tl.split(tl.where(un, xn, float("-inf")))
-        # [.., 4] -> [.., 2, 2] (entry 2a + b) -> split b -> split a: entries 0, 2 and 1, 3
-        e02, e13 = tl.split(tl.reshape(nb4, (BLOCK_H, NQ, 2, 2)))
-        e0, e2 = tl.split(e02)
-        e1, e3 = tl.split(e13)
-        x02, x13 = tl.split(tl.reshape(x4, (BLOCK_H, NQ, 2, 2)))
-        x0, x2 = tl.split(x02)
-        x1, x3 = tl.split(x13)
-        u02, u13 = tl.split(tl.reshape(u4, (BLOCK_H, NQ, 2, 2)))
-        u0, u2 = tl.split(u02)
-        u1, u3 = tl.split(u13)
+        e0, e1, e2, e3 = _quarters(nb4, BLOCK_H, NQ)
+        x0, x1, x2, x3 = _quarters(x4, BLOCK_H, NQ)
+        u0, u1, u2, u3 = _quarters(u4, BLOCK_H, NQ)
         if K == 0:  # no neighbour: every entry is its window's maximum
             none = tl.full(x0.shape, float("-inf"), tl.float32)
             o0 = _mixed(x0, u0, none, none, fac_hub, fac_non, ceiling)
