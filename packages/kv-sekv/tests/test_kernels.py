@@ -78,15 +78,15 @@ def test_biased_attention_without_bias_equals_a_zero_bias(N):
 
 def test_biased_attention_over_buffer_views_aligned_or_not():
     """Keys and values as views of a growing buffer (what the store passes): with head strides a multiple of 16 the
-    kernel is told so (vector loads, `_aligned`), with an odd capacity and head dim it is not; both match the
-    reference."""
-    from kv_sekv.kernels.triton_attention import _aligned
+    kernel is told so (vector loads; `kvcodec.kernels.alignment.rows_aligned` over the batch and head strides), with
+    an odd capacity and head dim it is not; both match the reference."""
+    from kvcodec.kernels.alignment import rows_aligned
 
     g = torch.Generator().manual_seed(5)
     for cap, D, expect in ((100, 16, True), (101, 12, False)):
         kb, vb = torch.randn(2, 1, 2, cap, D, generator=g).to(DEVICE)
         k, v = kb[:, :, :70], vb[:, :, :70]
-        assert _aligned(k, v) is expect
+        assert rows_aligned((k, v), dims=(0, 1)) is expect
         bias = torch.log(torch.randint(1, 9, (1, 2, 70), generator=g).float()).to(DEVICE)
         q = torch.randn(1, 4, 1, D, generator=g).to(DEVICE)
         got = biased_attention_triton(k, v, bias, q, 0.25, block_n=16, tiles=2)

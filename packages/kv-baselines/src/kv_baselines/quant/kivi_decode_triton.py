@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcodec.kernels.alignment import rows_aligned
 from kvcodec.kernels.triton_attention import merge_splits, split_plan
 from kvcodec.kernels.triton_dot import (
     DOT_CODE,
@@ -293,7 +294,7 @@ def decode_attention_triton(
     if ks.stride() != kz.stride() or vs.stride() != vz.stride():
         raise ValueError("the decode layout's scales and zeros must share their strides")
     # the aligned path's vector and word loads need 16-slot rows starting at 16-byte addresses
-    aligned = all(x % 16 == 0 for t in (kc, vc, vs, vz) for x in (t.stride(0), t.stride(1), t.data_ptr()))
+    aligned = rows_aligned((kc, vc, vs, vz), dims=(0, 1))
     if aligned_path and not aligned:
         raise ValueError(
             "aligned_path=True needs the decode layout's code and value-parameter rows 16-slot aligned (strides and "

@@ -26,6 +26,7 @@ import triton.language as tl
 from kv_hqekv.kernels.blocked import BlockedSide, BlockLayout
 from kv_hqekv.kernels.reference import seen_by
 from kv_hqekv.kernels.triton_tiles import OUT_CODE, _block_maps, _dummies, _mapped_rows, side_args
+from kvcodec.kernels.alignment import rows_aligned
 from kvcodec.kernels.triton_dot import as_dot, dot_mode, qk_dot
 
 
@@ -256,9 +257,7 @@ def _importance(
     # Matrix-unit path only: on the IEEE float32 path the hint made Triton (3.6 and 3.9) compile the kernels with
     # 32 registers and ~2.8 KB of spills per thread for sm_90 (benchmarks/sm90_resources.py --float32)
     tensors = (queries,) if side is not None else (queries, keys)
-    meta["ALIGNED"] = bool(dot) and all(
-        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(x % 16 == 0 for x in t.stride()[:-1]) for t in tensors
-    )
+    meta["ALIGNED"] = bool(dot) and all(t.stride(-1) == 1 for t in tensors) and rows_aligned(tensors)
     sqrt_d = float(torch.tensor(math.sqrt(D), dtype=torch.float32))
     _window_lse_kernel[(S, nsplit)](
         queries, kptr, vptr, mx, sm, *strides, H, N, m, nsplit, sqrt_d, *side_ptrs, *blocked, **meta,

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from kvcodec.kernels.alignment import rows_aligned
+
 try:
     import triton
     import triton.language as tl
@@ -242,16 +244,9 @@ def biased_attention_splits_triton(
             v.stride(0), v.stride(1), v.stride(2),
             b.stride(0), b.stride(1),
             HQ=Hq, GROUP=Hq // Hkv, D=D, BLOCK_D=BD, BLOCK_N=block_n, TILES=tiles,
-            ALIGNED=_aligned(k, v), HAS_BIAS=bias is not None,
+            ALIGNED=rows_aligned((k, v), dims=(0, 1)), HAS_BIAS=bias is not None,
         )  # fmt: skip
     return outp[..., :D], lsep
-
-
-def _aligned(*tensors: torch.Tensor) -> bool:
-    """Whether every tensor's batch and head strides are multiples of 16 elements and its base 16-byte aligned: each
-    head's rows then start aligned, and rows load as vectors where the row stride (specialised: Triton marks a
-    multiple of 16 itself) allows."""
-    return all(x % 16 == 0 for t in tensors for x in (t.stride(0), t.stride(1), t.data_ptr()))
 
 
 def factored_attention_batch_triton(query, key_factors, value_factors, scale, group, groups, block_n: int = 64):

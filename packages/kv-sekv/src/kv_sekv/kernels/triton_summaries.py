@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from kvcodec.kernels.alignment import rows_aligned
+
 try:
     import triton
     import triton.language as tl
@@ -163,6 +165,6 @@ def coarse_entries_triton(
     _coarse_entries_kernel[(n_spans, H, triton.cdiv(D, BD))](
         x, w, order, start, length, out,
         x.stride(0), x.stride(1), x.stride(2), n_spans,
-        D=D, BLOCK_D=BD, BLOCK_T=BT, CHUNKS=chunks, ALIGNED=x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0,
+        D=D, BLOCK_D=BD, BLOCK_T=BT, CHUNKS=chunks, ALIGNED=rows_aligned((x,), dims=(0,)),
     )  # fmt: skip
     return out
