@@ -92,8 +92,11 @@ def test_corrupt_disk_entry_is_a_counted_miss_and_dropped(tmp_path, damage):
         path.unlink()
     assert s.get("k") is None
     m = s.metrics
-    assert (m.corrupt, m.misses, m.disk_entries, m.disk_bytes) == (1, 1, 0, 0)
+    kind = "vanished" if damage == "delete" else "corrupt"  # a deleted file is not damage, but still a miss
+    assert (m.faults[f"fault_{kind}"], m.misses, m.disk_entries, m.disk_bytes) == (1, 1, 0, 0)
+    assert m.corrupt == (damage != "delete")
     assert not s.contains("k") and not path.exists()
+    assert s.take_changes() == ([], ["k"])  # an index kept elsewhere learns the entry is gone
 
 
 def test_thread_safety_smoke(tmp_path):

@@ -5,7 +5,9 @@
   the ``kvcompress.codecs`` entry-point group. :func:`codec` / :func:`codec_names`.
 * :func:`frame` / :func:`unframe` -- magic, version, codec hash, length and blake2b checksum around every payload;
   damage raises :class:`CorruptEntry` (a ``ValueError``), which readers treat as a miss.
-* :class:`TieredStore` -- thread-safe LRU over a byte budget in CPU memory, spilling to an optional disk directory.
+* :class:`TieredStore` -- thread- and process-safe LRU over a byte budget in CPU memory, spilling to an optional
+  disk directory that several processes may share; faults (full disk, I/O errors, vanished or corrupt files,
+  oversized entries) become misses or "not stored", counted by kind in a :class:`FaultLog`.
 * :class:`PageCache` -- a codec over a store, with hit/miss/bytes/time metrics.
 * :func:`chain_keys` -- one prefix-chained key per block of token ids, under a namespace (model, dtype, codec...).
 
@@ -15,6 +17,7 @@ Engine adapters (kv-vllm, kv-sglang) build on these; kvpages imports no engine.
 from kvpages.cache import CacheMetrics, PageCache
 from kvpages.codec import CODEC_FORMAT_VERSION, PageCodec
 from kvpages.errors import CorruptEntry
+from kvpages.faults import FAULT_KINDS, FaultLog, NonFinitePage, os_fault_kind
 from kvpages.framing import FRAME_VERSION, frame, frame_codec_hash, unframe
 from kvpages.keys import chain_keys
 from kvpages.lossless import LosslessCodec
@@ -25,10 +28,13 @@ from kvpages.uniform import UniformPageCodec
 __all__ = [
     "CODEC_FORMAT_VERSION",
     "ENTRY_POINT_GROUP",
+    "FAULT_KINDS",
     "FRAME_VERSION",
     "CacheMetrics",
     "CorruptEntry",
+    "FaultLog",
     "LosslessCodec",
+    "NonFinitePage",
     "PageCache",
     "PageCodec",
     "StoreMetrics",
@@ -39,5 +45,6 @@ __all__ = [
     "codec_names",
     "frame",
     "frame_codec_hash",
+    "os_fault_kind",
     "unframe",
 ]

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvcore.checks import check_finite, check_float, check_tensor
+from kvpages.faults import NonFinitePage
 from kvpages.framing import FRAME_VERSION, frame, unframe
 
 CODEC_FORMAT_VERSION = 1
@@ -55,7 +56,8 @@ class PageCodec(ABC):
         """Encode one page: ``keys`` and ``values`` ``[tokens, kv_heads, head_dim]``, same shape and float dtype.
 
         Raises ``TypeError``/``ValueError`` naming the argument for a non-tensor, a wrong rank, mismatched shapes
-        or dtypes, an unsupported dtype, an empty page, or a non-finite entry.
+        or dtypes, an unsupported dtype or an empty page; :class:`~kvpages.NonFinitePage` (a ``ValueError``) for
+        a non-finite entry under a lossy codec.
         """
         for name, x in (("keys", keys), ("values", values)):
             check_float(name, check_tensor(name, x, ndim=3))
@@ -70,8 +72,11 @@ class PageCodec(ABC):
         if keys.device != values.device:
             raise ValueError(f"keys and values must be on the same device, got {keys.device} and {values.device}")
         if not self.lossless:
-            check_finite("keys", keys)
-            check_finite("values", values)
+            for name, x in (("keys", keys), ("values", values)):
+                try:
+                    check_finite(name, x)
+                except ValueError as exc:
+                    raise NonFinitePage(f"{exc}: a lossy codec cannot encode it") from None
         return frame(self.encode_payload(keys, values), self.config_hash())
 
     def decode(self, blob: bytes, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
