@@ -55,6 +55,21 @@ def test_factory_and_real_scheduler(engine):
     assert r["r2_rescheduled_tokens"] == 2 * BLOCK + 5
     assert r["r2_resaves_after_failure"] == 2
     assert r["lookup_after_missing"] == BLOCK
+    # isolation on vLLM's real block hashes: cache_salt and LoRA adapters key entries apart
+    assert r["isolation_distinct_key_sets"] == 5
+    # (the plain prompt still has its block 0 indexed from above; the others were stored just now)
+    assert r["isolation_lookups"] == {
+        "plain": BLOCK,
+        "salt_a": 3 * BLOCK,
+        "salt_b": 0,
+        "lora_1": 3 * BLOCK,
+        "lora_2": 0,
+    }
+    assert r["unhashed_lookup"] == 0
+    assert r["lookup_after_eviction"] == 0  # block 0 reported evicted: nothing offered
+    assert r["reset_ok"] and r["indexed_after_reset"] == 0 and r["reset_in_metadata"] == [True, False]
+    assert "kv_load_failure_policy 'recompute'" in r["fail_policy_refused"]
+    assert r["prom"] == [3.0, 2.0, 4.0, 100.0, 5.0]
 
 
 def test_end_to_end_lossless_hits_and_recovers_from_corruption(engine):
@@ -95,3 +110,74 @@ def test_end_to_end_kivi4_bounded_drift(engine):
     assert 0.0 < r["drift"] < 0.5
     w = r["second"]["worker"]
     assert w["fp16_bytes"] / w["stored_bytes"] > 2.0  # bf16 KV stored in about a third of its fp16 size
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """The scenarios' prompts through vLLM without the connector (tokens, top-20 logprobs per step)."""
+    python, work = engine
+    return run_engine_script(python, SCRIPTS / "e2e.py", "reference", str(work))
+
+
+def drift(a: dict, b: dict) -> float:
+    """Max |logprob difference| over tokens in both top-20 lists, over the generated steps."""
+    return max(
+        (abs(sa[t] - sb[t]) for sa, sb in zip(a["logprobs"], b["logprobs"]) for t in set(sa) & set(sb)), default=0.0
+    )
+
+
+def same_as_reference(out: dict, ref: dict) -> bool:
+    """Same greedy tokens, every request finished by length (not failed), logprobs within float32 batching noise."""
+    return out["finish"] == "length" and out["tokens"] == ref["tokens"] and drift(out, ref) < 1e-4
+
+
+def test_cache_salt_keeps_tenants_apart_end_to_end(engine, reference):
+    """The same prompt under cache_salt "a", then "b", then "a": no hit across salts, a hit within one; no salt is
+    a third namespace. Outputs equal vLLM's without the connector."""
+    python, work = engine
+    r = run_engine_script(python, SCRIPTS / "e2e.py", "salt", str(work))
+    assert r["a1"] == {"hit_tokens": 0, "loaded_blocks": 0}
+    assert r["b"] == {"hit_tokens": 0, "loaded_blocks": 0}  # tenant b never reads tenant a's KV
+    assert r["a2"] == {"hit_tokens": 3 * BLOCK, "loaded_blocks": 3}
+    assert r["none"] == {"hit_tokens": 0, "loaded_blocks": 0}
+    assert all(same_as_reference(out, reference["prompt"]) for out in r["outputs"])
+
+
+def test_eviction_pressure_no_failed_request_outputs_as_without_connector(engine, reference):
+    """Budgets that hold ~4 of 16 distinct blocks, 8 prompts, 3 passes in different orders and batchings: the
+    workers report every eviction, so lookups offer only held entries; every request finishes with vLLM's own
+    output (lossless codec). Failed loads, if any race remains, are recomputed and counted."""
+    python, work = engine
+    r = run_engine_script(python, SCRIPTS / "e2e.py", "pressure", str(work))
+    sched, worker = r["scheduler"], r["worker"]
+    print(f"pressure: scheduler {sched}\nworker {worker}")
+    for outs in r["passes"]:
+        for out, ref in zip(outs, reference["pressure"]):
+            assert same_as_reference(out, ref), (out, ref)
+    assert sched["evicted_blocks"] > 0 and sched["hit_tokens"] > 0 and worker["loaded_blocks"] > 0
+    assert sched["failed_blocks"] == worker["failed_loads"] == 0  # every offered block was found
+    cpu_budget, disk_budget = r["budgets"]
+    assert worker["store"]["cpu_bytes"] <= cpu_budget and r["disk_bytes_on_disk"] <= disk_budget
+    held = worker["store"]["cpu_entries"] + worker["store"]["disk_entries"]  # inclusive tiers: an upper bound
+    assert 0 < sched["indexed_blocks"] <= held
+
+
+def test_faults_under_a_running_engine_are_recomputed_and_counted(engine, reference):
+    """A disk that fills up, files deleted and corrupted under the running engine, a read error: the engine keeps
+    serving, outputs equal vLLM's without the connector, and the counters say what happened."""
+    python, work = engine
+    r = run_engine_script(python, SCRIPTS / "e2e.py", "faults", str(work))
+    steps = r["steps"]
+    for name, step in steps.items():
+        for out, ref in zip(step["outputs"], reference["pressure"][:4]):
+            assert same_as_reference(out, ref), (name, out, ref)
+    print({name: step["delta"] for name, step in steps.items()})
+    assert steps["disk_full"]["delta"].get("fault_disk_full", 0) > 0 and steps["disk_full"]["entries_on_disk"] == 0
+    assert steps["fill"]["entries_on_disk"] > 0 and steps["hits"]["delta"].get("loaded_blocks", 0) > 0
+    assert steps["deleted"]["delta"].get("fault_vanished", 0) > 0
+    assert steps["corrupted"]["delta"].get("fault_corrupt", 0) > 0
+    assert steps["read_error"]["delta"].get("fault_io_error", 0) > 0
+    for name in ("deleted", "corrupted", "read_error"):  # each fault became a recompute, never a wrong token
+        assert steps[name]["delta"].get("failed_loads", 0) > 0, name
+    # the scheduler hears each request's first failed key; the worker counts that block and every later one
+    assert 0 < r["scheduler"]["failed_blocks"] <= r["worker"]["failed_loads"]

@@ -1,9 +1,15 @@
-"""Cache keys (block hash chain under a namespace) and the per-block entry format."""
+"""Cache keys (vLLM's block hashes under a namespace) and the per-block entry format."""
+
+import sys
+from pathlib import Path
 
 import pytest
 
 import kvpages
-from kv_vllm import block_keys, namespace, record
+from kv_vllm import namespace, record, request_keys
+
+sys.path.insert(0, str(Path(__file__).parent))
+from block_hashing import block_hashes
 
 
 def ns(**overrides):
@@ -12,25 +18,50 @@ def ns(**overrides):
     return namespace(**args)
 
 
-def test_keys_are_a_prefix_chain():
-    a = block_keys(ns(), list(range(12)), 4)
-    b = block_keys(ns(), list(range(8)) + [99, 9, 10, 11], 4)
+def keys_of(tokens, extra=None, n=None, **ns_overrides):
+    hashes = block_hashes(tokens, 4, extra)
+    return request_keys(ns(**ns_overrides), hashes, len(hashes) if n is None else n)
+
+
+def test_keys_follow_the_engine_block_hash_chain():
+    a = keys_of(list(range(12)))
+    b = keys_of(list(range(8)) + [99, 9, 10, 11])
     assert len(a) == 3 and len(set(a)) == 3
     assert a[:2] == b[:2] and a[2] != b[2]  # same prefix, same keys; a changed block changes its key
-    c = block_keys(ns(), [7] + list(range(1, 12)), 4)
+    c = keys_of([7] + list(range(1, 12)))
     assert not set(a) & set(c)  # a change in block 0 changes every later key
-    assert block_keys(ns(), list(range(14)), 4) == a  # the partial tail block gets no key
-    assert block_keys(ns(), list(range(12)), 4, num_blocks=2) == a[:2]
+    assert keys_of(list(range(14))) == a  # the partial tail block gets no key
+    assert keys_of(list(range(12)), n=2) == a[:2]
+
+
+@pytest.mark.parametrize("extra", ["lora:adapter-a", ("cache_salt", "tenant-1"), ("mm", "image-hash")])
+def test_what_the_engine_folds_into_its_hash_keys_entries_apart(extra):
+    """Same token ids, different LoRA / cache_salt / image behind the placeholders: no shared key."""
+    tokens = list(range(12))
+    assert not set(keys_of(tokens)) & set(keys_of(tokens, extra))
+    assert keys_of(tokens, extra) == keys_of(tokens, extra)
+
+
+def test_hashes_per_block_uses_the_hash_at_each_block_end():
+    hashes = block_hashes(list(range(16)), 2)  # the engine hashes every 2 tokens, KV blocks hold 4
+    by_two = request_keys(ns(), hashes, 4, hashes_per_block=2)
+    assert by_two == request_keys(ns(), hashes[1::2], 4)
+
+
+def test_a_request_without_enough_hashes_gets_no_keys():
+    assert request_keys(ns(), [], 2) is None
+    assert request_keys(ns(), block_hashes(list(range(8)), 4), 3) is None
+    assert request_keys(ns(), [], 0) == []
 
 
 @pytest.mark.parametrize(
     "field", [{"model": "other@"}, {"dtype": "bfloat16"}, {"num_kv_heads": 4}, {"codec_hash": "1" * 32}, {"tag": "x"}]
 )
 def test_every_namespace_field_changes_the_keys(field):
-    assert not set(block_keys(ns(), list(range(8)), 4)) & set(block_keys(ns(**field), list(range(8)), 4))
+    assert not set(keys_of(list(range(8)))) & set(keys_of(list(range(8)), **field))
 
 
-def test_namespace_validates():
+def test_namespace_and_keys_validate():
     with pytest.raises(ValueError, match="num_kv_heads"):
         ns(num_kv_heads=0)
     with pytest.raises(TypeError, match="codec_hash must be a str"):
@@ -38,7 +69,11 @@ def test_namespace_validates():
     with pytest.raises(ValueError, match="tp_rank"):
         ns(tp_rank=2, tp_size=2)
     with pytest.raises(ValueError, match="num_blocks"):
-        block_keys(ns(), list(range(8)), 4, num_blocks=3)
+        request_keys(ns(), [b"x"], -1)
+    with pytest.raises(TypeError, match="block_hashes must be a sequence of bytes"):
+        request_keys(ns(), b"abc", 1)
+    with pytest.raises(TypeError, match=r"block_hashes\[0\] must be non-empty bytes"):
+        request_keys(ns(), [17], 1)
 
 
 H = kvpages.codec("lossless").config_hash()

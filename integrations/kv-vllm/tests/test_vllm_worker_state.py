@@ -31,8 +31,8 @@ def test_lossless_round_trip_is_bit_exact_and_reports():
     for name in LAYERS:
         assert torch.equal(dst[name][0], src[name][3]) and torch.equal(dst[name][1], src[name][5])
         assert not dst[name][2:].any()
-    stored, missing = worker.take_report()
-    assert stored == ["k0", "k1"] and missing == [] and worker.take_report() == ([], [])
+    stored, failed, evicted = worker.take_report()
+    assert stored == ["k0", "k1"] and failed == evicted == [] and worker.take_report() == ([], [], [])
     m = worker.metrics
     assert m.saved_blocks == 2 and m.loaded_blocks == 2 and m.hits == 2
     assert m.fp16_bytes == 2 * len(LAYERS) * 2 * N * H * D * 2
@@ -81,8 +81,8 @@ def test_missing_and_corrupt_entries_fail_the_rest_of_the_request_and_write_noth
         assert torch.equal(dst[n][4], src[n][0])
         assert not dst[n][5:].any()  # nothing written into failed blocks
     assert not store.contains("b")  # the corrupt entry is dropped
-    _, missing = worker.take_report()
-    assert sorted(missing) == ["b", "zz"]
+    _, failed, evicted = worker.take_report()
+    assert sorted(failed) == ["b", "zz"] and evicted == []  # the dropped corrupt entry is reported once, as failed
     assert worker.metrics.corrupt == 1 and worker.metrics.misses == 1
 
 
@@ -107,8 +107,11 @@ def test_budget_is_respected_and_oversized_blocks_are_not_reported():
     assert stored == [f"k{i}" for i in range(6)]  # each fit when it was put
     assert store.metrics.cpu_bytes <= store.cpu_budget
     assert len(store.keys()) < 6  # the oldest were evicted
+    reported, failed, evicted = worker.take_report()  # the scheduler is told only what is still held
+    assert reported == store.keys() and sorted(reported + evicted) == sorted(stored) and failed == []
     tiny = WorkerState(kvpages.codec("lossless"), kvpages.TieredStore(100), "cpu")
     assert save(tiny, src, [BlockTransfer("x", 0)]) == []  # larger than the whole budget: not promised
+    assert tiny.metrics.not_stored == 1 and tiny.fault_counts()["fault_over_budget"] == 1
 
 
 def test_disk_tier_survives_a_new_worker(tmp_path):
@@ -117,5 +120,56 @@ def test_disk_tier_survives_a_new_worker(tmp_path):
     save(w1, src, [BlockTransfer("a", 0)])
     w2 = WorkerState(kvpages.codec("kivi-4"), kvpages.TieredStore(1 << 20, disk_dir=tmp_path), "cpu")
     w2.announce_existing()
-    assert w2.take_report() == (["a"], [])
+    assert w2.take_report() == (["a"], [], [])
     assert w2.load({n: torch.zeros_like(kv) for n, kv in src.items()}, {"r": [BlockTransfer("a", 1)]}) == set()
+
+
+def test_a_non_finite_page_under_a_lossy_codec_is_not_stored_and_counted():
+    worker = WorkerState(kvpages.codec("kivi-4"), kvpages.TieredStore(1 << 24), "cpu", LAYERS)
+    src = paged(torch.float32)
+    src[LAYERS[1]][1, 0, 3, 5] = float("nan")  # block 1 of the second layer only
+    assert save(worker, src, [BlockTransfer("a", 0), BlockTransfer("b", 1)]) == ["a"]
+    assert worker.metrics.not_stored == 1 and worker.fault_counts()["fault_nonfinite"] == 1
+    assert not worker.store.contains("b")
+
+
+def test_an_entry_lacking_a_layer_is_not_stored():
+    worker = WorkerState(kvpages.codec("lossless"), kvpages.TieredStore(1 << 24), "cpu", LAYERS)
+    src = paged()
+    worker.save_layer(LAYERS[0], src[LAYERS[0]], [BlockTransfer("a", 0)])  # the second layer never saved
+    assert worker.flush() == [] and worker.fault_counts()["fault_codec"] == 1
+
+
+@pytest.mark.parametrize("code,kind", [(28, "disk_full"), (5, "io_error"), (13, "permission")])
+def test_disk_faults_on_save_and_load_never_escape(tmp_path, monkeypatch, code, kind):
+    """A failing disk: saves are "not stored", loads of disk entries fail (recompute); counted by kind."""
+    import os
+    from pathlib import Path
+
+    store = kvpages.TieredStore(0, disk_dir=tmp_path)  # everything on disk
+    worker = WorkerState(kvpages.codec("lossless"), store, "cpu", LAYERS)
+    src = paged()
+    assert save(worker, src, [BlockTransfer("a", 0)]) == ["a"]
+
+    def failing(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(Path, "read_bytes", failing)
+    monkeypatch.setattr(os, "replace", failing)
+    assert save(worker, src, [BlockTransfer("b", 1)]) == []
+    dst = {n: torch.zeros_like(kv) for n, kv in src.items()}
+    assert worker.load(dst, {"r": [BlockTransfer("a", 2), BlockTransfer("b", 3)]}) == {2, 3}
+    assert not any(kv.any() for kv in dst.values())  # nothing written
+    faults = worker.fault_counts()
+    assert faults[f"fault_{kind}"] == 2  # the failed write and the failed read
+    assert worker.metrics.not_stored == 1 and worker.metrics.failed_loads == 2
+    stored, failed, evicted = worker.take_report()
+    # "a" was stored, then dropped when unreadable: the scheduler hears it once, as a failed load
+    assert (stored, failed, evicted) == ([], ["a"], []) and not store.contains("a")
+
+
+def test_reset_drops_every_entry(tmp_path):
+    worker = WorkerState(kvpages.codec("lossless"), kvpages.TieredStore(1 << 20, disk_dir=tmp_path), "cpu")
+    save(worker, paged(), [BlockTransfer("a", 0)])
+    worker.reset()
+    assert len(worker.store) == 0 and worker.take_report() == ([], [], [])

@@ -19,7 +19,7 @@ from kvpages.codec import CODEC_FORMAT_VERSION, PageCodec
 from kvpages.errors import CorruptEntry
 from kvpages.faults import FAULT_KINDS, FaultLog, NonFinitePage, os_fault_kind
 from kvpages.framing import FRAME_VERSION, frame, frame_codec_hash, unframe
-from kvpages.keys import chain_keys
+from kvpages.keys import chain_keys, namespace_digest
 from kvpages.lossless import LosslessCodec
 from kvpages.registry import ENTRY_POINT_GROUP, codec, codec_names
 from kvpages.tiered import StoreMetrics, TieredStore
@@ -45,6 +45,7 @@ __all__ = [
     "codec_names",
     "frame",
     "frame_codec_hash",
+    "namespace_digest",
     "os_fault_kind",
     "unframe",
 ]

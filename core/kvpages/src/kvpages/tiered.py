@@ -171,8 +171,13 @@ class TieredStore:
             self.faults.record("over_budget", f"an entry of {len(blob)} bytes is larger than every tier: not stored")
             return False
 
-    def get(self, key: str) -> bytes | None:
-        """The blob under ``key``, or None (a miss: absent, or found corrupt / unreadable on disk and dropped)."""
+    def get(self, key: str, *, promote: bool = True) -> bytes | None:
+        """The blob under ``key``, or None (a miss: absent, or found corrupt / unreadable on disk and dropped).
+
+        A disk hit is copied into the CPU tier when ``promote`` (which may evict other CPU entries to disk, and
+        those may push disk entries out); ``promote=False`` reads without changing what either tier holds, which a
+        caller loading several planned entries in a row needs so that one read never evicts the next.
+        """
         _check_key(key)
         with self._lock:
             blob = self._cpu.get(key)
@@ -186,7 +191,7 @@ class TieredStore:
                     self._counts["hits"] += 1
                     self._counts["disk_hits"] += 1
                     self._disk.move_to_end(key)
-                    if len(blob) <= self.cpu_budget:
+                    if promote and len(blob) <= self.cpu_budget:
                         self._cpu[key] = blob
                         self._cpu_used += len(blob)
                         self._shrink_cpu()

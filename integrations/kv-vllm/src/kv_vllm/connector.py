@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from .config import ConnectorConfig
 from .keys import namespace
@@ -51,24 +51,31 @@ class KVCompressMetadata(KVConnectorMetadata):
 
     loads: dict[str, list[BlockTransfer]] = field(default_factory=dict)
     saves: list[BlockTransfer] = field(default_factory=list)
+    reset: bool = False
 
 
 @dataclass
 class KVCompressWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, once per step: entries stored, and entries a load found missing or corrupt."""
+    """Worker -> scheduler, once per step: entries stored, planned loads that failed, entries that left the store."""
 
     stored: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    evicted: list[str] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, KVCompressWorkerMetadata)
-        return KVCompressWorkerMetadata(self.stored + other.stored, self.missing + other.missing)
+        if not isinstance(other, KVCompressWorkerMetadata):
+            raise TypeError(f"cannot aggregate KVCompressWorkerMetadata with {type(other).__name__}")
+        return KVCompressWorkerMetadata(
+            self.stored + other.stored, self.failed + other.failed, self.evicted + other.evicted
+        )
 
 
 @dataclass
 class KVCompressStats(KVConnectorStats):
-    """Worker counters over an interval (blocks, hits, misses, bytes, codec seconds), logged by vLLM periodically
-    as "KV Transfer metrics"; ``compression`` is fp16 bytes per stored byte over the interval."""
+    """Worker counters over an interval, logged by vLLM periodically as "KV Transfer metrics" and exported to
+    Prometheus by :class:`KVCompressPromMetrics`: blocks saved / not stored / loaded / failed, hits, misses, corrupt
+    entries, bytes stored and their fp16 size, codec seconds, and ``fault_<kind>`` for every fault kind;
+    ``compression`` is fp16 bytes per stored byte and ``saved_bytes`` fp16 minus stored bytes over the interval."""
 
     def reset(self) -> None:
         self.data = {}
@@ -82,10 +89,56 @@ class KVCompressStats(KVConnectorStats):
         out = {k: round(v, 4) if isinstance(v, float) else v for k, v in self.data.items()}
         stored = self.data.get("stored_bytes", 0)
         out["compression"] = round(self.data.get("fp16_bytes", 0) / stored, 3) if stored else 0.0
+        out["saved_bytes"] = self.data.get("fp16_bytes", 0) - stored
         return out
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+# Prometheus counters: name suffix -> (documentation, the stats keys it sums, label name or None)
+_PROM_COUNTERS = {
+    "blocks": ("KV blocks by event (saved, not_stored, loaded, failed_load)", "event"),
+    "lookups": ("Block loads by outcome (hit, miss, corrupt)", "outcome"),
+    "bytes": ("Bytes stored, and the same KV's size in fp16", "kind"),
+    "faults": ("Faults turned into 'not stored' or a recompute, by kind", "kind"),
+}
+_PROM_SOURCES = {
+    "blocks": {
+        "saved_blocks": "saved",
+        "not_stored": "not_stored",
+        "loaded_blocks": "loaded",
+        "failed_loads": "failed_load",
+    },
+    "lookups": {"hits": "hit", "misses": "miss", "corrupt": "corrupt"},
+    "bytes": {"stored_bytes": "stored", "fp16_bytes": "fp16"},
+}
+
+
+class KVCompressPromMetrics(KVConnectorPromMetrics):
+    """Prometheus counters of the connector, per engine: ``vllm:kvcompress_blocks_total{event}``,
+    ``vllm:kvcompress_lookups_total{outcome}``, ``vllm:kvcompress_bytes_total{kind}`` and
+    ``vllm:kvcompress_faults_total{kind}``, fed from :class:`KVCompressStats` intervals."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: self._counter_cls(
+                name=f"vllm:kvcompress_{name}_total", documentation=doc, labelnames=[*self._labelnames, label]
+            )
+            for name, (doc, label) in _PROM_COUNTERS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        engine = list(self.per_engine_labelvalues[engine_idx])
+        for name, sources in _PROM_SOURCES.items():
+            for key, label in sources.items():
+                value = transfer_stats_data.get(key, 0)
+                if value:
+                    self._counters[name].labels(*engine, label).inc(value)
+        for key, value in transfer_stats_data.items():
+            if key.startswith("fault_") and value:
+                self._counters["faults"].labels(*engine, key.removeprefix("fault_")).inc(value)
 
 
 def _kv_spec(kv_cache_config: KVCacheConfig | None) -> Any:
@@ -113,12 +166,16 @@ class KVCompressConnector(KVConnectorBase_V1):
     """Compressed prefix-KV reuse for vLLM: whole blocks of prompt KV stored through a kvpages codec.
 
     * Scheduler side: block-aligned prefix lookup (no side effects) over the index of stored entries, keyed by
-      model, KV dtype and shape, block hash chain and the codec's config hash; synchronous loads.
+      vLLM's own block hashes (tokens, LoRA, multimodal inputs, ``cache_salt``, prompt embeddings) under the model,
+      KV dtype and shape and the codec's config hash; the workers report what they stored and what left the store
+      (evictions, corrupt or vanished entries), so a lookup offers only what the store last held; synchronous loads.
     * Worker side: ``save_kv_layer`` gathers the step's newly completed prompt blocks from the paged layer and
       encodes them; ``wait_for_save`` stores one entry per block in a :class:`kvpages.TieredStore` (CPU LRU byte
       budget, optional disk tier); ``start_load_kv`` decodes and scatters planned blocks into the allocated ones.
-      Failed loads (missing, truncated, corrupt) are reported through ``get_block_ids_with_load_errors``, so
-      vLLM recomputes them (with ``kv_load_failure_policy: "recompute"``).
+      Failed loads (missing, truncated, corrupt, unreadable) are reported through
+      ``get_block_ids_with_load_errors``, so vLLM recomputes them: ``kv_load_failure_policy: "recompute"`` is
+      required (refused otherwise). No fault of the codec or the store escapes into the engine step: each is
+      "not stored" or "recompute", counted in the metrics by kind and logged once per kind.
 
     It saves storage and prefill compute on prefix hits, not GPU memory during decode, and never evicts tokens.
     Tensor and pipeline parallelism are not supported yet (a clear error at start-up).
@@ -146,39 +203,50 @@ class KVCompressConnector(KVConnectorBase_V1):
             codec_hash=self.codec.config_hash(),
             tag=self.config.tag,
         )
-        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
-            logger.warning(
-                "KVCompressConnector: kv_load_failure_policy is %r; with 'recompute' a failed load (an entry evicted "
-                "or found corrupt between lookup and load) is recomputed instead of failing the request",
-                self._kv_transfer_config.kv_load_failure_policy,
+        policy = self._kv_transfer_config.kv_load_failure_policy
+        if policy != "recompute":
+            raise ValueError(
+                f"KVCompressConnector needs kv_load_failure_policy 'recompute', got {policy!r}: its entries live in a "
+                f"best-effort cache (an entry can be evicted, deleted or damaged between a lookup and its load), and "
+                f"under {policy!r} such a block fails the request instead of being recomputed"
             )
         self.scheduler: SchedulerState | None = None
         self.worker: WorkerState | None = None
         self._load_errors: set[int] = set()
+        self._save_failed = False
         self._announced = False
         self._stats_base: dict[str, float] = {}
+        hash_block = kv_cache_config.hash_block_size or spec.block_size  # None before vLLM resolves it
+        if spec.block_size % hash_block:
+            raise NotImplementedError(
+                f"KVCompressConnector: vLLM hashes blocks of {hash_block} tokens, not a divisor of the KV block size "
+                f"{spec.block_size}"
+            )
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerState(ns, spec.block_size)
+            self.scheduler = SchedulerState(ns, spec.block_size, spec.block_size // hash_block)
         else:
             layout = None if self.config.layout == "auto" else self.config.layout
-            self.worker = WorkerState(self.codec, self.config.build_store(), layout)
+            self.worker = WorkerState(self.codec, self.config.build_store(), layout, self._layer_names)
         logger.info("KVCompressConnector (%s): codec %r, namespace %s", role.name, self.config.codec, ns)
 
     # =========================================================================================== scheduler
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
-        return self.scheduler.lookup(request.prompt_token_ids or [], num_computed_tokens), False
+        hits = self.scheduler.lookup(request.block_hashes, request.num_prompt_tokens, num_computed_tokens)
+        return hits, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
         block_ids = blocks.get_block_ids()[0]
-        self.scheduler.after_alloc(request.request_id, request.prompt_token_ids or [], block_ids, num_external_tokens)
+        self.scheduler.after_alloc(
+            request.request_id, request.block_hashes, request.num_prompt_tokens, block_ids, num_external_tokens
+        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         num_scheduled = scheduler_output.num_scheduled_tokens
         new = [
-            (r.req_id, r.prompt_token_ids or [], r.block_ids[0], r.num_computed_tokens, num_scheduled.get(r.req_id, 0))
+            (r.req_id, r.block_ids[0], r.num_computed_tokens, num_scheduled.get(r.req_id, 0))
             for r in scheduler_output.scheduled_new_reqs
         ]
         cached_reqs = scheduler_output.scheduled_cached_reqs
@@ -195,13 +263,21 @@ class KVCompressConnector(KVConnectorBase_V1):
                 )
             )
         plan = self.scheduler.build(new, cached)
-        return KVCompressMetadata(loads=plan.loads, saves=plan.saves)
+        return KVCompressMetadata(loads=plan.loads, saves=plan.saves, reset=plan.reset)
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self.scheduler is not None
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KVCompressWorkerMetadata):
-            self.scheduler.on_worker_report(meta.stored, meta.missing)
+            self.scheduler.on_worker_report(meta.stored, meta.failed, meta.evicted)
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: forget every entry now; the workers drop their
+        stores (CPU and disk) at the start of the next step, before any load or save."""
+        if self.scheduler is None:
+            return None
+        self.scheduler.reset()
+        return True
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is not None:
@@ -236,11 +312,20 @@ class KVCompressConnector(KVConnectorBase_V1):
         assert self.worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVCompressMetadata)
+        if meta.reset:
+            try:
+                self.worker.reset()
+            except Exception as exc:  # never in the engine step; what could not be removed is a later miss
+                self.worker.faults.record("unexpected", "reset_cache did not complete", exc)
         if not meta.loads:
             return
-        layers = self._kv_layers(forward_context)
-        self._resolve_layout(next(iter(layers)))
-        self._load_errors |= self.worker.load(layers, meta.loads)
+        try:
+            layers = self._kv_layers(forward_context)
+            self._resolve_layout(next(iter(layers)))
+            self._load_errors |= self.worker.load(layers, meta.loads)
+        except Exception as exc:  # an unexpected fault: every planned block is recomputed, none is trusted
+            self.worker.faults.record("unexpected", "loads failed: every planned block recomputed", exc)
+            self._load_errors |= self.worker.fail_all(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous in start_load_kv
@@ -251,12 +336,27 @@ class KVCompressConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVCompressMetadata)
         if not meta.saves or layer_name not in self._layer_names:
             return
-        self._resolve_layout(layer_name)
-        self.worker.save_layer(layer_name, kv_layer, meta.saves)
+        try:
+            self._resolve_layout(layer_name)
+            self.worker.save_layer(layer_name, kv_layer, meta.saves)
+        except Exception as exc:  # an unexpected fault: this step stores nothing (the entries would lack a layer)
+            self.worker.faults.record("unexpected", "saves failed: this step's blocks not stored", exc)
+            self.worker.metrics.not_stored += len(meta.saves)
+            self.worker.discard_pending()
+            self._save_failed = True
 
     def wait_for_save(self) -> None:
         assert self.worker is not None
-        self.worker.flush()
+        try:
+            if self._save_failed:
+                self.worker.discard_pending()
+            else:
+                self.worker.flush()
+        except Exception as exc:
+            self.worker.faults.record("unexpected", "saves failed: this step's blocks not stored", exc)
+            self.worker.discard_pending()
+        finally:
+            self._save_failed = False
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -265,13 +365,17 @@ class KVCompressConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self.worker is None:
             return None
-        if not self._announced:  # entries on disk from an earlier run become hits
-            self.worker.announce_existing()
-            self._announced = True
-        stored, missing = self.worker.take_report()
-        if not stored and not missing:
+        try:
+            if not self._announced:  # entries on disk from an earlier run become hits
+                self.worker.announce_existing()
+                self._announced = True
+            stored, failed, evicted = self.worker.take_report()
+        except Exception as exc:  # the index stays as it was; a stale entry is a failed load, recomputed
+            self.worker.faults.record("unexpected", "worker report skipped this step", exc)
             return None
-        return KVCompressWorkerMetadata(stored, missing)
+        if not stored and not failed and not evicted:
+            return None
+        return KVCompressWorkerMetadata(stored, failed, evicted)
 
     # ============================================================================================= metrics
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
@@ -279,6 +383,7 @@ class KVCompressConnector(KVConnectorBase_V1):
         if self.worker is None:
             return None
         now = {k: v for k, v in self.worker.metrics.__dict__.items() if isinstance(v, (int, float))}
+        now.update(self.worker.fault_counts())
         delta = {k: v - self._stats_base.get(k, 0) for k, v in now.items()}
         self._stats_base = now
         stats = KVCompressStats(data=delta)
@@ -287,6 +392,11 @@ class KVCompressConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVCompressStats(data=dict(data)) if data is not None else KVCompressStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        """Register the connector's Prometheus counters (:class:`KVCompressPromMetrics`)."""
+        return KVCompressPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def metrics(self) -> dict[str, Any]:
         """Counters of this side: scheduler (lookups, hit tokens) or worker (blocks, bytes, codec seconds, store)."""
@@ -297,7 +407,12 @@ class KVCompressConnector(KVConnectorBase_V1):
                 **self.scheduler.metrics.as_dict(),
             }
         assert self.worker is not None
-        return {"role": "worker", **self.worker.metrics.as_dict(), "store": self.worker.store.metrics.as_dict()}
+        return {
+            "role": "worker",
+            **self.worker.metrics.as_dict(),
+            **self.worker.fault_counts(),
+            "store": self.worker.store.metrics.as_dict(),
+        }
 
     def shutdown(self) -> None:
         logger.info("KVCompressConnector metrics: %s", self.metrics())

@@ -4,9 +4,17 @@ vLLM's scheduler asks the connector how many prompt tokens beyond its own prefix
 (:meth:`SchedulerState.lookup`, side-effect free), tells it which blocks it allocated
 (:meth:`SchedulerState.after_alloc`), and once per step asks for the metadata the workers act on
 (:meth:`SchedulerState.build`): blocks to load (decode + scatter before the forward pass) and blocks to save
-(gather + encode after each layer's attention). The workers report back which entries they stored and which loads
-missed (:meth:`SchedulerState.on_worker_report`); that report is the scheduler's index of what the store holds,
-because the store lives in the worker process.
+(gather + encode after each layer's attention). The workers report back which entries they stored, which loads
+failed, and which entries left the store (evicted, found corrupt, vanished) (:meth:`SchedulerState.on_worker_report`);
+that report is the scheduler's index of what the store holds, because the store lives in the worker process.
+
+A lookup therefore offers only entries the workers last reported as held. What can still go wrong between a lookup
+and the load (an entry evicted by the same step's saves, a file deleted or damaged on disk, an I/O error) is reported
+by the worker as failed blocks, which vLLM recomputes: the connector requires ``kv_load_failure_policy: "recompute"``.
+
+Keys come from vLLM's own block hashes (:func:`kv_vllm.keys.request_keys`), so a request is identified the way vLLM's
+prefix cache identifies it (tokens, LoRA, multimodal inputs, ``cache_salt``, prompt embeddings). A request without
+block hashes is neither offered a hit nor saved, and counted in ``metrics.unhashed_requests``.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from dataclasses import dataclass, field
 
 from kvcore.checks import check_int
 
-from .keys import block_keys
+from .keys import request_keys
 
 
 @dataclass(frozen=True)
@@ -33,33 +41,41 @@ class StepPlan:
 
     ``loads`` maps a request id to its blocks to load, in token order (a failure at block ``i`` means blocks
     ``i..`` of that request are reported failed: vLLM recomputes from the first one). ``saves`` lists blocks to
-    store, each key once.
+    store, each key once. ``reset`` asks the workers to drop every entry first (vLLM's ``reset_cache``).
     """
 
     loads: dict[str, list[BlockTransfer]] = field(default_factory=dict)
     saves: list[BlockTransfer] = field(default_factory=list)
+    reset: bool = False
 
     def is_empty(self) -> bool:
-        return not self.loads and not self.saves
+        return not self.loads and not self.saves and not self.reset
 
 
 @dataclass
 class _Request:
-    token_ids: list[int]
-    keys: list[str]  # keys of the full *prompt* blocks
+    keys: list[str]  # keys of the full *prompt* blocks that may be stored (empty when the request has no hashes)
     block_ids: list[int] = field(default_factory=list)
     saved_upto: int = 0  # prompt blocks already considered for saving
 
 
 @dataclass
 class SchedulerMetrics:
-    """Prefix lookups as the scheduler sees them (tokens, counted once per allocation)."""
+    """Prefix lookups as the scheduler sees them.
+
+    ``lookup_tokens`` / ``hit_tokens``: prompt tokens allocated and tokens offered from the store (counted once per
+    allocation); ``save_blocks`` / ``load_blocks``: blocks planned; ``failed_blocks``: planned loads the workers
+    reported failed (recomputed by vLLM); ``evicted_blocks``: entries the workers reported gone from the store;
+    ``unhashed_requests``: requests refused because vLLM gave them no block hashes.
+    """
 
     lookup_tokens: int = 0
     hit_tokens: int = 0
     save_blocks: int = 0
     load_blocks: int = 0
     failed_blocks: int = 0
+    evicted_blocks: int = 0
+    unhashed_requests: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -73,28 +89,39 @@ class SchedulerState:
     namespace : Mapping[str, str]
         Key namespace (:func:`kv_vllm.keys.namespace`).
     block_size : int
-        Tokens per vLLM block.
+        Tokens per vLLM KV block.
+    hashes_per_block : int
+        vLLM block hashes per KV block (``block_size // hash_block_size``; 1 unless vLLM hashes at a finer grain).
     """
 
-    def __init__(self, namespace: Mapping[str, str], block_size: int):
+    def __init__(self, namespace: Mapping[str, str], block_size: int, hashes_per_block: int = 1):
         self.namespace = dict(namespace)
         self.block_size = check_int("block_size", block_size, low=1)
+        self.hashes_per_block = check_int("hashes_per_block", hashes_per_block, low=1)
         self.index: set[str] = set()
         self.metrics = SchedulerMetrics()
         self._requests: dict[str, _Request] = {}
         self._pending_loads: dict[str, list[BlockTransfer]] = {}
+        self._reset = False
 
     # ------------------------------------------------------------------------------------------- lookup
-    def prompt_keys(self, prompt_token_ids: Sequence[int]) -> list[str]:
+    def prompt_keys(self, block_hashes: Sequence[bytes], num_prompt_tokens: int) -> list[str] | None:
         """Keys of the prompt's blocks that may be supplied: full blocks, leaving at least the last token.
 
         vLLM must compute at least one prompt token itself (to sample from its logits), so a prompt of exactly
-        ``k`` blocks offers only ``k - 1`` of them.
+        ``k`` blocks offers only ``k - 1`` of them. None when vLLM gave the request too few block hashes.
         """
-        usable = max(len(prompt_token_ids) - 1, 0) // self.block_size
-        return block_keys(self.namespace, prompt_token_ids, self.block_size, usable)
+        check_int("num_prompt_tokens", num_prompt_tokens, low=0)
+        usable = max(num_prompt_tokens - 1, 0) // self.block_size
+        return request_keys(self.namespace, block_hashes, usable, self.hashes_per_block)
 
-    def lookup(self, prompt_token_ids: Sequence[int], num_computed_tokens: int) -> int:
+    def _run(self, keys: Sequence[str]) -> int:
+        run = 0
+        while run < len(keys) and keys[run] in self.index:
+            run += 1
+        return run
+
+    def lookup(self, block_hashes: Sequence[bytes], num_prompt_tokens: int, num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` the store can supply (a multiple of the block size, maybe 0).
 
         Counts the leading run of the prompt's block keys present in the index. No side effects: vLLM may call
@@ -103,16 +130,19 @@ class SchedulerState:
         check_int("num_computed_tokens", num_computed_tokens, low=0)
         if num_computed_tokens % self.block_size:
             return 0  # vLLM's local hits are whole blocks; anything else is not ours to extend
-        hits = 0
-        for key in self.prompt_keys(prompt_token_ids):
-            if key not in self.index:
-                break
-            hits += 1
-        return max(hits * self.block_size - num_computed_tokens, 0)
+        keys = self.prompt_keys(block_hashes, num_prompt_tokens)
+        if not keys:
+            return 0
+        return max(self._run(keys) * self.block_size - num_computed_tokens, 0)
 
     # ---------------------------------------------------------------------------------------- allocation
     def after_alloc(
-        self, request_id: str, prompt_token_ids: Sequence[int], block_ids: Sequence[int], num_external_tokens: int
+        self,
+        request_id: str,
+        block_hashes: Sequence[bytes],
+        num_prompt_tokens: int,
+        block_ids: Sequence[int],
+        num_external_tokens: int,
     ) -> None:
         """Record the blocks vLLM allocated; plan the load of ``num_external_tokens`` tokens into them.
 
@@ -121,15 +151,13 @@ class SchedulerState:
         blocks ``run - num_external_tokens / block_size`` up to ``run``.
         """
         check_int("num_external_tokens", num_external_tokens, low=0)
-        req = self._track(request_id, prompt_token_ids)
+        req = self._track(request_id, block_hashes, num_prompt_tokens)
         req.block_ids = list(block_ids)
-        self.metrics.lookup_tokens += len(prompt_token_ids)
+        self.metrics.lookup_tokens += num_prompt_tokens
         if num_external_tokens == 0:
             return
-        keys = self.prompt_keys(prompt_token_ids)
-        run = 0
-        while run < len(keys) and keys[run] in self.index:
-            run += 1
+        keys = self.prompt_keys(block_hashes, num_prompt_tokens) or []
+        run = self._run(keys)
         if num_external_tokens % self.block_size or num_external_tokens > run * self.block_size:
             raise ValueError(
                 f"request {request_id}: cannot load {num_external_tokens} tokens: the store offers {run} whole "
@@ -145,24 +173,28 @@ class SchedulerState:
     # ---------------------------------------------------------------------------------------------- steps
     def build(
         self,
-        new_requests: Sequence[tuple[str, Sequence[int], Sequence[int], int, int]],
+        new_requests: Sequence[tuple[str, Sequence[int], int, int]],
         cached_requests: Sequence[tuple[str, Sequence[int] | None, bool, int, int]],
     ) -> StepPlan:
         """Plan one step; resets the pending loads.
 
         Parameters
         ----------
-        new_requests : sequence of (request_id, prompt_token_ids, block_ids, num_computed_tokens, num_scheduled)
-            Requests scheduled for the first time (``block_ids`` all of their blocks).
+        new_requests : sequence of (request_id, block_ids, num_computed_tokens, num_scheduled)
+            Requests scheduled for the first time (``block_ids`` all of their blocks; their keys were recorded by
+            :meth:`after_alloc`).
         cached_requests : sequence of (request_id, new_block_ids or None, resumed, num_computed_tokens,
             num_scheduled)
             Requests already running; ``new_block_ids`` are appended, or replace the list when ``resumed`` after
             preemption (vLLM then sends all of them).
         """
-        plan = StepPlan()
+        plan = StepPlan(reset=self._reset)
+        self._reset = False
         planned: set[str] = set()
-        for request_id, prompt, block_ids, computed, scheduled in new_requests:
-            req = self._track(request_id, prompt)
+        for request_id, block_ids, computed, scheduled in new_requests:
+            req = self._requests.get(request_id)
+            if req is None:
+                continue  # never allocated through after_alloc: nothing known to key it by
             req.block_ids = list(block_ids)
             self._plan_saves(req, computed + scheduled, plan, planned)
         for request_id, new_block_ids, resumed, computed, scheduled in cached_requests:
@@ -190,27 +222,44 @@ class SchedulerState:
                 planned.add(key)
         req.saved_upto = max(req.saved_upto, full)
 
-    def _track(self, request_id: str, prompt: Sequence[int]) -> _Request:
+    def _track(self, request_id: str, block_hashes: Sequence[bytes], num_prompt_tokens: int) -> _Request:
         req = self._requests.get(request_id)
         if req is None:
-            tokens = list(prompt)
-            req = _Request(tokens, block_keys(self.namespace, tokens, self.block_size))
+            full = num_prompt_tokens // self.block_size
+            keys = request_keys(self.namespace, block_hashes, full, self.hashes_per_block)
+            if keys is None:  # no hashes from vLLM: refuse to key this request by anything else
+                self.metrics.unhashed_requests += 1
+                keys = []
+            req = _Request(keys)
             self._requests[request_id] = req
         return req
 
     # -------------------------------------------------------------------------------------- worker report
-    def on_worker_report(self, stored: Sequence[str], missing: Sequence[str]) -> None:
-        """Index the entries the workers stored; forget those a load found missing or corrupt."""
+    def on_worker_report(self, stored: Sequence[str], failed: Sequence[str], evicted: Sequence[str] = ()) -> None:
+        """Apply a worker report: index what it stored, forget what failed to load and what left the store.
+
+        ``failed`` are planned loads that found no usable entry (vLLM recomputes those blocks); ``evicted`` are
+        entries that left the store without a load noticing (evicted for room, deleted, found gone on disk).
+        """
         self.index.update(stored)
-        self.index.difference_update(missing)
-        self.metrics.failed_blocks += len(missing)
-        if missing:  # vLLM recomputes the failed blocks of running requests: save them again when it does
-            gone = set(missing)
+        self.index.difference_update(failed)
+        self.index.difference_update(evicted)
+        self.metrics.failed_blocks += len(failed)
+        self.metrics.evicted_blocks += len(evicted)
+        if failed:  # vLLM recomputes the failed blocks of running requests: save them again when it does
+            gone = set(failed)
             for req in self._requests.values():
                 for i in range(min(req.saved_upto, len(req.keys))):
                     if req.keys[i] in gone:
                         req.saved_upto = i
                         break
+
+    def reset(self) -> None:
+        """Forget every indexed entry and tell the workers (next step's plan) to drop their stores."""
+        self.index.clear()
+        self._reset = True
+        for req in self._requests.values():
+            req.saved_upto = 0
 
     def finished(self, request_id: str) -> None:
         """Forget a finished request (its saves happened synchronously in its steps)."""

@@ -64,7 +64,8 @@ def kv_cache_config(num_blocks: int = 64):
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
 
 
-def make_request(rid: str, prompt: list[int]):
+def make_request(rid: str, prompt: list[int], hashed: bool = True, **kwargs):
+    """A real vLLM Request with vLLM's own block hasher (``kwargs``: cache_salt, lora_request, ...)."""
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -78,7 +79,8 @@ def make_request(rid: str, prompt: list[int]):
         prompt_token_ids=prompt,
         sampling_params=params,
         pooling_params=None,
-        block_hasher=get_request_block_hasher(BLOCK, sha256),
+        block_hasher=get_request_block_hasher(BLOCK, sha256) if hashed else None,
+        **kwargs,
     )
 
 
@@ -183,7 +185,7 @@ def main() -> None:
     checks["r2_saves"] = len(meta.saves)
     # 3. the worker reports the second block failed to load and missing: vLLM recomputes from it
     failed = {meta.loads["r2"][1].block_id, meta.loads["r2"][2].block_id}
-    report = KVCompressWorkerMetadata(missing=[meta.loads["r2"][1].key, meta.loads["r2"][2].key])
+    report = KVCompressWorkerMetadata(failed=[meta.loads["r2"][1].key, meta.loads["r2"][2].key])
     sched.update_from_output(out, runner_output([r2], 2, worker_meta=report, invalid=failed))
     checks["r2_computed_after_failure"] = r2.num_computed_tokens
     out = sched.schedule()
@@ -191,6 +193,72 @@ def main() -> None:
     meta = out.kv_connector_metadata
     checks["r2_resaves_after_failure"] = len(meta.saves)
     checks["lookup_after_missing"] = conn.get_num_new_matched_tokens(make_request("r3", prompt), 0)[0]
+
+    # 4. isolation on real block hashes: same token ids, other cache_salt / LoRA adapter -> other keys
+    from vllm.lora.request import LoRARequest
+
+    variants = {
+        "plain": {},
+        "salt_a": {"cache_salt": "tenant-a"},
+        "salt_b": {"cache_salt": "tenant-b"},
+        "lora_1": {"lora_request": LoRARequest("adapter-1", 1, "/nonexistent/adapter-1")},
+        "lora_2": {"lora_request": LoRARequest("adapter-2", 2, "/nonexistent/adapter-2")},
+    }
+    state = conn.scheduler
+    keys = {}
+    for name, kwargs in variants.items():
+        req = make_request(f"iso-{name}", prompt, **kwargs)
+        keys[name] = state.prompt_keys(req.block_hashes, req.num_prompt_tokens)
+    checks["isolation_distinct_key_sets"] = len({k[0] for k in keys.values()})
+    state.on_worker_report(keys["salt_a"] + keys["lora_1"], [])
+    checks["isolation_lookups"] = {
+        name: conn.get_num_new_matched_tokens(make_request(f"iso2-{name}", prompt, **kw), 0)[0]
+        for name, kw in variants.items()
+    }
+    # 5. a request vLLM gave no block hashes: no hit, nothing saved, counted
+    bare = make_request("bare", prompt, hashed=False)
+    checks["unhashed_lookup"] = conn.get_num_new_matched_tokens(bare, 0)[0]
+    # 6. an eviction the worker reports removes the hit before any load is planned
+    state.on_worker_report([], [], keys["salt_a"][:1])
+    checks["lookup_after_eviction"] = conn.get_num_new_matched_tokens(
+        make_request("ev", prompt, cache_salt="tenant-a"), 0
+    )[0]
+    # 7. vLLM's reset_prefix_cache(reset_connector=True) empties the index and tells the workers once
+    checks["reset_ok"] = sched.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+    checks["indexed_after_reset"] = len(state.index)
+    out = sched.schedule()
+    checks["reset_in_metadata"] = [out.kv_connector_metadata.reset, sched.schedule().kv_connector_metadata.reset]
+    # 8. the load-failure policy that would fail requests is refused at creation
+    fail_cfg = vllm_config(model, {})
+    fail_cfg.kv_transfer_config.kv_load_failure_policy = "fail"
+    try:
+        KVConnectorFactory.create_connector(fail_cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+        checks["fail_policy_refused"] = ""
+    except ValueError as exc:
+        checks["fail_policy_refused"] = str(exc)
+    # 9. Prometheus: vLLM's metric classes, our counters
+    import prometheus_client
+
+    prom = KVCompressConnector.build_prom_metrics(
+        cfg,
+        {
+            prometheus_client.Gauge: prometheus_client.Gauge,
+            prometheus_client.Counter: prometheus_client.Counter,
+            prometheus_client.Histogram: prometheus_client.Histogram,
+        },
+        ["model_name", "engine"],
+        {0: ["tiny", "0"]},
+    )
+    prom.observe({"saved_blocks": 3, "failed_loads": 2, "hits": 4, "stored_bytes": 100, "fault_disk_full": 5})
+    sample = prometheus_client.REGISTRY.get_sample_value
+    labels = {"model_name": "tiny", "engine": "0"}
+    checks["prom"] = [
+        sample("vllm:kvcompress_blocks_total", {**labels, "event": "saved"}),
+        sample("vllm:kvcompress_blocks_total", {**labels, "event": "failed_load"}),
+        sample("vllm:kvcompress_lookups_total", {**labels, "outcome": "hit"}),
+        sample("vllm:kvcompress_bytes_total", {**labels, "kind": "stored"}),
+        sample("vllm:kvcompress_faults_total", {**labels, "kind": "disk_full"}),
+    ]
     checks["scheduler_metrics"] = conn.metrics()
     checks["kv_vllm_version_import"] = (
         hasattr(kv_vllm, "KVCompressConnector") and KVCompressConnector is kv_vllm.KVCompressConnector
