@@ -241,6 +241,8 @@ def test_a_demotion_for_a_store_that_cannot_demote_is_refused():
             return Scores(-ctx.keys.float().norm(dim=-1))
 
     class FourBitSelector(TopKSelector):
+        plan_bits = frozenset({EVICT, 4})
+
         def select(self, scores, budget, protected=None, valid=None):
             keep = super().select(scores, budget, protected, valid).keep_keys
             return Plan(torch.where(keep, 4, EVICT).to(torch.uint8))
@@ -248,7 +250,7 @@ def test_a_demotion_for_a_store_that_cannot_demote_is_refused():
     keys, values, positions = _kv(10)
     store = DenseStore()
     store.append(keys, values, positions)
-    comp = Compressor(Halving(), FourBitSelector(), DenseStore, Budget(ratio=0.5))
+    comp = Compressor(Halving(), FourBitSelector(), _Tiered, Budget(ratio=0.5))  # a store holding 4 bits
     with pytest.raises(ValueError, match="cannot demote"):
         replan(store, comp)
     demoting = _Tiered()

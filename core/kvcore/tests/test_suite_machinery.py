@@ -235,6 +235,15 @@ class LastFirst:
         return Plan(flip(plan.key_bits))
 
 
+@dataclass(frozen=True)
+class QuietlyQuantizes(TopKSelector):
+    """Plans its kept entries at 4 bits while inheriting TopKSelector's ``plan_bits = {EVICT, FULL}``."""
+
+    def select(self, scores, budget, protected=None, valid=None):
+        keep = super().select(scores, budget, protected, valid).keep_keys
+        return Plan(torch.where(keep, 4, 0).to(torch.uint8))
+
+
 class Hoarder(DenseStore):
     """Keeps (and counts) the evicted entries too."""
 
@@ -377,6 +386,7 @@ def test_bad_input_suite_catches_unclear_errors_and_partial_mutations(store, mes
         lambda: ScorerTests().test_pure(Mutating()),
         lambda: ScorerTests().test_deterministic(Noisy()),
         lambda: type("T", (SelectorTests,), {})().test_ties_break_by_lower_index(LastFirst()),
+        lambda: type("T", (SelectorTests,), {})().test_kept_count_exact(QuietlyQuantizes(), "head"),
         lambda: StoreTests().test_evicted_entries_hold_no_memory(Hoarder),
         lambda: StoreTests().test_write_read_roundtrip(Unaccounted),
         lambda: QuantizerTests().test_packing_bijection(BigEndian(bits=3)),
@@ -392,6 +402,7 @@ def test_bad_input_suite_catches_unclear_errors_and_partial_mutations(store, mes
         "mutating-scorer",
         "noisy-scorer",
         "ties-to-higher-index",
+        "plans-outside-plan-bits",
         "hoarding-store",
         "unaccounted-store",
         "big-endian",

@@ -1,6 +1,7 @@
 """kvcore: the contract of kvcompress.
 
-Protocols (``Scorer``, ``Selector``, ``Quantizer``, ``Store``) with their declared capabilities, the value types
+Protocols (``Scorer``, ``Selector``, ``Quantizer``, ``Store``; optional capabilities ``PlanBits``, ``TierPolicy``)
+with their declared capabilities, the value types
 between them, the ``Compressor`` that composes them, reference attention and its log-sum-exp merge, the method
 registry (:mod:`kvcore.registry`), argument checks (:mod:`kvcore.checks`) and minimal reference implementations.
 Conformance suites live in ``kvcore.testing`` (needs pytest and hypothesis: ``pip install kvcore[testing]``).
@@ -15,7 +16,7 @@ from kvcore.context import ScoringContext
 from kvcore.memory import reachable_bytes, reachable_tensors, storage_bytes
 from kvcore.plan import EVICT, FULL, Plan
 from kvcore.protection import Protection
-from kvcore.protocols import Quantizer, Scorer, Selector, Store
+from kvcore.protocols import PlanBits, Quantizer, Scorer, Selector, Store, TierPolicy
 from kvcore.quantized import QuantizedTensor, packed_width
 from kvcore.registry import Method
 from kvcore.replan import cap_plan, replan, replan_view, retier_store
@@ -39,6 +40,7 @@ __all__ = [
     "KVView",
     "Method",
     "Plan",
+    "PlanBits",
     "Protection",
     "QuantizedTensor",
     "Quantizer",
@@ -48,6 +50,7 @@ __all__ = [
     "Selector",
     "ShortInputWarning",
     "Store",
+    "TierPolicy",
     "TieredSelector",
     "TopKSelector",
     "WrappingScorer",

@@ -12,9 +12,9 @@ import torch
 
 from kvcore.budget import Budget
 from kvcore.context import ScoringContext
-from kvcore.plan import Plan
+from kvcore.plan import EVICT, FULL, TIERS, Plan
 from kvcore.protection import Protection
-from kvcore.protocols import Scorer, Selector, Store
+from kvcore.protocols import PlanBits, Scorer, Selector, Store, TierPolicy
 from kvcore.scores import Scores
 
 
@@ -30,7 +30,7 @@ class Compressor:
         Turns scores into a plan under ``budget``.
     store : Store or callable
         A per-layer factory (a Store class or ``lambda: DenseStore(growth=16)``) or an empty prototype that is
-        deep-copied per layer.
+        deep-copied per layer. Paired with the selector by the tier rule below.
     budget : Budget
         How much to keep (``ratio`` = fraction removed).
     protect : Protection
@@ -54,6 +54,22 @@ class Compressor:
         :func:`kvcore.replan` re-plans this compressor's held entries (a method that scores from state its
         store keeps, such as HqeKV's window); it may hand back to :func:`kvcore.replan_view`. ``None``
         (default): :func:`kvcore.replan_view`, which scores the store's ``read()`` view.
+
+    Notes
+    -----
+    The tier rule (docs/protocols.md, "Composition"). A store that quantizes (``supported_bits`` holds a width in
+    1-8) quantizes only the entries a plan tiers at its widths. When the selector declares its tiers
+    (:class:`kvcore.PlanBits`), construction builds one store and checks the pair:
+
+    * the selector plans a quantized width the store does not hold: ``ValueError``;
+    * the selector only keeps or evicts (``plan_bits`` has no width in 1-8) and the store quantizes: if the store
+      has a tier policy of its own (:class:`kvcore.TierPolicy`, e.g. KIVI's prefill layout), :meth:`compress` and
+      :meth:`compress_layers` write ``store.apply_tiers(plan)`` (see :meth:`plan_for`), so the store quantizes what
+      the selector keeps; otherwise ``ValueError`` — never a quantizing store silently holding a full-precision
+      cache.
+
+    :meth:`plan` and :meth:`plan_layers` return the selector's own plans (what re-planning with
+    :func:`kvcore.replan` needs: a re-plan only keeps or evicts held entries of a store that cannot demote).
     """
 
     scorer: Scorer
@@ -86,6 +102,50 @@ class Compressor:
             raise ValueError(f"replan_every must be an int >= 1 or None, got {every!r}")
         if self.replanner is not None and not callable(self.replanner):
             raise TypeError(f"replanner must be callable or None, got {type(self.replanner).__name__}")
+        if isinstance(self.selector, PlanBits):
+            bits = self.selector.plan_bits
+            if not isinstance(bits, frozenset) or not bits or not all(type(b) is int and b in TIERS for b in bits):
+                raise TypeError(
+                    f"selector {type(self.selector).__name__} declares plan_bits={bits!r}; it must be a non-empty "
+                    "frozenset of tiers in {0 (evict), 1-8, 16 (full)}"
+                )
+            self._store_tiers(self.new_store())  # the tier rule, checked now rather than at the first compress
+
+    def _store_tiers(self, store: Store) -> bool:
+        """Whether ``store`` tiers the selector's plans itself (``apply_tiers``); raises where the pair cannot work
+        (the class notes' tier rule)."""
+        if not isinstance(self.selector, PlanBits):
+            return False
+        sel, held = type(self.selector).__name__, type(store).__name__
+        planned = self.selector.plan_bits - {EVICT, FULL}
+        quantized = frozenset(store.supported_bits) - {EVICT, FULL}
+        if planned - quantized:
+            raise ValueError(
+                f"selector {sel} plans tiers {sorted(planned - quantized)} that store {held} cannot hold "
+                f"(supported_bits {sorted(store.supported_bits)})"
+            )
+        if planned or not quantized:
+            return False
+        if isinstance(store, TierPolicy):
+            return True
+        raise ValueError(
+            f"store {held} quantizes only what a plan tiers at {sorted(quantized)} bits, but selector {sel} only "
+            f"keeps or evicts (plan_bits {sorted(self.selector.plan_bits)}), so it would hold everything at full "
+            "precision: pass a selector that tiers what it keeps (e.g. kvcore.TieredSelector), a full-precision "
+            "store, or a store with a tier policy of its own (kvcore.TierPolicy)"
+        )
+
+    def plan_for(self, store: Store, plan: Plan) -> Plan:
+        """The plan ``store.write`` receives for ``plan`` (the selector's): ``store.apply_tiers(plan)`` when the
+        selector only keeps or evicts and ``store`` quantizes by its own :class:`kvcore.TierPolicy`, else ``plan``
+        (the class notes' tier rule). Adapters that write a plan themselves call it too."""
+        if not self._store_tiers(store):
+            return plan
+        tiered = store.apply_tiers(plan)
+        if not isinstance(tiered, Plan):
+            name, got = type(store).__name__, type(tiered).__name__
+            raise TypeError(f"{name}.apply_tiers must return a kvcore.Plan, got {got}")
+        return tiered
 
     def with_budget(self, **changes) -> Compressor:
         """A copy with budget fields replaced, e.g. ``c.with_budget(ratio=0.75)``."""
@@ -175,10 +235,11 @@ class Compressor:
         )
 
     def compress(self, ctx: ScoringContext, store: Store | None = None) -> Store:
-        """Score, select and write one layer into ``store`` (a new one if ``None``); returns the store."""
+        """Score, select and write one layer into ``store`` (a new one if ``None``); returns the store. The plan
+        written is :meth:`plan_for` of the selector's (the tier rule of the class notes)."""
         plan = self.plan(ctx)
         store = self.new_store() if store is None else store
-        store.write(ctx.keys, ctx.values, plan, ctx.positions)
+        store.write(ctx.keys, ctx.values, self.plan_for(store, plan), ctx.positions)
         return store
 
     def plan_layers(self, ctxs: Sequence[ScoringContext]) -> list[Plan]:
@@ -205,7 +266,7 @@ class Compressor:
         plans = self.plan_layers(ctxs)
         out = list(stores) if stores is not None else [self.new_store() for _ in ctxs]
         for store, c, plan in zip(out, ctxs, plans):
-            store.write(c.keys, c.values, plan, c.positions)
+            store.write(c.keys, c.values, self.plan_for(store, plan), c.positions)
         return out
 
 

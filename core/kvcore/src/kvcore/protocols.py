@@ -1,9 +1,14 @@
-"""The four protocols of kvcore. All are runtime-checkable structural types.
+"""The four protocols of kvcore, and two optional capability protocols. All are runtime-checkable structural types.
 
 Capabilities are declared once, as class attributes listed in the protocol (never probed with ``getattr``):
 adapters read them to supply inputs (``Scorer.needs_queries`` ...) and to pick a path (``Store.can_attend`` ...).
 Subclass a protocol to inherit the defaults (``class MyScorer(kvcore.Scorer): needs_queries = True``), or declare
 every attribute yourself.
+
+Two capabilities are protocols of their own, so that selectors and stores written before them still implement
+``Selector`` and ``Store``: :class:`PlanBits` (a selector declares the tiers its plans may hold) and
+:class:`TierPolicy` (a quantizing store lays a keep-or-evict plan out in its own tiers). :class:`kvcore.Compressor`
+reads both to compose a keep-or-evict selector with a quantizing store (docs/protocols.md, "Composition").
 """
 
 from __future__ import annotations
@@ -69,6 +74,22 @@ class Selector(Protocol):
     ) -> Plan:
         """``protected`` and ``valid`` are ``[B, T]`` (or ``[B, Hkv, T]``) bool masks."""
         ...
+
+
+@runtime_checkable
+class PlanBits(Protocol):
+    """A selector that declares the tiers its plans may hold (optional capability of a :class:`Selector`).
+
+    Attributes
+    ----------
+    plan_bits : frozenset of int
+        Every tier a plan of ``select`` may use: ``EVICT = 0``, ``FULL = 16`` and quantized widths 1-8.
+        ``frozenset({EVICT, FULL})`` declares a keep-or-evict selector (``TopKSelector``): it never quantizes, so
+        :class:`kvcore.Compressor` lets a quantizing store lay its plans out (:class:`TierPolicy`) or refuses the
+        pairing. A selector that does not declare it is not checked: its plans are written as they come.
+    """
+
+    plan_bits: frozenset[int]
 
 
 @runtime_checkable
@@ -164,4 +185,20 @@ class Store(Protocol):
 
     def reset(self) -> None:
         """Drop everything and free the memory."""
+        ...
+
+
+@runtime_checkable
+class TierPolicy(Protocol):
+    """A quantizing store's own tier layout (optional capability of a :class:`Store`).
+
+    A store that quantizes only the entries a plan tiers at its widths holds a full-precision cache when the plan
+    comes from a keep-or-evict selector. A store implementing this protocol says how it would tier what such a plan
+    keeps (KIVI's prefill layout: quantized prefix, full-precision residual), and :class:`kvcore.Compressor` applies
+    it before ``write`` whenever its selector declares ``plan_bits == {EVICT, FULL}`` (:class:`PlanBits`).
+    """
+
+    def apply_tiers(self, plan: Plan) -> Plan:
+        """``plan`` (laid out like ``write``'s ``[B, Hkv, T]``) with the entries it keeps tiered by the store's own
+        policy; evicted entries stay ``EVICT`` and the kept set is unchanged."""
         ...

@@ -75,7 +75,8 @@ class TieredSelector:
         ``budget.avg_bits`` it fixes all tiers but two (or is empty) and the rest is solved from Eq. 3.
 
     Protected entries take the highest tier and count inside its share. Under ``"layer"`` granularity the
-    ranking runs over all heads of the layer; under ``"head"`` per head.
+    ranking runs over all heads of the layer; under ``"head"`` per head. ``plan_bits`` (:class:`kvcore.PlanBits`)
+    is ``tiers`` plus ``EVICT`` (padding).
     """
 
     tiers: tuple[int, ...] = (4, 2, 1, 0)
@@ -91,6 +92,11 @@ class TieredSelector:
             check_number(f"shares[{b}]", s, low=0.0, high=1.0)
         if set(self.shares) - set(self.tiers):
             raise ValueError(f"shares name widths {sorted(set(self.shares) - set(self.tiers))} not in tiers")
+
+    @property
+    def plan_bits(self) -> frozenset[int]:
+        """The tiers a plan may hold: ``tiers`` and ``EVICT`` (padding is never kept)."""
+        return frozenset({EVICT, *self.tiers})
 
     def resolve_shares(self, budget: Budget) -> dict[int, float]:
         """The complete shares this selector uses under ``budget``."""

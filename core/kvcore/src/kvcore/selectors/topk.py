@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kvcore.budget import Budget
 from kvcore.checks import check_number
-from kvcore.plan import Plan
+from kvcore.plan import EVICT, FULL, Plan
 from kvcore.scores import Scores
 from kvcore.selectors._ranking import (
     as_scores,
@@ -37,8 +38,15 @@ class TopKSelector:
     head_floor : float
         Fraction of the per-head budget guaranteed to each head under ``"layer"`` / ``"global"``, in [0, 1].
         Default 0.2 as in AdaKV.
+
+    Attributes
+    ----------
+    plan_bits : frozenset of int
+        ``{EVICT, FULL}`` (:class:`kvcore.PlanBits`): it keeps or evicts, never quantizes; paired with a quantizing
+        store, :class:`kvcore.Compressor` applies the store's own tier policy or refuses the pair.
     """
 
+    plan_bits: ClassVar[frozenset[int]] = frozenset({EVICT, FULL})
     head_floor: float = 0.2
 
     def __post_init__(self) -> None:

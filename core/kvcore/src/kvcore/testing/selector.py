@@ -1,6 +1,7 @@
 """``SelectorTests``: exact kept counts per granularity, protected entries kept inside the budget,
 ties to the lower index, top-k by score within each head, padding never kept, separate key/value scores, the
-average-bits budget of tiered selectors (HqeKV Eq. 3), and clear errors (NaN/inf, protected over budget, types).
+average-bits budget of tiered selectors (HqeKV Eq. 3), plans within a declared ``plan_bits`` (``kvcore.PlanBits``), and
+clear errors (NaN/inf, protected over budget, types).
 
 Fixture ``selector``. Flags: ``supports_granularities`` (subset of ``("head", "layer", "global")``, default
 ``("head",)``; "global" selects over ``[L, B, H, T]`` scores), ``supports_token_budget`` (``Budget(tokens=...)``,
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 
 from kvcore.budget import Budget
 from kvcore.plan import EVICT, Plan
+from kvcore.protocols import PlanBits
 from kvcore.scores import Scores
 from kvcore.testing.base import StandardTests, forall
 from kvcore.testing.strategies import SEEDS, budgets, budgets_below_protected, fill, left_padded_masks, protections
@@ -81,6 +83,10 @@ class SelectorTests(StandardTests):
             assume(not (self.tiered and "protected" in str(e)))
             raise
         assert isinstance(plan, Plan) and tuple(plan.key_bits.shape) == tuple(scores.shape), "plan must match scores"
+        if isinstance(selector, PlanBits):  # a declared capability holds: kvcore.Compressor relies on it
+            assert plan.tiers() <= selector.plan_bits, (
+                f"plan holds tiers {sorted(plan.tiers())} outside the declared plan_bits {sorted(selector.plan_bits)}"
+            )
         return plan
 
     def each(self, selector, check, kinds=KINDS, granularities=None) -> None:
