@@ -69,9 +69,10 @@ class ConnectorConfig:
         Byte budget of the CPU tier (LRU). Default 2 GiB.
     disk_dir : str, optional
         Existing directory for the second tier (entries evicted from the CPU tier spill there; they survive a
-        restart of the engine). Without it, evicted entries are dropped.
+        restart of the engine). Several processes may share it: it is one cache with one budget (see
+        :class:`kvpages.TieredStore`). Without it, evicted entries are dropped.
     disk_bytes : int, optional
-        Byte budget of the disk tier (unbounded when None). Only with ``disk_dir``.
+        Byte budget of the disk tier, for the directory as a whole (unbounded when None). Only with ``disk_dir``.
     layout : str
         Paged layout of the attention backend's per-layer view: ``"auto"`` (from the backend's name),
         ``"split_last"`` or ``"cpu"`` (see :mod:`kv_vllm.layout`).
