@@ -7,19 +7,15 @@
 Importing this package registers the ``"kv_hf"`` / ``"kv_hf_eager"`` attention functions with transformers.
 """
 
-from kv_hf.attention import (
-    KV_HF_EAGER,
-    KV_HF_SDPA,
-    disable_attention,
-    enable_attention,
-    register_attention,
-)
+from kv_hf import surprisal  # registers the "surprisal" extras provider
+from kv_hf.attention import disable_attention, enable_attention, register_attention
 from kv_hf.cache import CompressedCache, compressed_cache
+from kv_hf.implementations import KV_HF_EAGER, KV_HF_SDPA
 from kv_hf.layer import CompressedLayer
 from kv_hf.options import CacheOptions
 from kv_hf.prefill import prefill
 from kv_hf.providers import PROVIDERS, Provider
-from kv_hf.reconstruction import KVzipConfig, kvzip_scores
+from kv_hf.reconstruction import KVzipConfig, kvzip_scores  # registers the "kvzip_scores" extras provider
 from kv_hf.reuse import answer_questions, generate_answer
 from kv_hf.shared import CollectedPrefill, collect_prefill
 from kv_hf.support import SUPPORTED_MODEL_TYPES, check_model
@@ -49,4 +45,5 @@ __all__ = [
     "kvzip_scores",
     "prefill",
     "register_attention",
+    "surprisal",
 ]

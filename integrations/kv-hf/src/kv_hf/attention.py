@@ -39,6 +39,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
+from kv_hf.implementations import KV_HF_EAGER, KV_HF_IMPLEMENTATIONS, KV_HF_SDPA
 from kv_hf.step import STEP_ATTR, Step
 from kv_hf.step_memo import STEP
 from kvcore import merge_attention
@@ -47,11 +48,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-KV_HF_SDPA = "kv_hf"
-"""Attention implementation name: kv_hf over transformers' SDPA kernel."""
-KV_HF_EAGER = "kv_hf_eager"
-"""Attention implementation name: kv_hf over the model's eager attention."""
-KV_HF_IMPLEMENTATIONS = (KV_HF_SDPA, KV_HF_EAGER)
 _WRAPS = {"sdpa": KV_HF_SDPA, "eager": KV_HF_EAGER}
 _UNWRAPS = {v: k for k, v in _WRAPS.items()}
 

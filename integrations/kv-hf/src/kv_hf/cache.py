@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache
 
-from kv_hf.attention import KV_HF_IMPLEMENTATIONS, enable_attention
+from kv_hf.attention import enable_attention
+from kv_hf.implementations import KV_HF_IMPLEMENTATIONS
 from kv_hf.layer import CompressedLayer
 from kv_hf.options import CacheOptions
 from kv_hf.step import COLLECT, SCRATCH, STEP_ATTR, STORE

@@ -3,27 +3,41 @@ adapter can compute, because they need extra forward passes of the model.
 
 A scorer declares the extras it reads by name (``kvcore.Scorer.needs_extras``); :func:`kv_hf.prefill` runs the
 provider registered here under each name after the prompt is collected and before it is compressed, and refuses a
-name no provider supplies. The adapter has no method-specific branch: a method that needs the model to score
-registers a :class:`Provider` in :data:`PROVIDERS`.
+name no provider supplies. The adapter has no method-specific branch, and this registry imports no provider: the
+providers register themselves (:func:`register`) and are found
 
-Provided: ``"kvzip_scores"`` — KVzip's context-reconstruction pass (Kim et al. 2025, arXiv:2505.23416;
-:mod:`kv_hf.reconstruction`); ``"surprisal"`` — token surprisal from the prefill's own hidden states (SEKV, Eq. 1;
-:mod:`kv_hf.surprisal`).
+* built in: ``"kvzip_scores"`` — KVzip's context-reconstruction pass (Kim et al. 2025, arXiv:2505.23416;
+  :mod:`kv_hf.reconstruction`) and ``"surprisal"`` — token surprisal from the prefill's own hidden states (SEKV,
+  Eq. 1; :mod:`kv_hf.surprisal`), registered when ``kv_hf`` is imported;
+* from installed packages, through the entry-point group :data:`ENTRY_POINT_GROUP` (``kvcompress.hf_providers``):
+  each entry point, named after the extra it supplies, loads a :class:`Provider`. A method package whose scorer
+  needs the model for a new extra ships its provider that way, with no change to kv-hf::
+
+      [project.entry-points."kvcompress.hf_providers"]
+      my_extra = "my_method.hf:PROVIDER"
+
+  Entry points are read once, on the first lookup.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kv_hf import reconstruction, surprisal
-
 if TYPE_CHECKING:
     from kvcore import Compressor
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "kvcompress.hf_providers"
+"""Entry-point group through which installed packages supply extras providers."""
 
 
 @dataclass(frozen=True)
@@ -58,41 +72,71 @@ class Provider:
     capture: Callable[[Any], AbstractContextManager[Any]] | None = None
 
 
-PROVIDERS: dict[str, Provider] = {
-    "kvzip_scores": Provider(
-        name="kvzip_scores",
-        option="kvzip",
-        check=reconstruction.check_input,
-        run=reconstruction.provide,
-        description="KVzip's context-reconstruction pass (batch size 1, no padding, a fresh cache, tokenizer=...; "
-        "configured with kvzip=kv_hf.KVzipConfig(...))",
-    ),
-    "surprisal": Provider(
-        name="surprisal",
-        option="surprisal",
-        check=surprisal.check_input,
-        run=surprisal.provide,
-        description="token surprisal from the prefill's own hidden states, no extra forward pass (a fresh cache; "
-        "configured with surprisal=kv_hf.surprisal.SurprisalConfig(...))",
-        capture=surprisal.capture,
-    ),
-}
-"""Extras kv-hf can supply, by name."""
+PROVIDERS: dict[str, Provider] = {}
+"""Extras kv-hf can supply, by name (built-in providers and those from entry points, once discovered)."""
+
+_discovered = False
+_discover_lock = threading.Lock()
+
+
+def register(provider: Provider) -> Provider:
+    """Register ``provider`` under its name (a module of kv-hf or of a method package calls this at import).
+
+    Raises ``TypeError`` for a non-:class:`Provider`, ``ValueError`` when another provider already has the name.
+    """
+    if not isinstance(provider, Provider):
+        raise TypeError(f"provider must be a kv_hf.providers.Provider, got {type(provider).__name__}")
+    held = PROVIDERS.get(provider.name)
+    if held is not None and held is not provider:
+        raise ValueError(f"an extras provider named {provider.name!r} is already registered ({held.description})")
+    PROVIDERS[provider.name] = provider
+    return provider
+
+
+def _entry_points() -> list[Any]:
+    return list(entry_points(group=ENTRY_POINT_GROUP))
+
+
+def discover() -> dict[str, Provider]:
+    """Load the providers installed packages declare under :data:`ENTRY_POINT_GROUP` (once) and return the registry.
+
+    An entry point must be named after the extra it supplies and load a :class:`Provider` of that name; one that
+    fails to load is skipped with a warning naming it (a broken plugin must not break kv-hf).
+    """
+    global _discovered
+    with _discover_lock:
+        if _discovered:
+            return PROVIDERS
+        for ep in _entry_points():
+            try:
+                provider = ep.load()
+                if not isinstance(provider, Provider) or provider.name != ep.name:
+                    raise TypeError(
+                        f"entry point {ep.name!r} must load a kv_hf.providers.Provider named {ep.name!r}, got "
+                        f"{provider!r}"
+                    )
+                if PROVIDERS.get(ep.name) is not provider:
+                    register(provider)
+            except Exception as exc:
+                logger.warning("kv_hf: extras provider %r (%s) not loaded: %s", ep.name, ep.value, exc)
+        _discovered = True
+    return PROVIDERS
 
 
 def provided() -> frozenset[str]:
     """Names of the extras kv-hf supplies."""
-    return frozenset(PROVIDERS)
+    return frozenset(discover())
 
 
 def options() -> frozenset[str]:
     """Keywords of :func:`kv_hf.prefill` that configure a provider."""
-    return frozenset(p.option for p in PROVIDERS.values())
+    return frozenset(p.option for p in discover().values())
 
 
 def providers_for(names: Iterable[str]) -> list[Provider]:
     """The providers of ``names`` (sorted); ``ValueError`` naming what kv-hf provides for an unknown name."""
     names = sorted(set(names))
+    discover()
     unknown = [n for n in names if n not in PROVIDERS]
     if unknown:
         raise ValueError(f"no kv_hf provider supplies the extras {unknown}; kv_hf provides {describe()}")
@@ -101,7 +145,7 @@ def providers_for(names: Iterable[str]) -> list[Provider]:
 
 def describe() -> str:
     """``name (description)`` of every provider, for error messages."""
-    return "; ".join(f"{p.name!r}: {p.description}" for p in PROVIDERS.values()) or "nothing"
+    return "; ".join(f"{p.name!r}: {p.description}" for p in discover().values()) or "nothing"
 
 
 def run_providers(
@@ -137,6 +181,7 @@ def run_providers(
 
 def missing_message(compressor: Compressor, missing: list[str], query_window: int | None) -> str:
     """Why a scorer's declared inputs are missing, and how kv-hf supplies each of them."""
+    discover()
     hints = []
     if "queries" in missing:
         hints.append(

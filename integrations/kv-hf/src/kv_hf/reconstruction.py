@@ -1,5 +1,5 @@
 """KVzip's context-reconstruction pass on a transformers model: the provider of the extra ``"kvzip_scores"``
-(read by ``kv_baselines.KVzipScorer``; registered in :data:`kv_hf.providers.PROVIDERS`).
+(read by ``kv_baselines.KVzipScorer``; registered in :data:`kv_hf.providers.PROVIDERS` as :data:`PROVIDER`).
 
 Based on KVzip (arXiv:2505.23416), snu-mllab/KVzip ``model/wrapper.py`` (``self_task``, ``scoring``) and
 ``attention/score.py`` (``_get_score``); kvpress ``kvzip_press.py``. After the context is
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from kv_hf.providers import Provider, register
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -212,3 +214,16 @@ def provide(
         return tokenizer.encode(text, add_special_tokens=False)
 
     return kvzip_scores(model, cache, input_ids[:, context_start:], encode, context_start=context_start, config=config)
+
+
+PROVIDER = register(
+    Provider(
+        name="kvzip_scores",
+        option="kvzip",
+        check=check_input,
+        run=provide,
+        description="KVzip's context-reconstruction pass (batch size 1, no padding, a fresh cache, tokenizer=...; "
+        "configured with kvzip=kv_hf.KVzipConfig(...))",
+    )
+)
+"""The ``"kvzip_scores"`` extras provider (:mod:`kv_hf.providers`)."""

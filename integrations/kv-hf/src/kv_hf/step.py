@@ -10,12 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from kv_hf.layer import CompressedLayer
 
 COLLECT = "collect"
 """Layer mode: updates kept raw in a pending buffer until the layer is compressed."""
@@ -32,7 +29,7 @@ STEP_ATTR = "_kv_hf_step"
 class Step:
     """What one ``update`` handed to attention: the new raw K/V and the bias of the columns before them."""
 
-    layer: CompressedLayer
+    layer: Any  # the kv_hf.layer.CompressedLayer that made the step (not imported: the layer imports this module)
     keys: torch.Tensor
     values: torch.Tensor
     n_prefix: int = 0
@@ -40,4 +37,4 @@ class Step:
     deferred: bool = False
     fused: bool = False  # attend to the Store with its fused ``attend`` and to [pending | new] separately
     appended: bool = False  # a single decode token: appended to the Store first, then attention over its read()
-    on_commit: Callable[[CompressedLayer], None] | None = None  # set by the cache: what to do after the commit
+    on_commit: Callable[[Any], None] | None = None  # set by the cache: what to do after the commit

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kv_hf import providers
-from kv_hf.attention import KV_HF_IMPLEMENTATIONS
+from kv_hf.implementations import KV_HF_IMPLEMENTATIONS
 from kvcore import Compressor
 
 if TYPE_CHECKING:

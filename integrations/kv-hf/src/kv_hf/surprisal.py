@@ -1,5 +1,5 @@
 """Token surprisal from the prefill's own forward pass: the provider of the extra ``"surprisal"`` (read by SEKV's
-``SurprisalScorer``; registered in :data:`kv_hf.providers.PROVIDERS`).
+``SurprisalScorer``; registered in :data:`kv_hf.providers.PROVIDERS` as :data:`PROVIDER`).
 
 ``H_t = −log p(x_t | x_<t)`` (SEKV, Eq. 1) needs the logits of every prompt position, but the prefill asks the model
 for the last position only (``logits_to_keep=1``). Instead of a second forward pass, a forward hook on the decoder
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kv_hf.providers import Provider, register
 from kvcore.surprisal import token_surprisal
 
 if TYPE_CHECKING:
@@ -94,3 +95,17 @@ def provide(
     with torch.no_grad():
         s = token_surprisal(hidden, head.weight, input_ids, head.bias, attention_mask, config.vocab_chunk)
     return {layer.layer_idx: {"surprisal": s} for layer in cache.layers}
+
+
+PROVIDER = register(
+    Provider(
+        name="surprisal",
+        option="surprisal",
+        check=check_input,
+        run=provide,
+        description="token surprisal from the prefill's own hidden states, no extra forward pass (a fresh cache; "
+        "configured with surprisal=kv_hf.surprisal.SurprisalConfig(...))",
+        capture=capture,
+    )
+)
+"""The ``"surprisal"`` extras provider (:mod:`kv_hf.providers`)."""
