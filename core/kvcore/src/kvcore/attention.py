@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from kvcore.checks import check_float, check_tensor
 
-if TYPE_CHECKING:  # the view calls this module (KVView.attend): no import at run time
-    from kvcore.view import KVView
+
+class AttendedView(Protocol):
+    """What :func:`reference_attention` reads of a view: a :class:`~kvcore.view.KVView` (which calls this module
+    from ``KVView.attend``, so this module does not import it) or any object with the same tensors."""
+
+    keys: torch.Tensor  # [B, Hkv, T, D]
+    values: torch.Tensor  # [B, Hkv, T, D]
+    logit_bias: torch.Tensor  # [B, Hkv, T]
 
 
 def check_query(query: object, view_heads: int, head_dim: int, batch: int) -> torch.Tensor:
@@ -40,7 +46,7 @@ def check_scale(scale: object, head_dim: int) -> float:
 
 
 def reference_attention(
-    view: KVView, query: torch.Tensor, scale: float | None = None
+    view: AttendedView, query: torch.Tensor, scale: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``softmax(q·kᵀ·scale + bias)·v`` of ``query`` ``[B, Hq, Q, D]`` over ``view``, GQA-aware, in float32.
 

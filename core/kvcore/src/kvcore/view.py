@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcore.attention import reference_attention
+
 
 @dataclass(frozen=True)
 class KVView:
@@ -44,6 +46,4 @@ class KVView:
         Queries attend to every entry (no causal mask among cached entries); returns ``[B, Hq, Q, D]``
         (:func:`kvcore.attention.reference_attention` also returns the log-sum-exp).
         """
-        from kvcore.attention import reference_attention
-
         return reference_attention(self, query, scale)[0]
