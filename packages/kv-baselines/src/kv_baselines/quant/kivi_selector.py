@@ -44,6 +44,11 @@ class KIVITierSelector:
         KIVI's residual length ``R`` (>= 1).
     value_bits : int, optional
         Quantized width of values; ``None`` = ``bits``.
+
+    Attributes
+    ----------
+    plan_bits : frozenset of int
+        ``{EVICT, FULL, bits, value_bits}`` (:class:`kvcore.PlanBits`): the tiers its plans hold.
     """
 
     base: Selector = field(default_factory=TopKSelector)
@@ -62,6 +67,11 @@ class KIVITierSelector:
                 raise ValueError(f"{name} must be an int in [1, 8], got {b!r}")
         if isinstance(self.residual, bool) or not isinstance(self.residual, int) or self.residual < 1:
             raise ValueError(f"residual must be an int >= 1, got {self.residual!r}")
+
+    @property
+    def plan_bits(self) -> frozenset[int]:
+        """The tiers its plans may hold: ``EVICT``, ``FULL`` and the key and value widths."""
+        return frozenset({EVICT, FULL, self.bits, self.bits if self.value_bits is None else self.value_bits})
 
     def select(
         self,

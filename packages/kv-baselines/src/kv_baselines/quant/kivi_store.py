@@ -10,6 +10,7 @@ import torch
 
 from kv_baselines.quant.kivi_decode import DecodeState, eligible
 from kv_baselines.quant.kivi_layout import Positions, Side, uniform
+from kv_baselines.quant.kivi_selector import kivi_tiers
 from kvcodec import CodeRows, QuantizedSegment, UniformQuantizer, quantized_attention
 from kvcodec.kernels.dispatch import use_triton
 from kvcodec.segments import offsets_in_segment, segment_ids
@@ -104,7 +105,10 @@ class KIVIStore(Store):
     KIVI's residual and follow the residual policy on ``append``: the last ``m mod residual`` of such a run of
     ``m`` keys and the last ``min(m, residual)`` values; earlier ``FULL`` entries stay full precision for good.
     :class:`~kv_baselines.quant.KIVITierSelector` produces KIVI's own prefill layout (all ``FULL`` entries
-    are then residual).
+    are then residual). The store also carries that layout as its tier policy (:class:`kvcore.TierPolicy`):
+    :meth:`apply_tiers` lays the entries any plan keeps out the same way, and :class:`kvcore.Compressor` applies it
+    when its selector only keeps or evicts (``TopKSelector``), so ``Compressor(..., TopKSelector(), KIVIStore)``
+    holds what ``kivi(bits, evict=...)`` holds.
 
     Parameters
     ----------
@@ -401,6 +405,23 @@ class KIVIStore(Store):
         check_kv(keys, values, held=(*self._shape, self._dtype) if held and self._shape is not None else None)
 
     # -- protocol --------------------------------------------------------------------------------------
+    def apply_tiers(self, plan: Plan) -> Plan:
+        """KIVI's prefill layout over the entries ``plan`` keeps (:class:`kvcore.TierPolicy`).
+
+        Per head, among the kept entries in token order: keys -- the last ``n mod residual`` ``FULL``, the rest at
+        the key quantizer's bits; values -- the last ``min(n, residual)`` ``FULL``, the rest at the value quantizer's
+        bits (Liu et al. 2024, "KIVI", Alg. 1; :func:`~kv_baselines.quant.kivi_tiers`, the layout
+        :class:`~kv_baselines.quant.KIVITierSelector` produces). ``plan``'s own tiers are ignored: only kept vs
+        evicted counts. Its element-level ``full_precision`` mask is passed on (``write`` refuses it).
+        """
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a kvcore.Plan, got {type(plan).__name__}")
+        return Plan(
+            kivi_tiers(plan.keep_keys, self.key_quantizer.bits, self.residual, "keys"),
+            kivi_tiers(plan.keep_values, self.value_quantizer.bits, self.residual, "values"),
+            plan.full_precision,
+        )
+
     def write(self, keys: torch.Tensor, values: torch.Tensor, plan: Plan, positions: torch.Tensor) -> None:
         """Replace the content with ``keys``/``values [B, H, T, D]`` laid out per ``plan`` (see class doc).
 
@@ -429,8 +450,8 @@ class KIVIStore(Store):
             warnings.warn(
                 f"KIVIStore.write: the plan keeps more than residual={self.residual} entries of a head but quantizes "
                 "none of them, so this store holds a full-precision cache. Pair KIVIStore with KIVITierSelector "
-                "(it lays kept entries out as KIVI does), or build the compressor with kv_baselines.kivi(bits, "
-                "evict=<an evicting Compressor>).",
+                "(it lays kept entries out as KIVI does), write KIVIStore.apply_tiers(plan), or build the "
+                "compressor with kv_baselines.kivi(bits, evict=<an evicting Compressor>).",
                 KIVIUnquantizedWarning,
                 stacklevel=2,
             )
