@@ -53,6 +53,7 @@ MEMBERS: tuple[str, ...] = (
     "kv-hex",
     "kv-hf",
     "kvbench",
+    "kv-lab",
 )
 """The distributions checked, in dependency order."""
 

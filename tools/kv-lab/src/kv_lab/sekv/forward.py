@@ -31,11 +31,12 @@ from typing import Any
 
 import torch
 
-from ..bases import reconstruction_error, truncated_svd
-from ..config import SEKVConfig
-from ..router import SEKVRouter
-from ..segmentation import Segmentation
-from ..summaries import coarse_entries, span_weights
+from kv_sekv.bases import reconstruction_error, truncated_svd
+from kv_sekv.config import SEKVConfig
+from kv_sekv.router import SEKVRouter
+from kv_sekv.segmentation import Segmentation
+from kv_sekv.summaries import coarse_entries, span_weights
+
 from .teacher import TeacherRecord, zoom_targets
 
 __all__ = ["SEKVTraining", "SpanRow", "prepare_training", "sekv_training"]
@@ -131,7 +132,7 @@ def prepare_training(
     surprisal : Tensor
         ``[B, c]`` surprisal of the prefix (span weights, Eq. 2).
     local_window : int
-        Mining window of the zoom loss (:func:`kv_sekv.train.teacher.zoom_targets`).
+        Mining window of the zoom loss (:func:`kv_lab.sekv.teacher.zoom_targets`).
 
     Returns
     -------
@@ -201,7 +202,7 @@ def _prepare_row(state, keys, values, queries, seg, h, scale, local_window) -> S
 
 def _attention(module: Any, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     if not _ACTIVE:
-        raise RuntimeError("the sekv_train attention runs only inside kv_sekv.train.sekv_training(...)")
+        raise RuntimeError("the sekv_train attention runs only inside kv_lab.sekv.sekv_training(...)")
     state = _ACTIVE[-1]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = sekv_layer(state, int(module.layer_idx), query, key, value, scale)

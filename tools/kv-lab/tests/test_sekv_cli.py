@@ -9,12 +9,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 kvbench_models = pytest.importorskip("kvbench.models")
 
-from sekv_testkit import tiny_llama
+from lab_testkit import tiny_llama
 
+from kv_lab.sekv import TrainConfig, train_router
+from kv_lab.sekv.cli import main, pick_device
+from kv_lab.sekv.loop import losses
 from kv_sekv import SEKVConfig, SEKVRouter
-from kv_sekv.cli import main, pick_device
-from kv_sekv.train import TrainConfig, train_router
-from kv_sekv.train.loop import losses
 
 CONFIG = SEKVConfig(window=4, min_span=4, max_rank=4, proj_dim=8, budget=0.4, lambda_budget=0.0)
 

@@ -63,7 +63,7 @@ class TeacherRecord:
 
 def _attention(module: Any, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     if not _ACTIVE:
-        raise RuntimeError("the sekv_teacher attention runs only inside kv_sekv.train.teacher_recording(...)")
+        raise RuntimeError("the sekv_teacher attention runs only inside kv_lab.sekv.teacher_recording(...)")
     rec = _ACTIVE[-1]
     c = rec.split
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
