@@ -2,12 +2,11 @@
 
 Every planned block of 32 tokens gets one of five actions — fp16, 4-bit uniform, 2-bit uniform, 1-bit normalized,
 evict — by the rank of a joint key/value importance, with tier shares solved from an average-bits budget (Eq. 3)
-and searched with TPE (Alg. 1).
+and searched with TPE (Alg. 1; the search and its ``kv-hqekv`` CLI are in kv-lab: ``kv_lab.hqekv``).
 """
 
 from kv_hqekv.ablations import ABLATIONS, ablation
 from kv_hqekv.capped_plan import CappedPlan
-from kv_hqekv.cli import load_shares
 from kv_hqekv.compressor import hqekv
 from kv_hqekv.config import BIT_WIDTHS, HqeKVConfig
 from kv_hqekv.decoding import requantize
@@ -21,7 +20,7 @@ from kv_hqekv.normalized import NormalizedQuantizer, normal_bounds
 from kv_hqekv.quantizers import tier_quantizer
 from kv_hqekv.scorer import HqeKVScorer, token_range
 from kv_hqekv.selector import HqeKVSelector
-from kv_hqekv.shares import PRESETS, Shares, TierCounts, feasible, preset, solve_eq3, tier_counts
+from kv_hqekv.shares import PRESETS, Shares, TierCounts, feasible, load_shares, preset, solve_eq3, tier_counts
 from kv_hqekv.store import HqeKVStore
 from kv_hqekv.uniform_one_bit import UniformOneBitQuantizer
 

@@ -34,7 +34,7 @@ ABLATIONS: tuple[str, ...] = ("no-range", "random-ratio", "no-evict", "uniform")
 def random_shares(avg_bits: float, seed: int = 0, tries: int = 10_000) -> Shares:
     """A seeded random feasible share vector at ``avg_bits`` (Table 6 "randomly non-opt ratio").
 
-    ``(x3, x4)`` (1-bit, evict) uniform on ``[0, 1]²`` — the space :func:`kv_hqekv.search.search_shares` searches —
+    ``(x3, x4)`` (1-bit, evict) uniform on ``[0, 1]²`` — the space kv-lab's ``kv_lab.hqekv.search_shares`` searches —
     redrawn until Eq. 3's 4- and 2-bit shares are non-negative.
 
     Raises

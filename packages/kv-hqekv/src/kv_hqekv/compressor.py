@@ -30,7 +30,7 @@ def hqekv(
     shares : Shares or str, optional
         The tier shares (4-bit, 2-bit, 1-bit, evict), a Table 9 preset name (``"qwen3-2"``), or ``None`` for the
         paper's Llama shares at 2, 2.8, 3.2 or 3.25 bits (:data:`DEFAULT_PRESETS`). Other ``bits`` need shares —
-        from :func:`kv_hqekv.search.search_shares` (``kv-hqekv search``) or :func:`kv_hqekv.feasible`.
+        from kv-lab's ``kv_lab.hqekv.search_shares`` (``kv-hqekv search``) or :func:`kv_hqekv.feasible`.
     config : HqeKVConfig, optional
         Block size, window, fp16 blocks, metric and eviction options (paper defaults).
     name : str, optional

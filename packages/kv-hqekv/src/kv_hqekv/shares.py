@@ -7,8 +7,10 @@ evict (§3.3-3.4). Outside the ``fp16_blocks`` most important blocks, the shares
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvcore.checks import check_int, check_number
 
@@ -96,6 +98,12 @@ def preset(name: str) -> Shares:
     if name not in PRESETS:
         raise ValueError(f"unknown HqeKV preset {name!r}; presets are {sorted(PRESETS)}")
     return PRESETS[name]
+
+
+def load_shares(path: str | Path) -> Shares:
+    """The shares of a file written by ``kv-hqekv search`` (kv-lab's ratio search)."""
+    data = json.loads(Path(path).read_text())
+    return Shares(**data["shares"])
 
 
 @dataclass(frozen=True)

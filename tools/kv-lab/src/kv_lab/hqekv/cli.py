@@ -3,9 +3,8 @@
 ``kv-hqekv search --bits 2.0 --model smollm2 --trials 200 --seed 0 --out shares.json`` searches the tier shares on
 a calibration window of ``lee_background.cor`` (the corpus kvbench evaluates on) taken from its held-out
 calibration stories (``kvbench.tasks.CALIBRATION_STORIES``, never in kvbench's evaluation windows) and writes a
-shares file with its settings; ``kv_hqekv.hqekv(bits, shares=load_shares(path))`` uses it. The model loader and
-the corpus come from ``kvbench`` and the adapter from ``kv-hf`` (install them next to kv-hqekv; this package does
-not depend on them).
+shares file with its settings; ``kv_hqekv.hqekv(bits, shares=kv_hqekv.load_shares(path))`` uses it. The model
+loader and the corpus come from ``kvbench`` and the adapter from ``kv-hf`` (kv-lab's dependencies).
 """
 
 from __future__ import annotations
@@ -16,12 +15,6 @@ import sys
 from pathlib import Path
 
 from kv_hqekv.shares import Shares
-
-
-def load_shares(path: str | Path) -> Shares:
-    """The shares of a file written by ``kv-hqekv search``."""
-    data = json.loads(Path(path).read_text())
-    return Shares(**data["shares"])
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from kv_hqekv.compressor import hqekv
-    from kv_hqekv.search import full_cache_labels, prefill_cross_entropy, search_shares
+    from kv_lab.hqekv.search import full_cache_labels, prefill_cross_entropy, search_shares
 
     try:
         from kvbench.models import load_smollm2

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("optuna")
 
 from kv_hqekv import HqeKVConfig, Shares, hqekv, load_shares
-from kv_hqekv.search import full_cache_labels, prefill_cross_entropy, search_shares
+from kv_lab.hqekv.search import full_cache_labels, prefill_cross_entropy, search_shares
 
 
 def test_search_finds_the_minimum_of_a_known_loss():

@@ -4,7 +4,7 @@ Free variables ``x3`` (1-bit share) and ``x4`` (evict share) are drawn by Optuna
 4- and 2-bit shares follow from Eq. 3 (:func:`kv_hqekv.shares.solve_eq3`, with the ``/2`` Alg. 1 drops); a trial
 with ``δ1 < 0`` or ``δ2 < 0`` is infeasible and scores ``+inf``. The objective is
 ``L = L_c + α·x3 + β·x4`` (α = 2, β = 4), ``L_c`` a calibration loss of the compressed cache
-(:func:`prefill_cross_entropy`). Needs ``pip install kv-hqekv[search]`` (optuna, tqdm).
+(:func:`prefill_cross_entropy`). Optuna, tqdm and kv-hf are kv-lab's dependencies.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def search_shares(
     try:
         import optuna
     except ImportError as e:  # pragma: no cover - the extra is installed in the workspace
-        raise ImportError("the ratio search needs optuna: pip install 'kv-hqekv[search]'") from e
+        raise ImportError("the ratio search needs optuna: pip install kv-lab") from e
     if not callable(calibration_loss):
         raise TypeError(f"calibration_loss must be callable, got {type(calibration_loss).__name__}")
     cfg = HqeKVConfig() if config is None else config
@@ -138,7 +138,7 @@ def prefill_cross_entropy(
     argmax at the same positions (the spec's same-position hard labels; the authors' code shifts them by one).
 
     The context is prefilled exactly and compressed by ``compressor`` through the HF adapter (``kv_hf``, imported
-    here: install kv-hf next to kv-hqekv), then the continuation is teacher-forced over the compressed cache. The
+    here; a dependency of kv-lab), then the continuation is teacher-forced over the compressed cache. The
     paper instead fake-quantizes K/V inside the prefill attention; this measures the cache the model will decode
     with.
 
