@@ -428,31 +428,29 @@ class TieredStore:
             data = path.read_bytes()
         except OSError as exc:
             kind = self.faults.record_os(exc, "a disk entry could not be read: served as a miss")
-            if kind == "vanished":
-                self._forget_disk(key)
-            else:  # unreadable: drop it (best effort) so it is not offered again
-                try:
-                    with self._dir_lock():
-                        self._drop_file(key)
-                except OSError:
-                    self._forget_disk(key)
-            if key not in self._cpu:
-                self._removed.add(key)
+            self._drop_unusable(key, unlink=kind != "vanished")
             return None
         parsed = self._parse(data)
         if parsed is None or parsed[0] != key:
             self.faults.record("corrupt", "a disk entry failed its checksum: dropped and served as a miss")
-            try:
-                with self._dir_lock():
-                    self._drop_file(key)
-            except OSError:
-                self._forget_disk(key)
-            if key not in self._cpu:
-                self._removed.add(key)
+            self._drop_unusable(key, unlink=True)
             return None
         with contextlib.suppress(OSError):
             os.utime(path)  # least recently used across every process sharing the directory
         return parsed[1]
+
+    def _drop_unusable(self, key: str, *, unlink: bool) -> None:
+        """Un-index a disk entry that cannot be served (deleting its file when ``unlink``, best effort), so it is
+        never offered again, and report it removed unless the CPU tier still holds it."""
+        try:
+            if not unlink:
+                raise FileNotFoundError(key)
+            with self._dir_lock():
+                self._drop_file(key)
+        except OSError:
+            self._forget_disk(key)
+        if key not in self._cpu:
+            self._removed.add(key)
 
     def _rescan(self, *, startup: bool = False) -> None:
         """Under the directory lock: re-read the directory into the disk index (LRU order = file mtime).

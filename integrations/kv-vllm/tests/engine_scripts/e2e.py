@@ -24,24 +24,27 @@ from pathlib import Path
 from tiny_llama import VOCAB, save_tiny_llama
 
 BLOCK = 32
-PROMPT_TOKENS = 3 * BLOCK + 7
+PROMPT_TOKENS = 3 * BLOCK + 7  # 3 full blocks offered to the connector, 7 tokens computed by vLLM
 # the scenarios compared with a run without the connector use float32: their batches differ from the reference's
 # (one request vs eight), and bf16 batching noise would blur "equal to vLLM's own output"
 COMPARE_DTYPE = "float32"
-CPU_BUDGET, DISK_BUDGET = 80_000, 220_000  # 3 full blocks offered to the connector, 7 tokens computed by vLLM
+CPU_BUDGET, DISK_BUDGET = 80_000, 220_000  # a float32 lossless block of the tiny model is ~66 kB
 
 
-def make_llm(model: Path, extra: dict, dtype: str = "bfloat16"):
+def make_llm(model: Path, extra: dict | None, dtype: str = "bfloat16"):
+    """vLLM on the tiny model with the connector configured by ``extra`` (None: without the connector)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    ktc = KVTransferConfig(
-        kv_connector="KVCompressConnector",
-        kv_connector_module_path="kv_vllm",
-        kv_role="kv_both",
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config=extra,
-    )
+    ktc = None
+    if extra is not None:
+        ktc = KVTransferConfig(
+            kv_connector="KVCompressConnector",
+            kv_connector_module_path="kv_vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=extra,
+        )
     return LLM(
         model=str(model),
         skip_tokenizer_init=True,
@@ -132,20 +135,7 @@ def emit(result: dict) -> None:
 
 
 def run_reference(model: Path, prompt: list[int]) -> None:
-    from vllm import LLM
-
-    llm = LLM(
-        model=str(model),
-        skip_tokenizer_init=True,
-        dtype=COMPARE_DTYPE,
-        block_size=BLOCK,
-        max_model_len=512,
-        max_num_seqs=4,
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        gpu_memory_utilization=0.3,
-        seed=0,
-    )
+    llm = make_llm(model, None, COMPARE_DTYPE)
     emit({"prompt": generate_many(llm, [prompt])[0], "pressure": generate_many(llm, pressure_prompts())})
 
 
