@@ -11,15 +11,10 @@ HubKVConfig                  validated hyper-parameters (paper defaults)
 HubKV, hubkv                 kvcore Scorer wrapper / ready-made Compressor around a base method
 DecodingSchedule             decoding-stage re-compression parameters (§4.3, App. A.1)
 local_hubs, head_weights     building blocks (Eqs. 6 and 8–9)
-theory                       F_sub, marginal gains, greedy oracle, Prop. 3 bounds (Appendix J)
-diagnostics                  Appendix I diagnostics on captured scores
 
-``theory`` and ``diagnostics`` are analysis tools, not on the inference path: they are imported on first
-attribute access (``kv_hubkv.theory``), so ``import kv_hubkv`` stays cheap.
+The analysis tools (F_sub, greedy oracle, Prop. 3 bounds; Appendix I diagnostics) are not on the inference path and
+live in kv-lab: ``kv_lab.hubkv.theory`` and ``kv_lab.hubkv.diagnostics``.
 """
-
-import importlib
-from types import ModuleType
 
 from .ceiling import retention_ceiling
 from .compressor import hubkv
@@ -41,7 +36,6 @@ __all__ = [
     "HubKVConfig",
     "RefineWorkspace",
     "Refiner",
-    "diagnostics",
     "head_statistics",
     "head_weights",
     "hubkv",
@@ -52,20 +46,4 @@ __all__ = [
     "refine_triton",
     "retention_ceiling",
     "smd_discount",
-    "theory",
 ]
-
-_LAZY_SUBMODULES = ("diagnostics", "theory")
-
-
-def __getattr__(name: str) -> ModuleType:
-    """Import the analysis submodules (``theory``, ``diagnostics``) on first access (PEP 562)."""
-    if name in _LAZY_SUBMODULES:
-        module = importlib.import_module(f"{__name__}.{name}")
-        globals()[name] = module
-        return module
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))

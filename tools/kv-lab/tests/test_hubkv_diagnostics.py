@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_hubkv import diagnostics as dg
+from kv_lab.hubkv import diagnostics as dg
 
 importance_lists = st.lists(
     st.one_of(st.sampled_from([0.0, 0.5, 1.0]), st.floats(0.0, 1.0, width=32)), min_size=2, max_size=200

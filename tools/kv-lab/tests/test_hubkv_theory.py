@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_hubkv import HubKVConfig, local_hubs, refine, smd_discount
-from kv_hubkv.theory import (
+from kv_lab.hubkv.theory import (
     CoverageObjective,
     brute_force_select,
     gaussian_kernel,

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_ratio
-from ..config import HubKVConfig
+from kv_hubkv.checks import check_ratio
+from kv_hubkv.config import HubKVConfig
 
 __all__ = ["perturbation_bounds", "ranking_stability_threshold"]
 

@@ -1,7 +1,7 @@
 """Analysis helpers for the theory of HubKV (paper §3.1–3.2 and Appendix J).
 
 Not used on the inference path; they exist so the paper's statements can be checked on real or
-synthetic scores (and are, in ``tests/test_hubkv_theory.py``).
+synthetic scores (and are, in kv-lab's ``tests/test_hubkv_theory.py``).
 
 * :mod:`.coverage` — the score-weighted local coverage objective ``F_sub`` (Eqs. 4–5, Def. 1),
   its marginal gains and the overlap ratio ``ρ`` of Prop. 2.
