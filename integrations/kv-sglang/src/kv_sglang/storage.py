@@ -39,6 +39,8 @@ for another reason, the store refused it (larger than every tier, full disk, I/O
 
 _METRICS_MODULE = "sglang.srt.observability.metrics_collector"
 _GIB = float(1 << 30)
+LOG_EVERY_SECONDS = 60.0
+"""``get_stats`` logs the non-zero cumulative :meth:`KVCompressStorage.metrics` at INFO at most this often."""
 
 
 @dataclass
@@ -115,6 +117,7 @@ class KVCompressStorage(HiCacheStorage):
         self._seconds = {"encode_seconds": 0.0, "decode_seconds": 0.0}
         self._io_metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
         self._io: dict[str, list] = {k: [] for k in _StorageMetrics.__dataclass_fields__}
+        self._logged_at: float | None = None
         logger.info("kv_sglang storage: codec %s, %r", self.settings.codec, self.cache.store)
 
     # ---------------------------------------------------------------------------------------------- registration
@@ -436,15 +439,25 @@ class KVCompressStorage(HiCacheStorage):
         }
 
     def get_stats(self):
-        """What SGLang's scheduler logs when ``--enable-storage-metrics`` is on: a ``StorageMetrics``.
+        """What SGLang's scheduler logs when ``--enable-metrics`` is on: a ``StorageMetrics``.
 
         SGLang 0.5.23 (``UnifiedRadixCache`` -> ``StorageMetricsCollector.log_storage_metrics``) asserts the type and
         histograms ``prefetch_pgs`` / ``backup_pgs`` (pages per batch call; backups count pages written, not
         pages already held) and ``prefetch_bandwidth`` / ``backup_bandwidth`` (GiB/s of stored, i.e. compressed,
         blob bytes over the call's wall time, encoding or decoding included). The lists hold the calls since the
         previous ``get_stats`` and are drained, as SGLang's own backends do; they are filled only when the
-        storage config enables storage metrics. The cumulative counters are in :meth:`metrics`.
+        storage config enables storage metrics (``HiCacheStorageConfig.enable_storage_metrics``, which SGLang sets
+        from ``--enable-metrics``). The cumulative counters are in :meth:`metrics`; their non-zero
+        values are logged at INFO at most every :data:`LOG_EVERY_SECONDS` from here.
         """
+        now = time.monotonic()
+        if self._logged_at is None or now - self._logged_at >= LOG_EVERY_SECONDS:
+            self._logged_at = now
+            try:
+                summary = {k: v for k, v in self.metrics().items() if v}
+                logger.info("kv_sglang storage metrics: %s", summary)
+            except Exception as exc:
+                self._fault("unexpected", "summarizing the metrics failed", exc)
         cls = _storage_metrics_type()
         with self._lock:
             io = {k: list(v) for k, v in self._io.items()}

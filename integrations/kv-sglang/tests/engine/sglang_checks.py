@@ -630,6 +630,17 @@ def test_get_stats_returns_sglangs_storage_metrics(monkeypatch):
     assert stand_in == {f.name for f in dataclasses.fields(module.StorageMetrics)}
 
 
+def test_get_stats_logs_the_cumulative_metrics_at_most_once_a_minute(caplog):
+    pool = SyntheticHostPool("page_first")
+    b = backend(pool, interface_v1=1)
+    b.batch_set_v1(["a"], host(0))
+    with caplog.at_level(logging.INFO, logger="kv_sglang.storage"):
+        b.get_stats()
+        b.get_stats()
+    lines = [r.getMessage() for r in caplog.records if "kv_sglang storage metrics" in r.getMessage()]
+    assert len(lines) == 1 and "'stored_pages': 1" in lines[0] and "'hits'" not in lines[0]  # non-zero values only
+
+
 def test_metrics_dict_lists_every_fault_kind_and_reason():
     b = backend(SyntheticHostPool("layer_first"))
     m = b.metrics()
