@@ -29,12 +29,16 @@ def test_unsupported_architecture():
         kv_hf.compressed_cache(object(), full_compressor())
 
 
-def test_sliding_window_layers_are_refused():
-    with pytest.raises(ValueError, match="sliding_window=4096"):
+def test_layers_kv_hf_cannot_serve_are_refused_naming_the_layer():
+    with pytest.raises(ValueError, match="sliding_window=4096"):  # a window on every layer: nothing global
         kv_hf.compressed_cache(tiny_model("mistral", sliding_window=4096), full_compressor())
-    qwen = tiny_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    with pytest.raises(ValueError, match=r"layers \[1\] are \['sliding_attention'\]"):
-        kv_hf.compressed_cache(qwen, full_compressor())
+    only_windows = tiny_model("gemma3", layer_types=["sliding_attention", "sliding_attention"])
+    with pytest.raises(ValueError, match="every layer of this model is sliding-window attention"):
+        kv_hf.compressed_cache(only_windows, full_compressor())
+    model = tiny_model("gemma3")
+    model.config.layer_types = ["sliding_attention", "chunked_attention"]
+    with pytest.raises(ValueError, match="layer 1 is 'chunked_attention' attention"):
+        kv_hf.compressed_cache(model, full_compressor())
 
 
 def test_flash_attention_is_refused():

@@ -43,10 +43,14 @@ def test_ratio0_logits_bitwise_equal_prefill_and_decode(family, attn):
     for got_ref, got in _decode_pair(model, ids, ref, cache, steps=5):
         assert torch.equal(got_ref, got)
     assert cache.get_seq_length() == ref.get_seq_length() == 13 + 5
-    for layer, ref_layer in zip(cache.layers, ref.layers):
-        view = layer.store.read()
+    for layer in cache.compressed:
+        view, ref_layer = layer.store.read(), ref.layers[layer.layer_idx]
         assert torch.equal(view.keys, ref_layer.keys) and torch.equal(view.values, ref_layer.values)
         assert torch.equal(view.positions[0, 0], torch.arange(18))
+    for window in cache.windows:  # a hybrid model's sliding layers hold what transformers' own layers hold
+        ref_layer = ref.layers[window.layer_idx]
+        assert torch.equal(window.keys, ref_layer.keys) and torch.equal(window.values, ref_layer.values)
+        assert window.keys.shape[-2] == model.config.sliding_window - 1
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -16,7 +16,8 @@ from kv_hf.implementations import KV_HF_IMPLEMENTATIONS
 from kv_hf.layer import CompressedLayer
 from kv_hf.options import CacheOptions
 from kv_hf.step import COLLECT, SCRATCH, STEP_ATTR, STORE
-from kv_hf.support import check_compressor, check_model, resolve_query_window
+from kv_hf.support import check_compressor, check_model, layer_kinds, resolve_query_window
+from kv_hf.window import WindowLayer
 from kvcore import Compressor
 
 if TYPE_CHECKING:
@@ -24,7 +25,9 @@ if TYPE_CHECKING:
 
 
 class CompressedCache(Cache):
-    """A layered transformers cache (``Cache(layers=[...])``) with one :class:`CompressedLayer` per attention layer.
+    """A layered transformers cache (``Cache(layers=[...])``) with one :class:`CompressedLayer` per global-attention
+    layer and, in a hybrid model, one :class:`~kv_hf.window.WindowLayer` per sliding-window layer (kept as
+    transformers keeps it: the window is already bounded).
 
     Use it as ``model(ids, past_key_values=cache)`` or ``model.generate(ids, past_key_values=cache)``. The first
     forward pass through the cache is the prefill: each layer attends to the whole uncompressed prompt, then scores,
@@ -49,6 +52,10 @@ class CompressedCache(Cache):
         While True, periodic re-compression (``recompress_every`` or the compressor's own ``replan_every``) waits;
         :func:`kv_hf.generate_answer` pauses it while an answer that will be rolled back is decoded (the context
         must come back exactly).
+    compressed : list of CompressedLayer
+        The compressed (global-attention) layers, in layer order; ``layers`` holds every layer.
+    windows : list of WindowLayer
+        The sliding-window layers (empty for a model with global attention only).
     compress_seconds : float
         Wall time spent compressing so far (scoring, selection, Store writes, re-compressions and KVzip's
         reconstruction pass), separate from the model's own forward passes.
@@ -68,11 +75,15 @@ class CompressedCache(Cache):
         self.compress_seconds = 0.0
         self.replan_paused = False
         self._timing = 0
-        super().__init__(
-            layers=[
-                CompressedLayer(i, self.compressor, options, self.query_window) for i in range(config.num_hidden_layers)
-            ]
-        )
+        layers = [
+            CompressedLayer(i, self.compressor, options, self.query_window)
+            if kind == "compressed"
+            else WindowLayer(i, config.sliding_window)
+            for i, kind in enumerate(layer_kinds(config))
+        ]
+        super().__init__(layers=layers)
+        self.compressed: list[CompressedLayer] = [layer for layer in layers if isinstance(layer, CompressedLayer)]
+        self.windows: list[WindowLayer] = [layer for layer in layers if isinstance(layer, WindowLayer)]
 
     @contextlib.contextmanager
     def timed(self) -> Iterator[None]:
@@ -118,7 +129,7 @@ class CompressedCache(Cache):
             if self.compressor.budget.granularity != "global":
                 with self.timed():
                     layer.compress()
-            elif layer.layer_idx == len(self.layers) - 1:
+            elif layer is self.compressed[-1]:
                 self.compress()
         elif layer.recompress_due and not self.replan_paused:
             with self.timed():
@@ -126,7 +137,8 @@ class CompressedCache(Cache):
 
     # -- public API ----------------------------------------------------------------------------------------
     def nbytes(self, device: torch.device | str | None = None) -> int:
-        """Bytes actually held: the sum of the layer Stores' ``nbytes`` (plus any not-yet-compressed prefill)."""
+        """Bytes actually held by every layer: the Stores' ``nbytes`` (plus any not-yet-compressed prefill) and the
+        sliding-window layers' windows."""
         return sum(layer.nbytes(device) for layer in self.layers)
 
     def resident_nbytes(self) -> int:
@@ -135,21 +147,21 @@ class CompressedCache(Cache):
         return sum(layer.resident_nbytes() for layer in self.layers)
 
     def seq_lengths(self) -> list[torch.Tensor]:
-        """Per layer, the ``[B, Hkv]`` number of entries held by the Store."""
-        return [layer.store.seq_lengths() for layer in self.layers]
+        """Per compressed layer, the ``[B, Hkv]`` number of entries held by the Store."""
+        return [layer.store.seq_lengths() for layer in self.compressed]
 
     def next_positions(self) -> torch.Tensor | None:
         """``[B]`` true position of the next token of every row (``None`` before the first token)."""
-        return self.layers[0].next_positions
+        return self.compressed[0].next_positions
 
     @property
     def compress_next_prefill(self) -> bool:
         """Whether the next forward pass is collected raw and compressed (with what is stored) at its end."""
-        return all(layer.mode == COLLECT and layer.auto_compress for layer in self.layers)
+        return all(layer.mode == COLLECT and layer.auto_compress for layer in self.compressed)
 
     @compress_next_prefill.setter
     def compress_next_prefill(self, value: bool) -> None:
-        for layer in self.layers:
+        for layer in self.compressed:
             if value:
                 layer.mode, layer.auto_compress = COLLECT, True
             elif layer.mode == COLLECT and layer.pending is None:
@@ -157,7 +169,7 @@ class CompressedCache(Cache):
 
     def collect(self) -> None:
         """Keep the following forward passes raw (chunked prefill) until :meth:`compress` is called."""
-        for layer in self.layers:
+        for layer in self.compressed:
             layer.mode, layer.auto_compress = COLLECT, False
 
     def compress(
@@ -187,13 +199,13 @@ class CompressedCache(Cache):
                 return
             if compressor is not None and compressor.budget.granularity == "global":
                 raise ValueError("compress(compressor=...) takes a 'head' or 'layer' budget, not 'global'")
-            for layer in self.layers:
+            for layer in self.compressed:
                 layer.compress(extras=per_layer(layer.layer_idx), protect_before=protect_before, compressor=compressor)
 
     def recompress(self, target_length: int | None = None, target_ratio: float | None = None) -> None:
         """Re-score and prune every layer now (see :meth:`CompressedLayer.recompress`)."""
         with self.timed():
-            for layer in self.layers:
+            for layer in self.compressed:
                 layer.recompress(target_length, target_ratio)
 
     def rollback(self, length: int) -> None:
@@ -213,15 +225,31 @@ class CompressedCache(Cache):
     ) -> Iterator[CompressedCache]:
         """Forward passes inside this context attend to the cache but leave nothing in it; ``observer(layer, query,
         new_keys, scaling)`` sees every layer's step (KVzip's context reconstruction)."""
-        saved = [(layer.mode, layer.observer) for layer in self.layers]
-        for layer in self.layers:
+        saved = [(layer.mode, layer.observer) for layer in self.compressed]
+        for layer in self.compressed:
             layer.mode, layer.observer = SCRATCH, observer
+        for window in self.windows:
+            window.mode = SCRATCH
         try:
             yield self
         finally:
-            for layer, (mode, obs) in zip(self.layers, saved):
+            for layer, (mode, obs) in zip(self.compressed, saved):
                 layer.mode, layer.observer = mode, obs
                 layer._step = None
+            for window in self.windows:
+                window.mode = STORE
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[CompressedCache]:
+        """Inside this context the sliding-window layers keep what slides out of their windows, so that
+        :meth:`rollback` can return to the length at entry (the multi-question protocol)."""
+        for window in self.windows:
+            window.hold()
+        try:
+            yield self
+        finally:
+            for window in self.windows:
+                window.release()
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _per_layer(self, extras) -> Callable[[int], Mapping[str, Any] | None]:
@@ -233,12 +261,12 @@ class CompressedCache(Cache):
 
     def _compress_global(self, per_layer, protect_before: int | None) -> None:
         """One selection over every layer (``Compressor.compress_layers``), written into the layers' own Stores."""
-        layers = [layer for layer in self.layers if layer.pending is not None and layer.pending.length]
+        layers = [layer for layer in self.compressed if layer.pending is not None and layer.pending.length]
         if not layers:
-            for layer in self.layers:
+            for layer in self.compressed:
                 layer.stored()
             return
-        if len(layers) != len(self.layers) or any(layer.held() for layer in self.layers):
+        if len(layers) != len(self.compressed) or any(layer.held() for layer in self.compressed):
             raise ValueError(
                 "a 'global' budget selects over all layers at once: every layer must hold only its collected "
                 "prefill (no stored entries) when it is compressed"
@@ -270,7 +298,10 @@ def compressed_cache(model: PreTrainedModel, compressor: Compressor, **options: 
     Parameters
     ----------
     model : PreTrainedModel
-        Llama, Mistral (full attention), Qwen2 or Qwen3 family causal LM with ``sdpa`` or ``eager`` attention.
+        Llama, Mistral (full attention), Qwen2, Qwen3 or Gemma 3 family causal LM with ``sdpa`` or ``eager``
+        attention. In a hybrid model (Gemma 3: five sliding-window layers per global one) the global layers are
+        compressed and the sliding-window layers keep their window as transformers does; the budget's ratio applies
+        to the global layers' tokens and ``nbytes()`` counts every layer.
     compressor : kvcore.Compressor
         Any kvcompress method (``Compressor(scorer=, selector=, store=, budget=)``).
     **options

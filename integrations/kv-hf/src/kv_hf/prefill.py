@@ -224,7 +224,7 @@ def _prefill_chunked(
         b = min(a + chunk_size, T)
         cache.collect()
         if cache.query_window is None:  # every-query scorers (H2O) score each step with this chunk's queries
-            for layer in cache.layers:
+            for layer in cache.compressed:
                 layer.queries = None
         out = model(
             input_ids=input_ids[:, a:b],

@@ -97,7 +97,7 @@ class _Collector:
         self.block = block
         self.start = self.end = 0
         self.scores: dict[int, torch.Tensor] = {}
-        for layer in cache.layers:
+        for layer in cache.compressed:
             p = layer.pending
             if p is None or layer.held():
                 raise ValueError(
@@ -172,7 +172,7 @@ def kvzip_scores(
             collector.start, collector.end = context_start + start, context_start + end
             model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     out = {}
-    for layer in cache.layers:
+    for layer in cache.compressed:
         s = collector.scores[layer.layer_idx]
         p = layer.pending
         prefix = p.valid & (p.positions < context_start)

@@ -9,6 +9,7 @@ positions).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -74,28 +75,33 @@ def generate_answer(
     pos = start[:, None] + torch.arange(q, device=question_ids.device)
     tokens = []
     done = torch.zeros(B, dtype=torch.bool, device=question_ids.device)
-    paused, since = cache.replan_paused, [layer._since for layer in cache.layers]
+    paused, since = cache.replan_paused, [layer._since for layer in cache.compressed]
     cache.replan_paused = paused or not keep  # a method's own re-plan would change the context for good
-    try:
-        out = model(input_ids=question_ids, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
-        for i in range(max_new_tokens):
-            nxt = out.logits[:, -1].argmax(-1)
-            if eos is not None:
-                nxt = torch.where(done, eos[0], nxt)
-                done = done | torch.isin(nxt, eos)
-            tokens.append(nxt)
-            if i == max_new_tokens - 1 or bool(done.all()):
-                break
-            pos = pos[:, -1:] + 1
+    with contextlib.ExitStack() as stack:
+        if not keep:  # sliding windows keep what slides out of them, so that the rollback can restore it
+            stack.enter_context(cache.held())
+        try:
             out = model(
-                input_ids=nxt[:, None], past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1
+                input_ids=question_ids, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1
             )
-    finally:
-        cache.replan_paused = paused
-        if not keep:
-            cache.rollback(length)
-            for layer, n in zip(cache.layers, since):
-                layer._since = n
+            for i in range(max_new_tokens):
+                nxt = out.logits[:, -1].argmax(-1)
+                if eos is not None:
+                    nxt = torch.where(done, eos[0], nxt)
+                    done = done | torch.isin(nxt, eos)
+                tokens.append(nxt)
+                if i == max_new_tokens - 1 or bool(done.all()):
+                    break
+                pos = pos[:, -1:] + 1
+                out = model(
+                    input_ids=nxt[:, None], past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1
+                )
+        finally:
+            cache.replan_paused = paused
+            if not keep:
+                cache.rollback(length)
+                for layer, n in zip(cache.compressed, since):
+                    layer._since = n
     return torch.stack(tokens, 1)
 
 

@@ -56,6 +56,13 @@ class _LayerState:
 
 
 @dataclass
+class _WindowState:
+    keys: torch.Tensor
+    values: torch.Tensor
+    seen: int
+
+
+@dataclass
 class CollectedPrefill:
     """A prompt prefilled once, exactly and uncompressed, ready to be compressed by several compressors.
 
@@ -77,6 +84,7 @@ class CollectedPrefill:
     tokenizer: Any = None
     context_start: int = 0
     _layers: list[_LayerState] = field(default_factory=list, repr=False)
+    _windows: list[_WindowState] = field(default_factory=list, repr=False)
     _captured: dict[str, Any] = field(default_factory=dict, repr=False)
     _provided: dict[tuple[str, str], tuple[dict, float]] = field(default_factory=dict, repr=False)
 
@@ -108,7 +116,11 @@ class CollectedPrefill:
         for provider in needed:  # on the fresh cache, as kv_hf.prefill checks them
             provider.check(cache, self.input_ids, self.attention_mask, self.tokenizer)
         cache.collect()
-        for layer, state in zip(cache.layers, self._layers):
+        for window, state in zip(cache.windows, self._windows):
+            window.lazy_initialization(state.keys, state.values)
+            window.keys, window.values = state.keys.clone(), state.values.clone()
+            window.cumulative_length = state.seen
+        for layer, state in zip(cache.compressed, self._layers):
             layer.is_initialized = True
             layer.dtype, layer.device = state.dtype, state.device
             layer._batch = state.batch
@@ -234,8 +246,9 @@ def collect_prefill(
             device=layer.device,
             batch=layer._batch,
         )
-        for layer in cache.layers
+        for layer in cache.compressed
     ]
+    windows = [_WindowState(w.keys, w.values, w.cumulative_length) for w in cache.windows]
     return CollectedPrefill(
         model=model,
         input_ids=input_ids,
@@ -245,6 +258,7 @@ def collect_prefill(
         tokenizer=tokenizer,
         context_start=context_start,
         _layers=layers,
+        _windows=windows,
         _captured=captured,
     )
 

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
     from kv_hf.options import CacheOptions
 
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3_text"})
 """Families whose attention modules call ``past_key_values.update(k, v, layer_idx)`` with post-RoPE K/V and
 dispatch through transformers' ``ALL_ATTENTION_FUNCTIONS`` with ``position_ids`` — the two hooks kv_hf needs."""
 
@@ -62,7 +62,8 @@ def text_config(model: PreTrainedModel) -> PretrainedConfig:
 
 
 def check_model(model: object) -> PretrainedConfig:
-    """Raise unless ``model`` is a supported causal LM with only full-attention layers and an SDPA/eager kernel.
+    """Raise unless ``model`` is a supported causal LM whose layers kv_hf serves (global attention, and sliding-window
+    layers beside them) with an SDPA/eager kernel.
 
     Returns the (text) config.
     """
@@ -78,14 +79,7 @@ def check_model(model: object) -> PretrainedConfig:
             "architecture must call past_key_values.update(k, v, layer_idx) with post-RoPE keys and dispatch "
             "attention through ALL_ATTENTION_FUNCTIONS with position_ids"
         )
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        bad = {i: t for i, t in enumerate(layer_types) if t != "full_attention"}
-        if bad:
-            raise ValueError(
-                f"kv_hf compresses full-attention layers only; layers {sorted(bad)} are {sorted(set(bad.values()))} "
-                "(sliding-window layers keep their own window and are not supported)"
-            )
+    layer_kinds(config)
     if model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
         raise ValueError(
             f"kv_hf compresses full-attention layers only; this Mistral config has sliding_window="
@@ -98,6 +92,39 @@ def check_model(model: object) -> PretrainedConfig:
             "per-head logit bias of a compressed layout; load the model with attn_implementation='sdpa' or 'eager'"
         )
     return config
+
+
+LAYER_KINDS = {"full_attention": "compressed", "sliding_attention": "window"}
+"""transformers' layer types kv_hf serves: global layers are compressed, sliding-window layers keep their window."""
+
+
+def layer_kinds(config: PretrainedConfig) -> list[str]:
+    """Per layer, ``"compressed"`` (global attention: a Store) or ``"window"`` (sliding attention: kept as
+    transformers keeps it, :class:`kv_hf.window.WindowLayer`).
+
+    Raises ``ValueError`` naming the first layer kv_hf cannot serve (an unknown layer type, a sliding layer without
+    a window) and when no layer is global (nothing would be compressed).
+    """
+    n = config.num_hidden_layers
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * n
+    if len(layer_types) != n:
+        raise ValueError(f"config.layer_types has {len(layer_types)} entries for {n} layers")
+    kinds = []
+    for i, kind in enumerate(layer_types):
+        if kind not in LAYER_KINDS:
+            raise ValueError(
+                f"layer {i} is {kind!r} attention: kv_hf serves {sorted(LAYER_KINDS)} layers (global layers are "
+                "compressed, sliding-window layers keep their window)"
+            )
+        if LAYER_KINDS[kind] == "window" and not getattr(config, "sliding_window", None):
+            raise ValueError(f"layer {i} is sliding-window attention but config.sliding_window is {None!r}")
+        kinds.append(LAYER_KINDS[kind])
+    if "compressed" not in kinds:
+        raise ValueError(
+            "every layer of this model is sliding-window attention: each keeps only its window already, and kv_hf "
+            "compresses global-attention layers only"
+        )
+    return kinds
 
 
 def check_compressor(compressor: object, options: CacheOptions) -> Compressor:

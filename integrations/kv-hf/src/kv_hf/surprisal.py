@@ -94,7 +94,7 @@ def provide(
     hidden = captured.hidden()
     with torch.no_grad():
         s = token_surprisal(hidden, head.weight, input_ids, head.bias, attention_mask, config.vocab_chunk)
-    return {layer.layer_idx: {"surprisal": s} for layer in cache.layers}
+    return {layer.layer_idx: {"surprisal": s} for layer in cache.compressed}
 
 
 PROVIDER = register(
