@@ -27,6 +27,15 @@ def test_page_cache_save_load_metrics():
     assert m.encode_seconds > 0 and m.decode_seconds > 0
 
 
+def test_a_page_the_store_refuses_is_not_counted_as_saved():
+    cache = PageCache(kvpages.codec("lossless"), TieredStore(cpu_bytes=100))  # smaller than one page
+    k, v = kv()
+    assert cache.save("big", k, v) == 0 and not cache.exists("big")
+    m = cache.metrics
+    assert (m.saves, m.stored_bytes, m.fp16_bytes) == (0, 0, 0)
+    assert cache.store.metrics.faults["fault_over_budget"] == 1
+
+
 def test_two_codecs_share_a_store_without_mixing():
     store = TieredStore(cpu_bytes=1 << 20)
     a, b = PageCache(kvpages.codec("lossless"), store), PageCache(kvpages.codec("kivi-4"), store)

@@ -66,12 +66,16 @@ class PageCache:
         return self._prefix + key
 
     def save(self, key: str, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Encode and store one page under ``key``; returns the stored blob's length in bytes."""
+        """Encode and store one page under ``key``; returns the stored blob's length in bytes, or 0 when the store
+        did not keep it (larger than every tier, or a failed disk write: counted in ``store.metrics.faults``)."""
         skey = self.store_key(key)
         t0 = time.perf_counter()
         blob = self.codec.encode(keys, values)
         dt = time.perf_counter() - t0
-        self.store.put(skey, blob)
+        if not self.store.put(skey, blob):
+            with self._lock:
+                self._t["encode_seconds"] += dt
+            return 0
         with self._lock:
             self._m["saves"] += 1
             self._m["stored_bytes"] += len(blob)
