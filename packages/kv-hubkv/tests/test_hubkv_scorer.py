@@ -121,8 +121,9 @@ def test_hubkv_equals_refine_of_base_scores_with_protection_and_padding():
 
 def test_hubkv_token_budget_gives_per_row_ratio():
     mask = torch.ones(2, 30, dtype=torch.bool)
-    mask[0, :10] = False  # 20 real tokens in row 0, 30 in row 1
-    ctx = _ctx(attention_mask=mask, budget=Budget(tokens=6))
+    mask[0, :10] = False  # 20 real tokens in row 0 (left padding: true positions 0..19), 30 in row 1
+    positions = torch.stack([(torch.arange(30) - 10).clamp_min(0), torch.arange(30)])
+    ctx = _ctx(attention_mask=mask, budget=Budget(tokens=6), positions=positions)
     got = HubKV(WindowAttention()).score(ctx).keys
     base = WindowAttention().score(ctx).keys
     excl = ~mask[:, None, :]
@@ -224,9 +225,14 @@ def test_decoding_schedule():
     assert sch.ratio(4096) == 1 - 1024 / 4096 and sch.ratio(512) == 0.0
     assert sch.budget() == Budget(tokens=1024)
     assert sch.cache_options() == {"recompress_every": 128, "target_length": 1024}
-    # the gate ratio HubKV derives from the schedule's token budget is the schedule's ratio
+    # the gate ratio HubKV derives from the schedule's token budget is the schedule's ratio at prefill
     ctx = _ctx(B=1, T=40, budget=DecodingSchedule(target_length=10).budget())
     assert HubKV(WindowAttention())._ratios(ctx) == [DecodingSchedule(target_length=10).ratio(40)]
+    # while decoding, the cache holds target + interval entries of a longer sequence: the gate uses the true
+    # compression over every token seen (1 - 10 / 400), not over the 40 held entries (1 - 10 / 40)
+    kept = torch.cat([torch.arange(10) * 30, torch.arange(370, 400)])[None]  # 10 survivors + the last 30 tokens
+    ctx = _ctx(B=1, T=40, budget=DecodingSchedule(target_length=10).budget(), positions=kept)
+    assert HubKV(WindowAttention())._ratios(ctx) == [DecodingSchedule(target_length=10).ratio(400)]
     for bad in [dict(target_length=0), dict(target_length=8, interval=0), dict(target_length=2.5)]:
         with pytest.raises(ValueError):
             DecodingSchedule(**bad)

@@ -45,8 +45,11 @@ class HubKV(WrappingScorer):
     Notes
     -----
     * Ratio (paper Eq. 10): ``ctx.budget.ratio`` for ratio budgets. For token budgets the
-      effective ratio ``1 - kept(n) / n`` of each batch row's ``n`` real tokens is used, which is
-      how the decoding-stage mode (target KV length, Appendix A.1) maps onto the gate.
+      cache's true compression ``1 - kept / n`` of each batch row, where ``n`` is the number of tokens
+      the row has seen (its last true position + 1; at prefill, its real tokens): this is how the
+      decoding-stage mode (target KV length, Appendix A.1) maps onto the gate. Taking ``n`` as the
+      entries held instead (target + update interval while decoding) would give ``r = 128 / (1024 +
+      128)`` at a 1,024 target, ``λ = r² ≈ 0.012``: a gate that barely moves the scores.
     * Protection (Appendix A.1): ``ctx.protected`` (sinks, recent window; ``kvcore.Compressor``
       fills it from its ``Protection``) is excluded from hub competition and head statistics and
       receives the maximum retention score. Padding (``ctx.attention_mask == False``) is excluded
@@ -80,8 +83,13 @@ class HubKV(WrappingScorer):
         if budget is not None and budget.ratio is not None:
             return [budget.ratio] * B
         if budget is not None and budget.tokens is not None:
-            n_valid = ctx.valid.sum(-1).tolist()
-            return [max(0.0, 1.0 - budget.kept(int(n)) / max(int(n), 1)) for n in n_valid]
+            # the cache's true compression: kept over the tokens the sequence has seen (its last true position + 1),
+            # not over the entries held now -- in the decoding mode the cache holds target + interval entries of a
+            # much longer sequence, and 1 - kept / held would leave the gate almost closed (λ = r^p near 0)
+            valid = ctx.valid
+            last = ctx.positions.masked_fill(~valid, -1).amax(-1) + 1
+            seen = torch.maximum(last, valid.sum(-1)).tolist()
+            return [max(0.0, 1.0 - budget.kept(int(n)) / max(int(n), 1)) for n in seen]
         if self.default_ratio is not None:
             return [self.default_ratio] * B
         raise ValueError(
