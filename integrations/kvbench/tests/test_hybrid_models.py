@@ -36,27 +36,38 @@ class CharTokenizer:
         return "".join(chr(i) for i in ids if i > 2)
 
 
-def _model():
-    return tiny_model("gemma3", num_hidden_layers=4, sliding_window=W)  # layers 0, 2 sliding; 1, 3 global
+SHAPES = {
+    "tiny": {},
+    # Gemma 3 270M's attention shape: one KV head of 256 channels under 4 query heads
+    "gemma3-270m-heads": {"num_key_value_heads": 1, "head_dim": 256, "num_attention_heads": 4},
+}
+
+
+def _model(shape="tiny"):
+    # layers 0, 2 sliding; 1, 3 global
+    return tiny_model("gemma3", num_hidden_layers=4, sliding_window=W, **SHAPES[shape])
 
 
 def _ids(seed=0):
     return torch.randint(3, 250, (1, T), generator=torch.Generator().manual_seed(seed))
 
 
-def _sekv_for_tiny_model():
+def _sekv_for(model):
     from kv_sekv import SEKVConfig, SEKVRouter, sekv
 
+    c = model.config
     config = SEKVConfig(window=4, min_span=3, max_rank=8, proj_dim=8)
-    return sekv(0.5, router=SEKVRouter.untrained(4, 4, 2, 16, config, seed=0), config=config)
+    router = SEKVRouter.untrained(4, c.num_attention_heads, c.num_key_value_heads, c.head_dim, config, seed=0)
+    return sekv(0.5, router=router, config=config)
 
 
+@pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("name", sorted(set(REGISTRY) - set(SEKV)) + ["sekv (router for the tiny model)"])
 @torch.no_grad()
-def test_every_method_compresses_the_global_layers_and_keeps_the_windows(name):
-    model, ids = _model(), _ids()
+def test_every_method_compresses_the_global_layers_and_keeps_the_windows(name, shape):
+    model, ids = _model(shape), _ids()
     if name.startswith("sekv"):
-        budget, compressor = Budget(ratio=0.5), _sekv_for_tiny_model()
+        budget, compressor = Budget(ratio=0.5), _sekv_for(model)
     else:
         method = REGISTRY[name]
         budget = Budget(ratio=0.5) if "ratio" in method.budgets else None
