@@ -13,7 +13,8 @@ without ``PYTHONPATH``:
 * runs ``<script> --help`` for every console script it declares.
 
 Extras that name other workspace members (``kv-hubkv[baselines]``) get a row of their own, installed with those
-members' wheels. Members not present in this checkout are reported as ``missing``, not as failures.
+members' wheels. The default run checks every workspace member (found from the root ``pyproject.toml``'s globs) but the
+engine adapters, each after the members it depends on.
 
 Usage::
 
@@ -42,20 +43,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MEMBERS: tuple[str, ...] = (
-    "kvcore",
-    "kvcodec",
-    "kvpages",
-    "kv-baselines",
-    "kv-hubkv",
-    "kv-hqekv",
-    "kv-sekv",
-    "kv-hex",
-    "kv-hf",
-    "kvbench",
-    "kv-lab",
-)
-"""The distributions checked, in dependency order."""
+ENGINE_ADAPTERS = frozenset({"kv-vllm", "kv-sglang"})
+"""Members checked only when named: their tests run inside their engines' own environments (vLLM, SGLang)."""
 
 ENTRY_POINT_GROUP = "kvcompress.methods"
 NUMPY_WARNING = "Failed to initialize NumPy"
@@ -118,6 +107,24 @@ def find_members(root: Path) -> dict[str, Member]:
             )
             found[member.name] = member
     return found
+
+
+def dependency_order(members: dict[str, Member]) -> list[str]:
+    """Every member but the engine adapters, each after the workspace members it depends on (the default run)."""
+    order: list[str] = []
+
+    def visit(name: str) -> None:
+        if name in order:
+            return
+        for dep in map(requirement_name, members[name].dependencies):
+            if dep in members and dep != name:
+                visit(dep)
+        order.append(name)
+
+    for name in sorted(members):
+        if name not in ENGINE_ADAPTERS:
+            visit(name)
+    return order
 
 
 def workspace_closure(names: list[str], members: dict[str, Member]) -> list[str]:
@@ -288,7 +295,9 @@ def export_constraints(uv: str, out: Path) -> Path | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("members", nargs="*", help=f"members to check (default: {' '.join(MEMBERS)})")
+    parser.add_argument(
+        "members", nargs="*", help="members to check (default: every workspace member but the engine adapters)"
+    )
     parser.add_argument("--keep", type=Path, help="build into this folder and keep it (default: a temporary one)")
     parser.add_argument("--no-extras", action="store_true", help="skip the rows of workspace-member extras")
     args = parser.parse_args(argv)
@@ -298,10 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         print("uv is not on PATH (pip install uv)", file=sys.stderr)
         return 2
     members = find_members(ROOT)
-    wanted = [requirement_name(m) for m in (args.members or MEMBERS)]
-    unknown = [m for m in wanted if m not in MEMBERS and m not in members]
+    wanted = [requirement_name(m) for m in args.members] or dependency_order(members)
+    unknown = [m for m in wanted if m not in members]
     if unknown:
-        print(f"unknown members {unknown}; known: {sorted(set(MEMBERS) | set(members))}", file=sys.stderr)
+        print(f"unknown members {unknown}; known: {sorted(members)}", file=sys.stderr)
         return 2
 
     work = args.keep or Path(tempfile.mkdtemp(prefix="kvcompress-wheels-"))

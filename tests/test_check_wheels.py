@@ -21,3 +21,15 @@ def test_every_registered_method_compresses_or_is_named():
     ran = line.removeprefix("compressed:").split("(")[0].split()
     assert sorted(ran) == sorted(m.name for m in METHODS if m.name != "kvzip"), line
     assert "(built only: kvzip / need another package: -)" in line, line
+
+
+def test_the_default_run_covers_every_member_after_its_dependencies():
+    """Invariant: the default member list is derived from the workspace (a new member is checked without editing the
+    script), holds every member but the engine adapters, and puts each after the workspace members it needs."""
+    members = check_wheels.find_members(check_wheels.ROOT)
+    order = check_wheels.dependency_order(members)
+    assert set(order) == set(members) - check_wheels.ENGINE_ADAPTERS and len(order) == len(set(order))
+    for name in order:
+        for dep in map(check_wheels.requirement_name, members[name].dependencies):
+            if dep in members:
+                assert order.index(dep) < order.index(name), (dep, name)
