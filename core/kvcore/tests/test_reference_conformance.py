@@ -73,7 +73,10 @@ class TestSurprisal(ScorerTests):
 
 
 class TestCompressor(CompressorTests):
-    @pytest.fixture(params=["head", "layer"])
+    """``"global"``: the suite selects over the one layer through ``plan_layers`` / ``compress_layers``
+    (``Compressor.plan`` alone refuses a global budget)."""
+
+    @pytest.fixture(params=["head", "layer", "global"])
     def compressor(self, request):
         budget = Budget(0.5, granularity=request.param)
         return Compressor(KeyNorm(), TopKSelector(), DenseStore, budget, Protection(1, 2))

@@ -18,7 +18,9 @@ suite                fixture            capability flags (class attributes) and 
                                         ``same_kv_tiers``, ``supports_crop``, ``supports_reorder``,
                                         ``lossless_full_tier``, ``lossless_append``, ``can_demote``,
                                         ``can_attend``; ``max_quantization_error``
-``CompressorTests``  ``compressor``     ``lossless_at_zero_ratio``, ``evicts``; ``make_extras(shapes)``
+``CompressorTests``  ``compressor``     ``lossless_at_zero_ratio``, ``evicts``; ``make_extras(shapes)``,
+                                        ``plan(c, ctx)``, ``write(c, ctx, store)`` (``"global"`` budgets
+                                        go through ``plan_layers`` / ``compress_layers``)
 ===================  =================  ======================================================================
 
 Each suite's module documents its flags; a flag left ``None`` is read from the object under test (``can_demote``

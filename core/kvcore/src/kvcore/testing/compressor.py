@@ -4,7 +4,10 @@ fall as the ratio grows.
 
 Fixture ``compressor``. Flags: ``lossless_at_zero_ratio`` (default True), ``evicts`` (the budget's ratio evicts
 entries, so per-head/per-layer counts and bytes follow it; default True). Hook ``make_extras(shapes)`` supplies
-what the scorer declares in ``needs_extras``.
+what the scorer declares in ``needs_extras``. A compressor whose budget has ``granularity="global"`` (a selection
+over every layer at once, KVzip's) is run through ``plan_layers`` / ``compress_layers`` on the one drawn layer, where
+it keeps what a ``"layer"`` budget keeps; override :meth:`CompressorTests.plan` and :meth:`CompressorTests.write` to
+drive a compressor another way.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-from kvcore.compressor import ShortInputWarning
+from kvcore.compressor import Compressor, ShortInputWarning
+from kvcore.context import ScoringContext
+from kvcore.plan import Plan
 from kvcore.protocols import Store
 from kvcore.testing.base import ContextTests, forall
 from kvcore.testing.strategies import kv_samples
@@ -37,10 +42,49 @@ class CompressorTests(ContextTests):
         t = max(16, 8 * (c.protect.sinks + c.protect.recent) + 8)
         return kv_samples(min_t=t, max_t=t + 32, **kw)
 
+    def plan(self, c: Compressor, ctx: ScoringContext) -> Plan:
+        """The plan of one layer: ``c.plan(ctx)``, or ``c.plan_layers([ctx])[0]`` under a ``"global"`` budget.
+
+        Parameters
+        ----------
+        c : kvcore.Compressor
+            The compressor under test (or one derived from it: another budget, ``strict=True``).
+        ctx : kvcore.ScoringContext
+            One layer's context.
+
+        Returns
+        -------
+        kvcore.Plan
+            The selector's plan of that layer.
+        """
+        return c.plan_layers([ctx])[0] if c.budget.granularity == "global" else c.plan(ctx)
+
+    def write(self, c: Compressor, ctx: ScoringContext, store: Store | None = None) -> Store:
+        """Compress one layer: ``c.compress(ctx, store)``, or ``c.compress_layers([ctx], [store])[0]`` under a
+        ``"global"`` budget.
+
+        Parameters
+        ----------
+        c : kvcore.Compressor
+            The compressor under test (or one derived from it).
+        ctx : kvcore.ScoringContext
+            One layer's context.
+        store : kvcore.Store, optional
+            The store to write into; ``None``: ``c.new_store()``.
+
+        Returns
+        -------
+        kvcore.Store
+            The store holding the compressed layer.
+        """
+        if c.budget.granularity != "global":
+            return c.compress(ctx, store)
+        return c.compress_layers([ctx], None if store is None else [store])[0]
+
     def compress(self, c, x, store=None) -> Store:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ShortInputWarning)  # a padded row too short for the protected window
-            return c.compress(self.make_context(c.scorer, x), store)
+            return self.write(c, self.make_context(c.scorer, x), store)
 
     def test_compress_follows_plan_and_budget(self, compressor) -> None:
         """``compress`` returns a Store holding exactly what ``plan`` keeps, and (for eviction budgets at ``head`` /
@@ -57,9 +101,9 @@ class CompressorTests(ContextTests):
             lens, ctx = store.seq_lengths().cpu(), self.make_context(compressor.scorer, x)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", ShortInputWarning)
-                plan = compressor.plan(ctx)
+                plan = self.plan(compressor, ctx)
             assert torch.equal(lens, plan.keep_keys.sum(-1).cpu()), "store lengths differ from the plan"
-            if self.evicts and b.avg_bits is None and b.granularity in ("head", "layer"):
+            if self.evicts and b.avg_bits is None and b.granularity in ("head", "layer", "global"):
                 prot = compressor.protect.mask(ctx.valid).sum(-1)  # rows too short for the budget keep the protected
                 kept = torch.tensor([max(b.kept(int(n)), int(p)) for n, p in zip(ctx.valid.sum(-1), prot)])
                 if b.granularity == "head":
@@ -109,7 +153,7 @@ class CompressorTests(ContextTests):
                 t.view(-1)[t.numel() // 2] = bad
                 store = compressor.new_store()
                 with pytest.raises(ValueError, match=name):
-                    compressor.compress(dataclasses.replace(ctx, **{name: t}), store)
+                    self.write(compressor, dataclasses.replace(ctx, **{name: t}), store)
                 assert int(store.seq_lengths().sum()) == 0, "a rejected layer must leave the store empty"
 
         cases = st.tuples(self.samples(compressor), st.sampled_from((float("nan"), float("inf"), float("-inf"))))
@@ -129,7 +173,7 @@ class CompressorTests(ContextTests):
             missing = (["queries"] if s.needs_queries else []) + sorted(s.needs_extras)
             assert compressor.missing_inputs(ctx) == missing
             with pytest.raises(ValueError) as err:
-                compressor.compress(ctx)
+                self.write(compressor, ctx)
             assert all(name in str(err.value) for name in missing), f"the error must name {missing}: {err.value}"
 
         forall(self.samples(compressor), check, 5)
@@ -180,10 +224,10 @@ class CompressorTests(ContextTests):
             if not c.short_rows(c.protect.mask(ctx.valid), ctx.valid):
                 return
             with pytest.warns(ShortInputWarning):
-                plan = c.plan(ctx)
+                plan = self.plan(c, ctx)
             prot = c.protect.mask(ctx.valid)[:, None, :].expand(plan.key_bits.shape)
             assert bool(plan.keep_keys[prot].all()), "a protected entry was evicted"
             with pytest.raises(ValueError):
-                dataclasses.replace(c, strict=True).plan(ctx)
+                self.plan(dataclasses.replace(c, strict=True), ctx)
 
         forall(kv_samples(min_t=2, max_t=max(2, n_prot)), check, 8)
