@@ -1,5 +1,5 @@
-"""Ready-made compressors: conformance, registry, decode-time properties (bits never increase, evicted never
-returns), and real models through kv-hf."""
+"""Ready-made compressors: registry, decode-time properties (bits never increase, evicted never returns), and real
+models through kv-hf (their conformance suite is in test_conformance.py)."""
 
 import pytest
 import torch
@@ -8,18 +8,8 @@ from hypothesis import strategies as st
 
 from kv_hqekv import HqeKVConfig, HqeKVStore, feasible, hqekv, requantize
 from kvcore import EVICT, FULL, ScoringContext, registry
-from kvcore.testing import CompressorTests
 
 RANK = {EVICT: 0, 1: 1, 2: 2, 4: 3, FULL: 4}
-
-
-class TestHqeKV2(CompressorTests):
-    lossless_at_zero_ratio = False  # quantizes by its shares whatever the ratio
-    evicts = False  # budgeted by avg_bits
-
-    @pytest.fixture(params=[2.0, 3.2], ids=["hqekv-2", "hqekv-3.2"])
-    def compressor(self, request):
-        return hqekv(request.param, config=HqeKVConfig(block=4, window=4))
 
 
 def test_registry_names_and_budgets():

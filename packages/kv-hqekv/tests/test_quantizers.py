@@ -1,4 +1,5 @@
-"""The tier quantizers: conformance, Table 3 of the paper, and the spec's properties 2-7."""
+"""The tier quantizers: Table 3 of the paper and the spec's properties 2-7 (their conformance suite is in
+test_conformance.py)."""
 
 import pytest
 import torch
@@ -7,37 +8,6 @@ from hypothesis import strategies as st
 
 from kv_hqekv import NormalizedQuantizer, UniformOneBitQuantizer, normal_bounds, tier_quantizer
 from kvcodec import UniformQuantizer
-from kvcore.testing import QuantizerTests
-
-
-class TestUniformTiers(QuantizerTests):
-    """The 4- and 2-bit tiers with the paper's groupings (keys per channel, values per token, G = 32)."""
-
-    @pytest.fixture(params=[(4, "key"), (2, "key"), (4, "value"), (2, "value")], ids=lambda p: f"{p[0]}bit-{p[1]}")
-    def quantizer(self, request):
-        return tier_quantizer(request.param[0], request.param[1], 32)
-
-
-class TestNormalizedQuantizer(QuantizerTests):
-    """The normalized 1-bit tier (and the quantizer at 2 bits, the width the spec's idempotence also covers)."""
-
-    uniform = False
-
-    @pytest.fixture(
-        params=[(1, "channel", 32), (1, "token", 32), (1, "token", 4)], ids=lambda p: f"{p[0]}bit-{p[1]}-G{p[2]}"
-    )
-    def quantizer(self, request):
-        return NormalizedQuantizer(*request.param)
-
-
-class TestUniformOneBitQuantizer(QuantizerTests):
-    """Table 6's "w/o II" 1-bit tier: uniform min-max held in the normalized form (codebook ``±c``)."""
-
-    uniform = False
-
-    @pytest.fixture(params=[("channel", 32), ("token", 32), ("token", 4)], ids=lambda p: f"{p[0]}-G{p[1]}")
-    def quantizer(self, request):
-        return UniformOneBitQuantizer(1, *request.param)
 
 
 @pytest.mark.parametrize("axis", ["token", "channel"])

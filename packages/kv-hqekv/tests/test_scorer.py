@@ -1,4 +1,5 @@
-"""The joint importance scorer: conformance, the window-sum property (spec 11), the joint metric."""
+"""The joint importance scorer: the window-sum property (spec 11), the joint metric (its conformance suite is in
+test_conformance.py)."""
 
 import pytest
 import torch
@@ -7,13 +8,6 @@ from hypothesis import strategies as st
 
 from kv_hqekv import HqeKVScorer, window_importance_ref
 from kvcore import ScoringContext
-from kvcore.testing import ScorerTests
-
-
-class TestHqeKVScorer(ScorerTests):
-    @pytest.fixture(params=[True, False], ids=["joint", "keys-only"])
-    def scorer(self, request):
-        return HqeKVScorer(window=4, times_range=request.param)
 
 
 @given(st.integers(1, 2), st.integers(1, 3), st.sampled_from([1, 2]), st.integers(20, 40), st.integers(0, 999))
