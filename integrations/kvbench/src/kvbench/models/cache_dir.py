@@ -32,3 +32,19 @@ def default_cache_root() -> Path:
     if xdg:
         return (Path(xdg).expanduser() / "kvcompress").resolve()
     return (Path.home() / ".cache" / "kvcompress").resolve()
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Return ``cache_dir`` (user-expanded) when given, else :func:`default_cache_root`.
+
+    Parameters
+    ----------
+    cache_dir : str or PathLike, optional
+        An explicit cache root.
+
+    Returns
+    -------
+    Path
+        The cache root to use (not created here).
+    """
+    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()

@@ -258,6 +258,27 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
+def check_load_options(dtype: Any, attn_implementation: Any) -> None:
+    """Check the options of a model load before any slow work.
+
+    Parameters
+    ----------
+    dtype : torch.dtype
+        Must be a floating-point dtype.
+    attn_implementation : str
+        Must be a string.
+
+    Raises
+    ------
+    TypeError
+        Naming the option and what it takes.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if not isinstance(attn_implementation, str):
+        raise TypeError(f"attn_implementation must be a str, got {type(attn_implementation).__name__}")
+
+
 def load_exported_model(
     path: str | os.PathLike,
     *,
@@ -290,10 +311,7 @@ def load_exported_model(
     CorruptExportError
         If the folder is damaged (see :func:`read_manifest`) or the weights do not cover the model.
     """
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-    if not isinstance(attn_implementation, str):
-        raise TypeError(f"attn_implementation must be a str, got {type(attn_implementation).__name__}")
+    check_load_options(dtype, attn_implementation)
     path = Path(path)
     manifest = read_manifest(path)
     import transformers

