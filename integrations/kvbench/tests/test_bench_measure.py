@@ -95,3 +95,22 @@ def test_decode_rate_times_steps_and_leaves_the_cache_as_it_was():
     torch.testing.assert_close(again, expected, rtol=0, atol=0)
     with pytest.raises(ValueError, match="steps must be >= 1"):
         decode_rate(model, cache, last.argmax(-1), steps=0)
+
+
+@torch.no_grad()
+def test_decode_rate_restores_the_sliding_windows_of_a_hybrid_model():
+    # Gemma 3's sliding-window layers (8 tokens here) slide during the timed steps: they must come back exactly
+    model = tiny_model("gemma3")
+    cache = kv_hf.compressed_cache(model, knorm_half())
+    last = kv_hf.prefill(model, cache, prompt(40))
+    probe = prompt(1, seed=5)
+    with cache.held():
+        expected = model(probe, past_key_values=cache, position_ids=torch.tensor([[40]])).logits
+        cache.rollback(40)
+    windows = [(w.keys.clone(), w.values.clone()) for w in cache.windows]
+    assert decode_rate(model, cache, last.argmax(-1), steps=12) > 0
+    assert cache.get_seq_length() == 40
+    for w, (k, v) in zip(cache.windows, windows):
+        assert torch.equal(w.keys, k) and torch.equal(w.values, v)
+    again = model(probe, past_key_values=cache, position_ids=torch.tensor([[40]])).logits
+    torch.testing.assert_close(again, expected, rtol=0, atol=0)

@@ -16,6 +16,7 @@ from typing import Any
 from kvbench.budgets import SYNTAX, parse_budgets
 from kvbench.compare import parse_comparisons, validate_comparisons
 from kvbench.methods import describe, parse_methods, plan_grid
+from kvbench.models.registry import DEFAULT_MODEL, MODELS, describe_models, get_model
 from kvbench.profiles import PROFILES
 
 DEFAULT_METHODS = "streaming_llm,snapkv,knorm,kivi-4@0,kivi-2@0"
@@ -24,7 +25,8 @@ DEFAULT_METHODS = "streaming_llm,snapkv,knorm,kivi-4@0,kivi-2@0"
 DEFAULT_BUDGETS = "0.5,0.75,0.9"
 
 DESCRIPTION = f"""\
-Evaluate registered KV-cache compression methods on SmolLM2-135M-Instruct, offline: generated long-context
+Evaluate registered KV-cache compression methods on a real model, offline (SmolLM2-135M-Instruct unless --model
+names another; see --list-models): generated long-context
 retrieval tasks (accuracy per sample), teacher-forced continuation KL against the full cache (per window), the KV
 bytes each cache really holds, and timings. Every row is paired with its reference (the full cache, or
 --reference) on the same samples and windows; the mean paired difference carries a seeded bootstrap 95%
@@ -101,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     ap.add_argument("--profile", choices=sorted(PROFILES), default="quick", help="run size (default: %(default)s)")
     ap.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"model to evaluate on, one of {', '.join(MODELS)} (see --list-models; default: %(default)s)",
+    )
+    ap.add_argument(
         "--methods",
         default=DEFAULT_METHODS,
         help="comma-separated registered names (see --list); name@b1/b2 runs a method at its own budgets "
@@ -166,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fresh", action="store_true", help="recompute every cell, ignoring finished ones in --out/cells")
     ap.add_argument("--list", action="store_true", help="list registered methods (budget kinds, description) and exit")
     ap.add_argument("--list-tasks", action="store_true", help="list the task names and exit")
+    ap.add_argument("--list-models", action="store_true", help="list the models --model takes and exit")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
 
@@ -198,6 +206,10 @@ def validate(args: argparse.Namespace, registry: dict) -> tuple[list, list[str],
     """
     from kvbench.tasks import TASKS
 
+    try:
+        get_model(args.model)
+    except ValueError:
+        raise UsageError(f"--model: unknown model {args.model!r}; known: {', '.join(MODELS)}") from None
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in tasks if t not in TASKS]
     if unknown or not tasks:
@@ -259,6 +271,9 @@ def versions() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.list_models:
+        print(describe_models())
+        return 0
     from kvcore.registry import discover
 
     registry = discover()
@@ -284,7 +299,6 @@ def _run(args, argv, registry, grid, tasks, protocols) -> int:
     from kvbench.cells import CellCache
     from kvbench.compare import compare_rows
     from kvbench.methods import GridItem
-    from kvbench.models import load_smollm2
     from kvbench.paired import pair_rows
     from kvbench.report import format_table, markdown_report, plot, write_json
     from kvbench.run import Workload, code_changed, describe_machine, fp16_bytes_per_token, method_code, run_grid
@@ -294,7 +308,8 @@ def _run(args, argv, registry, grid, tasks, protocols) -> int:
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     machine = describe_machine(device)
     t0 = time.perf_counter()
-    model, tok = load_smollm2(dtype=getattr(torch, dtype), device=device)
+    entry = get_model(args.model)
+    model, tok = entry.load(dtype=getattr(torch, dtype), device=device)
     load_s = time.perf_counter() - t0
     if args.match_bytes is not None and args.match_bytes <= 1.0:  # a fraction of an fp16 cache
         bpt = args.match_bytes * fp16_bytes_per_token(model)
@@ -317,7 +332,7 @@ def _run(args, argv, registry, grid, tasks, protocols) -> int:
         else []
     )
     work = Workload(samples, pairs)
-    context = {"model": "SmolLM2-135M-Instruct", "dtype": dtype, "device": device, "work": work.fingerprint()}
+    context = {"model": entry.title, "dtype": dtype, "device": device, "work": work.fingerprint()}
     if args.fresh:
         context["fresh"] = time.time()
     cells = CellCache(args.out / "cells", context)
@@ -339,7 +354,7 @@ def _run(args, argv, registry, grid, tasks, protocols) -> int:
         "profile": args.profile,
         "protocols": protocols,
         "reference": args.reference,
-        "model": "SmolLM2-135M-Instruct",
+        "model": entry.title,
         "dtype": dtype,
         "device": device,
         "machine": machine,
@@ -362,7 +377,7 @@ def _run(args, argv, registry, grid, tasks, protocols) -> int:
     }
     out = args.out
     write_json(rows, out / "kvbench.json", meta, comparisons)
-    title = f"SmolLM2-135M, {','.join(tasks)} @ {','.join(map(str, args.lengths))} tokens, ref {args.reference}"
+    title = f"{entry.short}, {','.join(tasks)} @ {','.join(map(str, args.lengths))} tokens, ref {args.reference}"
     plots = []
     for metric in ("accuracy", "kl"):
         name = f"kvbench_{metric}.png"

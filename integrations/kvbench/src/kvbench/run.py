@@ -101,16 +101,18 @@ def decode_rate(model, cache, first_token: torch.Tensor, steps: int = 16) -> flo
     device = first_token.device
     pos = cache.next_positions().to(device)[:, None]
     tok = first_token[:, None]
-    try:
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            out = model(input_ids=tok, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
-            tok, pos = out.logits[:, -1].argmax(-1, keepdim=True), pos + 1
-        _sync(device)
-        return steps / (time.perf_counter() - t0)
-    finally:
-        cache.rollback(length)
+    # held: a sliding-window layer (Gemma 3) keeps what slides out during the steps, so the rollback restores it
+    with cache.held():
+        try:
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                out = model(input_ids=tok, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+                tok, pos = out.logits[:, -1].argmax(-1, keepdim=True), pos + 1
+            _sync(device)
+            return steps / (time.perf_counter() - t0)
+        finally:
+            cache.rollback(length)
 
 
 def _mean(xs: Sequence[float]) -> float:
