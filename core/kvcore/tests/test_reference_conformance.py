@@ -82,6 +82,26 @@ class TestCompressor(CompressorTests):
         return Compressor(KeyNorm(), TopKSelector(), DenseStore, budget, Protection(1, 2))
 
 
+class ModelShapedKeyNorm(KeyNorm):
+    """KeyNorm that takes one model's layers only (3 KV heads of dim 8), as a method with a trained router does."""
+
+    def score(self, ctx):
+        if ctx.keys.shape[1] != 3 or ctx.keys.shape[-1] != 8:
+            raise ValueError(f"ModelShapedKeyNorm takes [B, 3, T, 8] keys, got {tuple(ctx.keys.shape)}")
+        return super().score(ctx)
+
+
+class TestCompressorBoundToModelShapes(CompressorTests):
+    """``layer_shapes`` is honoured: every drawn layer (the short-input test's included) has the model's shapes."""
+
+    def layer_shapes(self, c):
+        return {"kv_heads": (3, 3), "head_dims": (8,), "groups": (2,)}
+
+    @pytest.fixture
+    def compressor(self):
+        return Compressor(ModelShapedKeyNorm(), TopKSelector(), DenseStore, Budget(0.5), Protection(1, 2))
+
+
 class TestCompressorWithQueries(CompressorTests):
     @pytest.fixture
     def compressor(self):

@@ -20,7 +20,8 @@ suite                fixture            capability flags (class attributes) and 
                                         ``can_attend``; ``max_quantization_error``
 ``CompressorTests``  ``compressor``     ``lossless_at_zero_ratio``, ``evicts``; ``make_extras(shapes)``,
                                         ``plan(c, ctx)``, ``write(c, ctx, store)`` (``"global"`` budgets
-                                        go through ``plan_layers`` / ``compress_layers``)
+                                        go through ``plan_layers`` / ``compress_layers``),
+                                        ``layer_shapes(c)`` (fixed ``Hkv`` / ``D`` / group)
 ===================  =================  ======================================================================
 
 Each suite's module documents its flags; a flag left ``None`` is read from the object under test (``can_demote``

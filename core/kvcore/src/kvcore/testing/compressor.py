@@ -4,7 +4,8 @@ fall as the ratio grows.
 
 Fixture ``compressor``. Flags: ``lossless_at_zero_ratio`` (default True), ``evicts`` (the budget's ratio evicts
 entries, so per-head/per-layer counts and bytes follow it; default True). Hook ``make_extras(shapes)`` supplies
-what the scorer declares in ``needs_extras``. A compressor whose budget has ``granularity="global"`` (a selection
+what the scorer declares in ``needs_extras``; ``layer_shapes(c)`` fixes the drawn layers' shapes (``Hkv``, ``D``, GQA
+group) for a method bound to a model's. A compressor whose budget has ``granularity="global"`` (a selection
 over every layer at once, KVzip's) is run through ``plan_layers`` / ``compress_layers`` on the one drawn layer, where
 it keeps what a ``"layer"`` budget keeps; override :meth:`CompressorTests.plan` and :meth:`CompressorTests.write` to
 drive a compressor another way.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -37,10 +39,28 @@ class CompressorTests(ContextTests):
     def compressor(self):
         raise NotImplementedError("override the `compressor` fixture: return the Compressor under test")
 
+    def layer_shapes(self, c: Compressor) -> dict[str, Any]:
+        """Keyword arguments of :func:`~kvcore.testing.strategies.kv_samples` that every drawn layer uses (default
+        none: any ``Hkv``, ``D`` and GQA group). Override for a method bound to a model's shapes, e.g. a trained
+        router: ``{"kv_heads": (3, 3), "head_dims": (64,), "groups": (3,)}``, or needing longer layers than the
+        protected window asks for (``min_t`` / ``max_t``; the short-input test keeps its own lengths).
+
+        Parameters
+        ----------
+        c : kvcore.Compressor
+            The compressor under test.
+
+        Returns
+        -------
+        dict
+            ``kv_heads``, ``head_dims``, ``groups`` ... as :func:`~kvcore.testing.strategies.kv_samples` takes them.
+        """
+        return {}
+
     def samples(self, c, **kw):
-        """Layers long enough for the protected window: ``T >= 8 * (sinks + recent) + 8``."""
+        """Layers long enough for the protected window: ``T >= 8 * (sinks + recent) + 8``, of :meth:`layer_shapes`."""
         t = max(16, 8 * (c.protect.sinks + c.protect.recent) + 8)
-        return kv_samples(min_t=t, max_t=t + 32, **kw)
+        return kv_samples(**{"min_t": t, "max_t": t + 32, **self.layer_shapes(c), **kw})
 
     def plan(self, c: Compressor, ctx: ScoringContext) -> Plan:
         """The plan of one layer: ``c.plan(ctx)``, or ``c.plan_layers([ctx])[0]`` under a ``"global"`` budget.
@@ -230,4 +250,4 @@ class CompressorTests(ContextTests):
             with pytest.raises(ValueError):
                 self.plan(dataclasses.replace(c, strict=True), ctx)
 
-        forall(kv_samples(min_t=2, max_t=max(2, n_prot)), check, 8)
+        forall(kv_samples(**{**self.layer_shapes(c), "min_t": 2, "max_t": max(2, n_prot)}), check, 8)

@@ -1,7 +1,8 @@
 """Hypothesis strategies for kvcore inputs: KV data (``B`` 1..3, ``Hkv`` 1..4, GQA group 1/2/4,
-``T`` 1..48, ``D`` 4/8/16) in fp32/fp16/bf16, left-padded batches, ratios in [0, 1), token budgets, budgets
-below the protected count and degenerate values (constant, plateaus with ties, huge and tiny magnitudes).
-Tensor values come from a drawn seed, so examples are cheap; shrinking acts on shapes and kinds."""
+``T`` 1..48, ``D`` 4/8/16 by default; ``kv_samples`` takes other ranges) in fp32/fp16/bf16, left-padded batches,
+ratios in [0, 1), token budgets, budgets below the protected count and degenerate values (constant, plateaus with
+ties, huge and tiny magnitudes). Tensor values come from a drawn seed, so examples are cheap; shrinking acts on shapes
+and kinds."""
 
 from __future__ import annotations
 
@@ -63,12 +64,41 @@ class KVSample:
 
 
 @st.composite
-def kv_samples(draw, dtype=None, kinds=KINDS, groups=(1, 2, 4), min_t=1, max_t=48, padding=True) -> KVSample:
+def kv_samples(
+    draw,
+    dtype=None,
+    kinds=KINDS,
+    groups=(1, 2, 4),
+    min_t=1,
+    max_t=48,
+    padding=True,
+    kv_heads=(1, 4),
+    head_dims=(4, 8, 16),
+) -> KVSample:
+    """One layer's drawn inputs (:class:`KVSample`).
+
+    Parameters
+    ----------
+    dtype : torch.dtype, optional
+        Data type of every tensor; drawn from fp32/fp16/bf16 if ``None``.
+    kinds : tuple of str
+        Value kinds drawn from (see :func:`fill`).
+    groups : tuple of int
+        GQA groups drawn from (``Hq = Hkv * group``).
+    min_t, max_t : int
+        Range of the sequence length ``T``.
+    padding : bool
+        Whether a left-padded ``attention_mask`` may be drawn.
+    kv_heads : tuple of int
+        ``(low, high)``: range of ``Hkv`` (a method bound to a model's shapes fixes it: ``(3, 3)``).
+    head_dims : tuple of int
+        Head dims ``D`` drawn from.
+    """
     B, H, T, D = (
         draw(st.integers(1, 3)),
-        draw(st.integers(1, 4)),
+        draw(st.integers(*kv_heads)),
         draw(st.integers(min_t, max_t)),
-        draw(st.sampled_from((4, 8, 16))),
+        draw(st.sampled_from(head_dims)),
     )
     group, W = draw(st.sampled_from(groups)), draw(st.integers(1, min(T, 8)))
     kind, seed = draw(st.sampled_from(kinds)), draw(SEEDS)
