@@ -1,4 +1,4 @@
-"""SEKVStore: the kvcore Store suite (plain plans) and SEKV's decode properties (spec §3, properties 4–8)."""
+"""SEKVStore: SEKV's decode properties (spec §3, properties 4–8); its Store suite is in test_conformance.py."""
 
 import math
 
@@ -8,31 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sekv_testkit import SMALL, context, router, written
 
-from kv_sekv import SEKVConfig, SEKVStore, routing_summaries, sekv
+from kv_sekv import SEKVConfig, routing_summaries, sekv
 from kvcore import ScoringContext, reference_attention
 from kvcore.memory import reachable_bytes
-from kvcore.testing import ScorerTests, StoreTests
-
-
-class TestSEKVStoreSuite(StoreTests):
-    """Plain kvcore plans (no segmentation) are held as resident full-precision tokens."""
-
-    @pytest.fixture
-    def store_factory(self):
-        return lambda: SEKVStore(router())
-
-
-class TestSurprisalScorerSuite(ScorerTests):
-    @pytest.fixture
-    def scorer(self):
-        from kv_sekv import SurprisalScorer
-
-        return SurprisalScorer()
-
-    def make_extras(self, shapes):
-        g = torch.Generator().manual_seed(shapes["seed"])
-        return {"surprisal": torch.rand(shapes["B"], shapes["T"], generator=g) * 4}
-
 
 ZOOM = SEKVConfig(window=4, min_span=3, max_rank=8, proj_dim=8, zoom_share=0.5)
 

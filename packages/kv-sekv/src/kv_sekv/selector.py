@@ -63,13 +63,19 @@ class SpanSelector(Selector):
         protected: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
     ) -> Plan:
+        if not isinstance(scores, Scores):
+            raise TypeError(f"scores must be kvcore.Scores (from SurprisalScorer), got {type(scores).__name__}")
         if not isinstance(budget, Budget):
             raise TypeError(f"budget must be a kvcore.Budget, got {type(budget).__name__}")
+        for name, mask in (("protected", protected), ("valid", valid)):
+            if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool):
+                got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+                raise TypeError(f"{name} must be a bool tensor, got {got}")
         if budget.avg_bits is not None or budget.granularity == "global":
             raise ValueError(
                 "SpanSelector takes a 'head' or 'layer' budget by ratio or tokens (no avg_bits, no global)"
             )
-        if not isinstance(scores, Scores) or scores.keys.ndim != 3:
+        if scores.keys.ndim != 3:
             raise ValueError("SpanSelector needs Scores [B, Hkv, T] (the surprisal, from SurprisalScorer)")
         info = scores.info if isinstance(scores, SurprisalScores) else SpanScoresInfo()
         B, H, T = scores.keys.shape
