@@ -8,9 +8,6 @@ registered methods use, so a method bringing a new class cannot escape the suite
 KIVI's ``UniformQuantizer`` is kvcodec's (core/kvcodec/tests/test_conformance.py).
 """
 
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
-
 import pytest
 import torch
 
@@ -19,56 +16,34 @@ from kv_baselines.quant import KIVIStore, KIVITierSelector, UniformQuantizer
 from kv_baselines.registry import METHODS
 from kv_baselines.scorers.kvzip import KVZIP_EXTRA
 from kvcore import Budget, Compressor, registry
-from kvcore.testing import CompressorTests, ScorerTests, SelectorTests, StoreTests
+from kvcore.testing.cases import (
+    RegisteredMethods,
+    ScorerCases,
+    SelectorCases,
+    StoreCases,
+    methods_run,
+    objects,
+    parametrize_cases,
+)
 
 
-def objects(**factories: Callable[[], object]) -> Mapping[str, Callable[[], object]]:
-    """The objects a suite class runs on, ``{test id: factory}`` (read-only)."""
-    return MappingProxyType(factories)
+class ScorerSuite(ScorerCases):
+    """This package's scorer cases (the coverage test reads its subclasses)."""
 
 
-class ScorerSuite(ScorerTests):
-    """The scorers ``cases`` builds (``{id: factory}``), one run of the suite each."""
-
-    cases: Mapping[str, Callable[[], object]] = objects()
-
-    @pytest.fixture
-    def scorer(self, case):
-        return self.cases[case]()
+class SelectorSuite(SelectorCases):
+    """This package's selector cases."""
 
 
-class SelectorSuite(SelectorTests):
-    cases: Mapping[str, Callable[[], object]] = objects()
-
-    @pytest.fixture
-    def selector(self, case):
-        return self.cases[case]()
+class StoreSuite(StoreCases):
+    """This package's store cases."""
 
 
-class StoreSuite(StoreTests):
-    cases: Mapping[str, Callable[[], object]] = objects()
-
-    @pytest.fixture
-    def store_factory(self, case):
-        return self.cases[case]
-
-
-class RegisteredSuite(CompressorTests):
+class RegisteredSuite(RegisteredMethods):
     """The registered methods ``methods`` (names), each built by the registry at ``budget``."""
 
-    methods: tuple[str, ...] = ()
-    budget: Budget | None = None
 
-    @pytest.fixture
-    def compressor(self, method):
-        return registry.build(method, self.budget)
-
-
-def pytest_generate_tests(metafunc):
-    """Parametrize the suites' ``case`` over their ``cases`` and ``method`` over their ``methods``."""
-    for name, attr in (("case", "cases"), ("method", "methods")):
-        if name in metafunc.fixturenames:
-            metafunc.parametrize(name, list(getattr(metafunc.cls, attr)))
+pytest_generate_tests = parametrize_cases
 
 
 def kvzip_extras(shapes):
@@ -222,7 +197,7 @@ def test_suites_cover_every_registered_method():
     ours = {m.name for m in METHODS}
     found = {name: m for name, m in registry.discover().items() if name in ours}
     assert set(found) == ours, f"not discovered: {sorted(ours - set(found))}"
-    tested = {name for cls in RegisteredSuite.__subclasses__() for name in cls.methods}
+    tested = methods_run([RegisteredSuite])
     assert tested == ours, f"registered methods without CompressorTests: {sorted(ours - tested)}"
     built = [m.build(None) for m in found.values()]
     built += [m.build(Budget(ratio=0.5)) for m in found.values() if "ratio" in m.budgets]

@@ -8,9 +8,6 @@ compares them with what the registered methods use. The 4- and 2-bit tiers are k
 HqeKV's groupings (run here too).
 """
 
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
-
 import pytest
 import torch
 
@@ -27,63 +24,40 @@ from kv_hqekv import (
 )
 from kv_hqekv.registry import METHODS
 from kvcore import Compressor, registry
-from kvcore.testing import CompressorTests, QuantizerTests, ScorerTests, SelectorTests, StoreTests
+from kvcore.testing import CompressorTests
+from kvcore.testing.cases import (
+    QuantizerCases,
+    RegisteredMethods,
+    ScorerCases,
+    SelectorCases,
+    StoreCases,
+    methods_run,
+    objects,
+    parametrize_cases,
+)
 
 
-def objects(**factories: Callable[[], object]) -> Mapping[str, Callable[[], object]]:
-    """The objects a suite class runs on, ``{test id: factory}`` (read-only)."""
-    return MappingProxyType(factories)
+class ScorerSuite(ScorerCases):
+    """This package's scorer cases (the coverage test reads its subclasses)."""
 
 
-class ScorerSuite(ScorerTests):
-    """The scorers ``cases`` builds (``{id: factory}``), one run of the suite each."""
-
-    cases: Mapping[str, Callable[[], object]] = objects()
-
-    @pytest.fixture
-    def scorer(self, case):
-        return self.cases[case]()
+class SelectorSuite(SelectorCases):
+    """This package's selector cases."""
 
 
-class SelectorSuite(SelectorTests):
-    cases: Mapping[str, Callable[[], object]] = objects()
-
-    @pytest.fixture
-    def selector(self, case):
-        return self.cases[case]()
+class QuantizerSuite(QuantizerCases):
+    """This package's quantizer cases."""
 
 
-class QuantizerSuite(QuantizerTests):
-    cases: Mapping[str, Callable[[], object]] = objects()
-
-    @pytest.fixture
-    def quantizer(self, case):
-        return self.cases[case]()
+class StoreSuite(StoreCases):
+    """This package's store cases."""
 
 
-class StoreSuite(StoreTests):
-    cases: Mapping[str, Callable[[], object]] = objects()
-
-    @pytest.fixture
-    def store_factory(self, case):
-        return self.cases[case]
-
-
-class RegisteredSuite(CompressorTests):
+class RegisteredSuite(RegisteredMethods):
     """The registered methods ``methods`` (names), each built by the registry at its default budget."""
 
-    methods: tuple[str, ...] = ()
 
-    @pytest.fixture
-    def compressor(self, method):
-        return registry.build(method)
-
-
-def pytest_generate_tests(metafunc):
-    """Parametrize the suites' ``case`` over their ``cases`` and ``method`` over their ``methods``."""
-    for name, attr in (("case", "cases"), ("method", "methods")):
-        if name in metafunc.fixturenames:
-            metafunc.parametrize(name, list(getattr(metafunc.cls, attr)))
+pytest_generate_tests = parametrize_cases
 
 
 # -- scorer -----------------------------------------------------------------------------------------------------
@@ -208,7 +182,7 @@ def test_suites_cover_every_registered_method():
     ours = {m.name for m in METHODS}
     found = {name: m for name, m in registry.discover().items() if name in ours}
     assert set(found) == ours, f"not discovered: {sorted(ours - set(found))}"
-    tested = {name for cls in RegisteredSuite.__subclasses__() for name in cls.methods}
+    tested = methods_run([RegisteredSuite])
     assert tested == ours, f"registered methods without CompressorTests: {sorted(ours - tested)}"
     used = set().union(*(parts(m.build()) for m in found.values()))
     suites = [(part, cls) for part, suite in SUITES.items() for cls in suite.__subclasses__()]

@@ -9,16 +9,13 @@ test_hubkv_scorer.py. The coverage test at the end compares all this with what t
 """
 
 import dataclasses
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
 
-import pytest
 import torch
 
 from kv_hubkv import HubKV
 from kv_hubkv.registry import METHODS
 from kvcore import Budget, Compressor, registry
-from kvcore.testing import CompressorTests, ScorerTests
+from kvcore.testing.cases import RegisteredMethods, ScorerCases, methods_run, objects, parametrize_cases
 
 KVZIP_EXTRA = "kvzip_scores"  # kv-baselines' KVzipScorer reads it; kv-hf's reconstruction pass supplies it
 
@@ -35,37 +32,15 @@ def registered_scorer(name: str) -> HubKV:
     return dataclasses.replace(registry.build(name, Budget(ratio=0.5)).scorer, default_ratio=0.5)
 
 
-def objects(**factories: Callable[[], object]) -> Mapping[str, Callable[[], object]]:
-    """The objects a suite class runs on, ``{test id: factory}`` (read-only)."""
-    return MappingProxyType(factories)
+class ScorerSuite(ScorerCases):
+    """This package's scorer cases (the coverage test reads its subclasses)."""
 
 
-class ScorerSuite(ScorerTests):
-    """The scorers ``cases`` builds (``{id: factory}``), one run of the suite each."""
-
-    cases: Mapping[str, Callable[[], object]] = objects()
-
-    @pytest.fixture
-    def scorer(self, case):
-        return self.cases[case]()
-
-
-class RegisteredSuite(CompressorTests):
+class RegisteredSuite(RegisteredMethods):
     """The registered methods ``methods`` (names), each built by the registry at ``budget``."""
 
-    methods: tuple[str, ...] = ()
-    budget: Budget | None = None
 
-    @pytest.fixture
-    def compressor(self, method):
-        return registry.build(method, self.budget)
-
-
-def pytest_generate_tests(metafunc):
-    """Parametrize the suites' ``case`` over their ``cases`` and ``method`` over their ``methods``."""
-    for name, attr in (("case", "cases"), ("method", "methods")):
-        if name in metafunc.fixturenames:
-            metafunc.parametrize(name, list(getattr(metafunc.cls, attr)))
+pytest_generate_tests = parametrize_cases
 
 
 # -- scorers ----------------------------------------------------------------------------------------------------
@@ -112,7 +87,7 @@ def test_suites_cover_every_registered_method():
     ours = {m.name for m in METHODS}
     found = {name: m for name, m in registry.discover().items() if name in ours}
     assert set(found) == ours, f"not discovered: {sorted(ours - set(found))}"
-    tested = {name for cls in RegisteredSuite.__subclasses__() for name in cls.methods}
+    tested = methods_run([RegisteredSuite])
     assert tested == ours, f"registered methods without CompressorTests: {sorted(ours - tested)}"
     built = [m.build(b) for m in found.values() for b in (Budget(ratio=0.5), Budget(tokens=16))]
     used = {(part, cls) for c in built for part, cls in parts(c).items() if cls.__module__.startswith("kv_hubkv")}

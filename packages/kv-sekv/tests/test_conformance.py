@@ -7,9 +7,6 @@ an untrained router of the test shapes); the compressors are the registered meth
 them with what the registered methods use.
 """
 
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
-
 import pytest
 import torch
 from sekv_testkit import SMALL, router
@@ -19,12 +16,15 @@ from kv_sekv.ablations import FixedSpanSelector, MeanPoolingSelector
 from kv_sekv.registry import METHODS
 from kv_sekv.router import ShippedRouter
 from kvcore import Budget, Compressor, Scores, registry
-from kvcore.testing import CompressorTests, ScorerTests, SelectorTests, StoreTests
-
-
-def objects(**factories: Callable[[], object]) -> Mapping[str, Callable[[], object]]:
-    """The objects a suite class runs on, ``{test id: factory}`` (read-only)."""
-    return MappingProxyType(factories)
+from kvcore.testing.cases import (
+    RegisteredMethods,
+    ScorerCases,
+    SelectorCases,
+    StoreCases,
+    methods_run,
+    objects,
+    parametrize_cases,
+)
 
 
 def surprisal_extras(shapes):
@@ -33,40 +33,22 @@ def surprisal_extras(shapes):
     return {"surprisal": torch.rand(shapes["B"], shapes["T"], generator=g) * 4}
 
 
-class ScorerSuite(ScorerTests):
-    """The scorers ``cases`` builds (``{id: factory}``), one run of the suite each."""
-
-    cases: Mapping[str, Callable[[], object]] = objects()
-
-    @pytest.fixture
-    def scorer(self, case):
-        return self.cases[case]()
+class ScorerSuite(ScorerCases):
+    """This package's scorer cases (the coverage test reads its subclasses)."""
 
 
-class SelectorSuite(SelectorTests):
-    cases: Mapping[str, Callable[[], object]] = objects()
-
-    @pytest.fixture
-    def selector(self, case):
-        return self.cases[case]()
+class SelectorSuite(SelectorCases):
+    """This package's selector cases."""
 
 
-class StoreSuite(StoreTests):
-    cases: Mapping[str, Callable[[], object]] = objects()
-
-    @pytest.fixture
-    def store_factory(self, case):
-        return self.cases[case]
+class StoreSuite(StoreCases):
+    """This package's store cases."""
 
 
-class RegisteredSuite(CompressorTests):
-    """The registered methods ``methods`` (names), each built by the registry at its default budget (10 % kept)."""
+class RegisteredSuite(RegisteredMethods):
+    """The registered methods ``methods`` (names), each built by the registry at half the cache."""
 
-    methods: tuple[str, ...] = ()
-
-    @pytest.fixture
-    def compressor(self, method):
-        return registry.build(method, Budget(ratio=0.5))
+    budget = Budget(ratio=0.5)
 
     def make_extras(self, shapes):
         return surprisal_extras(shapes)
@@ -81,11 +63,7 @@ class RegisteredSuite(CompressorTests):
         return {**shapes, "min_t": 64, "max_t": 80, "padding": False}
 
 
-def pytest_generate_tests(metafunc):
-    """Parametrize the suites' ``case`` over their ``cases`` and ``method`` over their ``methods``."""
-    for name, attr in (("case", "cases"), ("method", "methods")):
-        if name in metafunc.fixturenames:
-            metafunc.parametrize(name, list(getattr(metafunc.cls, attr)))
+pytest_generate_tests = parametrize_cases
 
 
 # -- scorer -----------------------------------------------------------------------------------------------------
@@ -175,7 +153,7 @@ def test_suites_cover_every_registered_method():
     ours = {m.name for m in METHODS}
     found = {name: m for name, m in registry.discover().items() if name in ours}
     assert set(found) == ours, f"not discovered: {sorted(ours - set(found))}"
-    tested = {name for cls in RegisteredSuite.__subclasses__() for name in cls.methods}
+    tested = methods_run([RegisteredSuite])
     assert tested == ours, f"registered methods without CompressorTests: {sorted(ours - tested)}"
     used = {(part, cls) for m in found.values() for part, cls in parts(m.build()).items()}
     suites = [(part, cls) for part, suite in SUITES.items() for cls in suite.__subclasses__()]
