@@ -135,6 +135,7 @@ class TieredStore:
         self._added: set[str] = set()  # keys other processes added to the directory since then
         self._gen = -1  # the directory generation this process's disk index reflects
         self._flock_depth = 0
+        self._dir_changed = False  # this lock holder changed the directory: bump the generation once, on release
         self._flock_fd: int | None = None
         if self.disk_dir is not None:
             try:
@@ -326,8 +327,13 @@ class TieredStore:
         finally:
             self._flock_depth -= 1
             if self._flock_depth == 0 and self._flock_fd is not None:
-                fd, self._flock_fd = self._flock_fd, None
-                os.close(fd)  # closing the descriptor releases the flock
+                try:
+                    if self._dir_changed:  # one announcement per locked operation, however many files it touched
+                        self._dir_changed = False
+                        self._bump_generation()
+                finally:
+                    fd, self._flock_fd = self._flock_fd, None
+                    os.close(fd)  # closing the descriptor releases the flock
 
     def _read_generation(self) -> int:
         assert self.disk_dir is not None
@@ -339,7 +345,7 @@ class TieredStore:
         return _GEN.unpack(raw)[0] if len(raw) == _GEN.size else 0
 
     def _bump_generation(self) -> None:
-        """Under the directory lock: announce a change of the directory to the other processes using it."""
+        """On releasing the directory lock: announce this holder's changes to the other processes using it."""
         assert self.disk_dir is not None
         gen = self._read_generation() + 1
         fd = os.open(self.disk_dir / _GEN_NAME, os.O_RDWR | os.O_CREAT, 0o644)
@@ -371,7 +377,7 @@ class TieredStore:
         return True
 
     def _write_disk(self, key: str, blob: bytes) -> None:
-        """Under the directory lock: evict for room, write atomically, index, bump the generation."""
+        """Under the directory lock: evict for room, write atomically, index (the lock's release announces it)."""
         kb = key.encode()
         body = _HEADER.pack(_MAGIC, len(kb), len(blob)) + kb + blob
         data = body + hashlib.blake2b(body, digest_size=_SUM).digest()
@@ -392,11 +398,10 @@ class TieredStore:
         except BaseException:
             with contextlib.suppress(OSError):
                 Path(tmp).unlink(missing_ok=True)
-            self._bump_generation()  # evictions above happened
             raise
         self._disk[key] = len(data)
         self._disk_used += len(data)
-        self._bump_generation()
+        self._dir_changed = True
 
     def _forget_disk(self, key: str) -> None:
         self._disk_used -= self._disk.pop(key)
@@ -404,8 +409,8 @@ class TieredStore:
     def _drop_file(self, key: str) -> None:
         """Under the directory lock: unlink ``key``'s file and un-index it."""
         self._forget_disk(key)
+        self._dir_changed = True
         self._path(key).unlink(missing_ok=True)
-        self._bump_generation()
 
     def _parse(self, data: bytes) -> tuple[str, bytes] | None:
         if len(data) < _HEADER.size + _SUM:

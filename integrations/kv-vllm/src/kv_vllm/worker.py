@@ -244,7 +244,8 @@ class WorkerState:
         gone = set(removed)
         stored = [k for k in dict.fromkeys(self._stored + added) if k not in gone and self.store.contains(k)]
         failed = list(dict.fromkeys(self._failed))
-        evicted = [k for k in removed if k not in set(failed)]
+        reported = set(failed)  # a failed load's entry is reported once, as failed
+        evicted = [k for k in removed if k not in reported]
         self._stored, self._failed = [], []
         return stored, failed, evicted
 
