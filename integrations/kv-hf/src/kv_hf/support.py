@@ -71,7 +71,23 @@ def check_model(model: object) -> PretrainedConfig:
 
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
-    config = text_config(model)
+    config = check_config(text_config(model))
+    impl = config._attn_implementation or "sdpa"
+    if impl not in _KERNELS:
+        raise ValueError(
+            f"attention implementation {impl!r} is not supported: flash-attention and flex kernels cannot add the "
+            "per-head logit bias of a compressed layout; load the model with attn_implementation='sdpa' or 'eager'"
+        )
+    return config
+
+
+def check_config(config: PretrainedConfig) -> PretrainedConfig:
+    """Raise unless a (text) config describes a model kv_hf serves: a supported family whose layers are global
+    attention, or sliding-window layers beside them (the checks of :func:`check_model` a config alone can answer,
+    e.g. before any weights are loaded).
+
+    Returns ``config``.
+    """
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -84,12 +100,6 @@ def check_model(model: object) -> PretrainedConfig:
         raise ValueError(
             f"kv_hf compresses full-attention layers only; this Mistral config has sliding_window="
             f"{config.sliding_window} (set config.sliding_window = None for full attention)"
-        )
-    impl = config._attn_implementation or "sdpa"
-    if impl not in _KERNELS:
-        raise ValueError(
-            f"attention implementation {impl!r} is not supported: flash-attention and flex kernels cannot add the "
-            "per-head logit bias of a compressed layout; load the model with attn_implementation='sdpa' or 'eager'"
         )
     return config
 

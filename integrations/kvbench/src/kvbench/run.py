@@ -240,6 +240,8 @@ def _row(item: GridItem, protocol: str, tasks: dict | None, windows: dict | None
         row.accuracy = {k: _mean(v) for k, v in by_task.items()}
         row.decode_tok_s = tasks["decode_tok_s"]
     if windows:
+        if row.decode_tok_s is None:  # a run without task samples: the rate measured on the first window
+            row.decode_tok_s = windows.get("decode_tok_s")
         row.window_kl = windows["kl"]
         row.kl = _mean(windows["kl"]) if windows["kl"] is not None else None
         row.ppl = math.exp(_mean(windows["nll"])) if windows["nll"] else None
@@ -356,7 +358,8 @@ def run_grid(
     fp16_bpt = fp16_bytes_per_token(model)
     full = GridItem("full", methods["full"].default)
     items = [full] + [g for g in grid if g.name != "full"]
-    items = _distinct([_resolve(model, tokenizer, methods, g, work, cache) for g in items])
+    calibration = _Calibration(model, tokenizer, work)
+    items = _distinct([_resolve(methods, g, calibration, cache) for g in items])
 
     codes = {i.name: method_code(methods[i.name]) for i in items}  # once per method: it builds the compressor
 
@@ -525,7 +528,7 @@ def _windows_shared(model, tokenizer, members: list[_Member], pairs, cache, bar,
     """KL cells: each window's context is prefilled once and compressed by the full cache (the reference
     continuation) and by every method; per-window KL(full || method) and NLL."""
     keys = ("kl", "nll", "kv_bytes", "resident_bytes", "tokens", "prefill_s", "compress_s", "peak")
-    members = _open(members, cache, lambda: {k: [] for k in keys})
+    members = _open(members, cache, lambda: {**{k: [] for k in keys}, "decode_tok_s": None})
     if not members:
         return
     device = next(model.parameters()).device
@@ -551,6 +554,8 @@ def _windows_shared(model, tokenizer, members: list[_Member], pairs, cache, bar,
             lp = ref if m.item.name == "full" else _continuation(model, cache_, collected.logits, cont)
             r["nll"].append(float(-lp.gather(-1, cont[0, :, None]).mean()))
             r["kl"].append(0.0 if m.item.name == "full" else float((ref.exp() * (ref - lp)).sum(-1).mean()))
+            if r["decode_tok_s"] is None:  # one measurement per cell, after the continuation (which it leaves as is)
+                r["decode_tok_s"] = decode_rate(model, cache_, collected.logits.argmax(-1))
             r["elapsed_s"] += time.perf_counter() - t0 + share
             bar.update()
         del collected
@@ -612,7 +617,30 @@ class _Resolved(GridItem):
     calibration: float | None = None
 
 
-def _resolve(model, tokenizer, methods: dict[str, Method], item: GridItem, work: Workload, cache) -> GridItem:
+class _Calibration:
+    """The prompt bytes-per-token targets are matched on (the first continuation window, else the first sample's
+    context), prefilled once when first needed and compressed once per candidate budget
+    (:func:`kv_hf.shared.collect_prefill`: the same caches a prefill per budget gives)."""
+
+    def __init__(self, model, tokenizer, work: Workload) -> None:
+        self.model, self.tokenizer, self.work = model, tokenizer, work
+        self._collected = None
+
+    def collected(self):
+        if self._collected is None:
+            device = next(self.model.parameters()).device
+            if self.work.kl_pairs:
+                calib = self.work.kl_pairs[0][0]
+            elif self.work.samples:
+                calib = self.tokenizer.encode(self.work.samples[0].context, add_special_tokens=True)
+            else:
+                raise ValueError("a bytes-per-token budget needs a sample or a continuation window to calibrate on")
+            ids = torch.tensor([calib], device=device)
+            self._collected = collect_prefill(self.model, ids, tokenizer=self.tokenizer)
+        return self._collected
+
+
+def _resolve(methods: dict[str, Method], item: GridItem, calibration: _Calibration, cache) -> GridItem:
     """Turn a bytes-per-token target into the method's closest budget (measured on one calibration prompt)."""
     if item.budget is not None:
         return item
@@ -620,22 +648,15 @@ def _resolve(model, tokenizer, methods: dict[str, Method], item: GridItem, work:
     cell = {"kind": "match", "method": item.name, "target": target, "code": method_code(methods[item.name])}
     found = cache.get(cell)
     if found is None:
-        device = next(model.parameters()).device
-        if work.kl_pairs:
-            calib = work.kl_pairs[0][0]
-        elif work.samples:
-            calib = tokenizer.encode(work.samples[0].context, add_special_tokens=True)
-        else:
-            raise ValueError("a bytes-per-token budget needs a sample or a continuation window to calibrate on")
-        ids = torch.tensor([calib], device=device)
+        collected = calibration.collected()
+        tokens = collected.input_ids.shape[1]
         method = methods[item.name]
 
         def measure(budget: Budget) -> float:
-            cache_ = _prefill(model, tokenizer, method.build(budget), ids)[0]
-            return cache_.resident_nbytes() / ids.shape[1]
+            return collected.compress(method.build(budget)).resident_nbytes() / tokens
 
         try:
-            m = match_budget(method, target, measure, context_tokens=ids.shape[1])
+            m = match_budget(method, target, measure, context_tokens=tokens)
             found = {"budget": _budget_dict(m.budget), "bytes_per_token": m.bytes_per_token}
         except ValueError as exc:
             found = {"error": str(exc)}
