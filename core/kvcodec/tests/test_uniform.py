@@ -161,11 +161,11 @@ def test_is_a_kvcore_quantizer():
         ({"bits": 5}, ValueError, "bits"),
         ({"bits": 0}, ValueError, "bits"),
         ({"bits": 16}, ValueError, "bits"),
-        ({"bits": True}, ValueError, "bits"),
+        ({"bits": True}, TypeError, "bits"),
         ({"axis": "x"}, ValueError, "axis"),
         ({"group_size": 0}, ValueError, "group_size"),
         ({"group_size": -4}, ValueError, "group_size"),
-        ({"group_size": 2.5}, ValueError, "group_size"),
+        ({"group_size": 2.5}, TypeError, "group_size"),
     ],
 )
 def test_bad_config(kwargs, exc, match):

@@ -409,3 +409,33 @@ def test_host_reads_counts_copies_of_host_data_to_a_device():
     }  # fmt: skip
     # __getitem__ and __setitem__ are wrapped twice (bool masks, lists): leaving unwraps both layers
     assert not hasattr(torch.Tensor.__getitem__, "__wrapped__") and not hasattr(torch.tensor, "__wrapped__")
+
+
+@pytest.mark.parametrize(
+    ("value", "kw", "err", "match"),
+    [
+        (True, {}, TypeError, "bits must be an int, got bool"),
+        (4.0, {}, TypeError, "bits must be an int, got float"),
+        ("4", {"choices": (2, 4)}, TypeError, "bits must be an int"),
+        (3, {"choices": (4, 2)}, ValueError, r"bits must be one of \[2, 4\], got 3"),
+        (0, {"low": 1}, ValueError, "bits must be an int >= 1, got 0"),
+        (0, {"low": 1, "optional": "the whole axis"}, ValueError, r"or None \(the whole axis\), got 0"),
+        ("x", {"optional": "no limit"}, TypeError, r"an int or None \(no limit\)"),
+    ],
+)
+def test_check_int_names_the_argument_and_what_is_allowed(value, kw, err, match):
+    from kvcore.checks import check_int
+
+    with pytest.raises(err, match=match):
+        check_int("bits", value, **kw)
+
+
+def test_check_int_returns_ints_and_lets_none_through_only_when_optional():
+    import numpy as np
+
+    from kvcore.checks import check_int
+
+    assert check_int("n", np.int16(3), choices=(1, 3)) == 3 and type(check_int("n", np.int16(3))) is int
+    assert check_int("n", None, optional="no limit") is None
+    with pytest.raises(TypeError, match="n must be an int, got NoneType"):
+        check_int("n", None)

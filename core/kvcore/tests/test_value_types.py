@@ -66,9 +66,11 @@ def test_protection_mask_matches_a_loop(data, sinks, recent):
         assert set(got[b].nonzero().flatten().tolist()) == want
 
 
-@pytest.mark.parametrize("kwargs", [dict(sinks=-1), dict(recent=1.5), dict(sinks=True)])
-def test_protection_rejects(kwargs):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+    ("kwargs", "err"), [(dict(sinks=-1), ValueError), (dict(recent=1.5), TypeError), (dict(sinks=True), TypeError)]
+)
+def test_protection_rejects(kwargs, err):
+    with pytest.raises(err, match=next(iter(kwargs))):
         Protection(**kwargs)
 
 

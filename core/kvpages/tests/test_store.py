@@ -133,7 +133,7 @@ def test_thread_safety_smoke(tmp_path):
 def test_bad_arguments_are_refused(tmp_path):
     with pytest.raises(ValueError, match="cpu_bytes must be an int >= 0"):
         TieredStore(cpu_bytes=-1)
-    with pytest.raises(ValueError, match="cpu_bytes"):
+    with pytest.raises(TypeError, match="cpu_bytes must be an int"):
         TieredStore(cpu_bytes=1.5)
     with pytest.raises(ValueError, match="disk_bytes must be"):
         TieredStore(cpu_bytes=0, disk_dir=tmp_path, disk_bytes=-5)

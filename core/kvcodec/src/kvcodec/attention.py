@@ -26,7 +26,7 @@ from kvcodec.kernels.dispatch import use_triton
 from kvcodec.packing import PACK_BITS
 from kvcore import KVView, QuantizedTensor, merge_attention, reference_attention
 from kvcore.attention import check_query, check_scale
-from kvcore.checks import check_tensor
+from kvcore.checks import check_int, check_tensor
 from kvcore.quantized import AXES
 
 
@@ -74,8 +74,7 @@ class CodeRows:
             raise ValueError(f"bits must be one of {PACK_BITS}, got {self.bits!r}")
         if self.axis not in AXES:
             raise ValueError(f"axis must be one of {AXES}, got {self.axis!r}")
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
-            raise ValueError(f"group_size must be an int >= 1, got {self.group_size!r}")
+        check_int("group_size", self.group_size, low=1)
         D = self.full.shape[1]
         C = D if self.axis == "channel" else -(-D // self.group_size)
         if self.scales.shape != self.zeros.shape or self.scales.shape[1] != C:

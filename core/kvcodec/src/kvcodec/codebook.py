@@ -15,7 +15,7 @@ import torch
 from kvcodec.packing import PACK_BITS, pack_unchecked, unpack_unchecked
 from kvcodec.stats import expand_groups, resolve_group_size
 from kvcore import QuantizedTensor
-from kvcore.checks import check_finite, check_float, check_tensor
+from kvcore.checks import check_finite, check_float, check_int, check_tensor
 from kvcore.quantized import AXES, Axis
 
 
@@ -27,8 +27,7 @@ def normal_codebook(bits: int) -> torch.Tensor:
     bits : int
         Code width, 1 to 8.
     """
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in PACK_BITS:
-        raise ValueError(f"bits must be an int in {PACK_BITS}, got {bits!r}")
+    check_int("bits", bits, choices=PACK_BITS)
     n = 1 << bits
     p = (torch.arange(n, dtype=torch.float64) + 0.5) / n
     return (torch.special.ndtri(p)).float()
@@ -101,8 +100,7 @@ class CodebookQuantizer:
     codebook: torch.Tensor | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in PACK_BITS:
-            raise ValueError(f"bits must be an int in {PACK_BITS}, got {self.bits!r}")
+        check_int("bits", self.bits, choices=PACK_BITS)
         if self.axis not in AXES:
             raise ValueError(f"axis must be one of {AXES}, got {self.axis!r}")
         resolve_group_size((1, 1), self.axis, self.group_size)

@@ -14,15 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from kvcore import packed_width
+from kvcore.checks import check_int
 
 PACK_BITS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
 """Code widths :func:`pack_codes` accepts."""
 
 
 def _check_bits(bits: object) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in PACK_BITS:
-        raise ValueError(f"bits must be an int in {PACK_BITS}, got {bits!r}")
-    return bits
+    return check_int("bits", bits, choices=PACK_BITS)
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -81,8 +80,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
         raise TypeError(f"packed must be a torch.Tensor, got {type(packed).__name__}")
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed must be uint8, got {packed.dtype}")
-    if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-        raise ValueError(f"d must be an int >= 0, got {d!r}")
+    check_int("d", d, low=0)
     width = packed_width(d, bits)
     if packed.ndim < 1 or packed.shape[-1] != width:
         raise ValueError(f"packed must have shape [..., {width}] for d={d}, bits={bits}, got {tuple(packed.shape)}")

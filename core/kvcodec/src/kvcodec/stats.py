@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcore.checks import check_bool_mask, check_float, check_tensor
+from kvcore.checks import check_bool_mask, check_float, check_int, check_tensor
 from kvcore.quantized import AXES
 
 QUANT_BITS: tuple[int, ...] = (1, 2, 3, 4, 8)
@@ -104,9 +104,7 @@ def resolve_group_size(shape: tuple[int, ...], axis: str, group_size: int | None
         raise ValueError(f"axis must be one of {AXES}, got {axis!r}")
     if group_size is None:
         return max(1, shape[-1] if axis == "token" else shape[-2])
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be an int >= 1 or None (whole axis), got {group_size!r}")
-    return group_size
+    return check_int("group_size", group_size, low=1, optional="whole axis")
 
 
 def minmax_stats(

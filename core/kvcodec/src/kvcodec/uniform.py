@@ -10,7 +10,7 @@ import kvcodec.kernels.dispatch as _kernels
 from kvcodec.packing import pack_unchecked
 from kvcodec.stats import QUANT_BITS, expand_groups, minmax_scale, minmax_stats, resolve_group_size, scale_dtype_for
 from kvcore import QuantizedTensor
-from kvcore.checks import check_finite, check_float, check_tensor
+from kvcore.checks import check_finite, check_float, check_int, check_tensor
 from kvcore.quantized import AXES, Axis
 
 
@@ -48,12 +48,10 @@ class UniformQuantizer:
     group_size: int = 32
 
     def __post_init__(self) -> None:
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in QUANT_BITS:
-            raise ValueError(f"bits must be one of {QUANT_BITS}, got {self.bits!r}")
+        check_int("bits", self.bits, choices=QUANT_BITS)
         if self.axis not in AXES:
             raise ValueError(f"axis must be one of {AXES}, got {self.axis!r}")
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
-            raise ValueError(f"group_size must be an int >= 1, got {self.group_size!r}")
+        check_int("group_size", self.group_size, low=1)
 
     def quantize(self, x: torch.Tensor) -> QuantizedTensor:
         """Quantize ``x [..., T, D]`` (float32, float16 or bfloat16, finite)."""
@@ -111,8 +109,7 @@ def quantize_minmax(
     Without ``ignore`` the result equals ``UniformQuantizer(bits, axis, G).quantize(x)`` bit for bit.
     ``UniformQuantizer.dequantize`` dequantizes the result.
     """
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in QUANT_BITS:
-        raise ValueError(f"bits must be one of {QUANT_BITS}, got {bits!r}")
+    check_int("bits", bits, choices=QUANT_BITS)
     check_finite("x", check_float("x", check_tensor("x", x)))
     G = resolve_group_size(tuple(x.shape), axis, group_size)
     stats = minmax_stats(x, axis, G, ignore)

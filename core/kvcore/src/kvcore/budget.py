@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from kvcore.checks import check_number, check_ratio
+from kvcore.checks import check_int, check_number, check_ratio
 
 Granularity = Literal["head", "layer", "global"]
 GRANULARITIES: tuple[str, ...] = ("head", "layer", "global")
@@ -42,10 +42,7 @@ class Budget:
         if self.ratio is not None:
             object.__setattr__(self, "ratio", check_ratio("ratio", self.ratio))
         if self.tokens is not None:
-            if isinstance(self.tokens, bool) or not isinstance(self.tokens, int):
-                raise TypeError(f"tokens must be an int >= 1, got {type(self.tokens).__name__}")
-            if self.tokens < 1:
-                raise ValueError(f"tokens must be >= 1, got {self.tokens}")
+            check_int("tokens", self.tokens, low=1)
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
         if self.avg_bits is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from numbers import Integral, Real
@@ -99,14 +99,44 @@ def _bounds(low: float | None, high: float | None) -> str:
     return f"<= {high}" if low is None else f"in [{low}, {high}]"
 
 
-def check_int(name: str, value: object, *, low: int | None = None, high: int | None = None) -> int:
+def check_int(
+    name: str,
+    value: object,
+    *,
+    low: int | None = None,
+    high: int | None = None,
+    choices: Iterable[int] | None = None,
+    optional: str | None = None,
+) -> int | None:
     """An integer (``int`` or any ``numbers.Integral`` such as a NumPy integer, not a bool) in ``[low, high]``;
-    returned as ``int``."""
+    returned as ``int``.
+
+    Parameters
+    ----------
+    name : str
+        The argument's name, as the error message shows it.
+    value : object
+        The value to check.
+    low, high : int, optional
+        Inclusive bounds.
+    choices : iterable of int, optional
+        The allowed values (for widths such as ``bits``), shown sorted in the error.
+    optional : str, optional
+        When given, ``None`` is allowed and returned as is; the string says what ``None`` means (e.g. ``"the
+        whole axis"``) and appears in the error message.
+    """
+    if value is None and optional is not None:
+        return None
+    none = f" or None ({optional})" if optional is not None else ""
     if isinstance(value, bool) or not isinstance(value, Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be an int{none}, got {type(value).__name__} {value!r}")
     value = int(value)
+    if choices is not None:
+        allowed = sorted(set(choices))
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}{none}, got {value}")
     if (low is not None and value < low) or (high is not None and value > high):
-        raise ValueError(f"{name} must be an int {_bounds(low, high)}, got {value}")
+        raise ValueError(f"{name} must be an int {_bounds(low, high)}{none}, got {value}")
     return value
 
 

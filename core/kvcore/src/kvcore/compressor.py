@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcore.budget import Budget
+from kvcore.checks import check_int
 from kvcore.context import ScoringContext
 from kvcore.plan import EVICT, FULL, TIERS, Plan
 from kvcore.protection import Protection
@@ -97,9 +98,7 @@ class Compressor:
         for flag in ("strict", "validate"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
-        every = self.replan_every
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise ValueError(f"replan_every must be an int >= 1 or None, got {every!r}")
+        check_int("replan_every", self.replan_every, low=1, optional="no re-planning while decoding")
         if self.replanner is not None and not callable(self.replanner):
             raise TypeError(f"replanner must be callable or None, got {type(self.replanner).__name__}")
         if isinstance(self.selector, PlanBits):

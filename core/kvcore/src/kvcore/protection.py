@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcore.checks import check_int
+
 
 @dataclass(frozen=True)
 class Protection:
@@ -24,9 +26,7 @@ class Protection:
 
     def __post_init__(self) -> None:
         for name in ("sinks", "recent"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+            check_int(name, getattr(self, name), low=0)
 
     def mask(self, valid: torch.Tensor) -> torch.Tensor:
         """``[B, T]`` bool mask of protected tokens given ``valid`` (``[B, T]`` bool, True = real token)."""

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kvcore.checks import check_int
 from kvcore.compressor import Compressor
 from kvcore.context import ScoringContext
 from kvcore.plan import EVICT, Plan
@@ -99,10 +100,7 @@ def replan_view(
         raise TypeError(f"store must implement kvcore.Store, got {type(store).__name__}")
     if not isinstance(compressor, Compressor):
         raise TypeError(f"compressor must be a kvcore.Compressor, got {type(compressor).__name__}")
-    if protect_before is not None and (
-        isinstance(protect_before, bool) or not isinstance(protect_before, int) or protect_before < 0
-    ):
-        raise ValueError(f"protect_before must be an int >= 0 or None, got {protect_before!r}")
+    check_int("protect_before", protect_before, low=0, optional="nothing protected")
     lengths = store.seq_lengths()
     if not lengths.numel() or int(lengths.max()) == 0:
         raise ValueError("store holds no entries: nothing to re-plan (write() or append() first)")

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvcore.checks import check_int
 from kvpages.faults import FaultLog
 
 logger = logging.getLogger(__name__)
@@ -60,12 +61,7 @@ class StoreMetrics:
 
 
 def _check_budget(name: str, value: object, *, optional: bool) -> int | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        allowed = "an int >= 0 or None" if optional else "an int >= 0"
-        raise ValueError(f"{name} must be {allowed} (bytes), got {value!r}")
-    return value
+    return check_int(name, value, low=0, optional="no limit" if optional else None)
 
 
 def _check_key(key: object) -> str:

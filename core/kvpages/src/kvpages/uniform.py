@@ -10,17 +10,14 @@ import torch
 from kvcodec import UniformQuantizer, scale_dtype_for
 from kvcodec.stats import QUANT_BITS
 from kvcore import QuantizedTensor, packed_width
+from kvcore.checks import check_int
 from kvcore.quantized import AXES
 from kvpages.codec import PageCodec
 from kvpages.pagefmt import SHAPE, check_end, pack_shape, raw_bytes, tensor_from, unpack_shape
 
 
 def _check_group(name: str, value: object) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1 or None (the whole axis), got {value!r}")
-    return value
+    return check_int(name, value, low=1, optional="the whole axis")
 
 
 @dataclass(frozen=True, repr=False)
@@ -58,8 +55,7 @@ class UniformPageCodec(PageCodec):
     lossless: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in QUANT_BITS:
-            raise ValueError(f"bits must be one of {QUANT_BITS}, got {self.bits!r}")
+        check_int("bits", self.bits, choices=QUANT_BITS)
         for name in ("key_axis", "value_axis"):
             if getattr(self, name) not in AXES:
                 raise ValueError(f"{name} must be one of {AXES}, got {getattr(self, name)!r}")
