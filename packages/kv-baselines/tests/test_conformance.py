@@ -14,6 +14,7 @@ import torch
 import kv_baselines as kb
 from kv_baselines.quant import KIVIStore, KIVITierSelector, UniformQuantizer
 from kv_baselines.registry import METHODS
+from kv_baselines.scorers import ROPE_EXTRA
 from kv_baselines.scorers.kvzip import KVZIP_EXTRA
 from kvcore import Budget, Compressor, registry
 from kvcore.testing.cases import (
@@ -90,6 +91,24 @@ class TestKVzipScorer(ScorerSuite):
         return kvzip_extras(shapes)
 
 
+def rope_extras(shapes):
+    """RoPE inverse frequencies for ``ExpectedAttentionScorer`` (base 10000 over the drawn head dim)."""
+    D = shapes["D"]
+    return {ROPE_EXTRA: 1.0 / (10000.0 ** (torch.arange(0, D - 1, 2, dtype=torch.float32) / D))}
+
+
+class TestExpectedAttentionScorer(ScorerSuite):
+    """Expected Attention reads the layer's RoPE frequencies from ``extras["rope_inv_freq"]``."""
+
+    cases = objects(
+        expected_attention=kb.ExpectedAttentionScorer,
+        expected_attention_mean_only=lambda: kb.ExpectedAttentionScorer(8, n_sink=1, use_covariance=False),
+    )
+
+    def make_extras(self, shapes):
+        return rope_extras(shapes)
+
+
 # -- selectors --------------------------------------------------------------------------------------------------
 POSITIONAL = (
     "KIVI tiers the kept entries by position (keys: all but the last n mod R quantized; values: all but the last R), "
@@ -128,6 +147,13 @@ class TestKIVITierSelectorLongResidual(SelectorSuite):
     cases = objects(kivi_4_v3_r128=lambda: KIVITierSelector(bits=4, residual=128, value_bits=3))
 
 
+class TestPyramidSelector(SelectorSuite):
+    """PyramidKV's layer budgets under a global budget (``[L, B, H, T]`` scores); top-k otherwise."""
+
+    supports_granularities = ("head", "layer", "global")
+    cases = objects(pyramid=kb.PyramidSelector, pyramid_beta_2=lambda: kb.PyramidSelector(beta=2.0))
+
+
 # -- stores -----------------------------------------------------------------------------------------------------
 @pytest.mark.filterwarnings("ignore::kv_baselines.quant.KIVIUnquantizedWarning")  # the suite writes all-FULL plans
 class TestKIVIStore(StoreSuite):
@@ -149,7 +175,7 @@ class TestKIVIStoreLongResidual(StoreSuite):
 
 # -- the registered methods -------------------------------------------------------------------------------------
 class TestEvictingMethods(RegisteredSuite):
-    methods = ("random", "knorm", "streaming_llm", "snapkv", "chunkkv", "h2o")
+    methods = ("random", "knorm", "streaming_llm", "snapkv", "chunkkv", "h2o", "pyramidkv")
     budget = Budget(ratio=0.5)
 
 
@@ -159,6 +185,14 @@ class TestKVzipMethod(RegisteredSuite):
 
     def make_extras(self, shapes):
         return kvzip_extras(shapes)
+
+
+class TestExpectedAttentionMethod(RegisteredSuite):
+    methods = ("expected_attention",)
+    budget = Budget(ratio=0.5)
+
+    def make_extras(self, shapes):
+        return rope_extras(shapes)
 
 
 class TestFullMethod(RegisteredSuite):

@@ -22,6 +22,16 @@ BAD = {
     "kivi group_size 0": (ValueError, "group_size", lambda: kb.kivi(2, group_size=0)),
     "kivi residual not a multiple": (ValueError, "residual", lambda: kb.kivi(2, group_size=32, residual=48)),
     "kvzip ratio str": (TypeError, "ratio", lambda: kb.kvzip("0.5")),
+    "expected_attention n_future_positions 0": (
+        ValueError,
+        "n_future_positions",
+        lambda: kb.expected_attention(0.5, n_future_positions=0),
+    ),
+    "expected_attention n_sink float": (TypeError, "n_sink", lambda: kb.expected_attention(0.5, n_sink=2.0)),
+    "expected_attention ratio 1": (ValueError, "ratio", lambda: kb.expected_attention(1.0)),
+    "pyramidkv beta below 1": (ValueError, "beta", lambda: kb.pyramidkv(0.5, beta=0.5)),
+    "pyramidkv window 0": (ValueError, "window", lambda: kb.pyramidkv(0.5, window=0)),
+    "pyramidkv kernel_size even": (ValueError, "kernel_size", lambda: kb.pyramidkv(0.5, kernel_size=4)),
 }
 
 

@@ -1,16 +1,31 @@
 """kv_baselines: the baselines users compare against, as kvcore protocol objects and ready-made compressors.
 
 Scorers: Random, Knorm, StreamingLLM, SnapKV, ChunkKV (whole chunks over a base scorer), H2O, KVzip (its scores
-come from an adapter's reconstruction pass).
+come from an adapter's reconstruction pass), Expected Attention (RoPE-rotated query statistics).
+Selectors: PyramidKV's per-layer budgets.
 Quantizers: uniform asymmetric min-max (1/2/3/4/8 bits, per-channel or per-token groups, KIVI).
 Store: KIVI's quantized store with a full-precision residual.
 """
 
-from kv_baselines.compressors import chunkkv, full, h2o, kivi, knorm, kvzip, random, snapkv, snapkv_kivi, streaming_llm
+from kv_baselines.compressors import (
+    chunkkv,
+    expected_attention,
+    full,
+    h2o,
+    kivi,
+    knorm,
+    kvzip,
+    pyramidkv,
+    random,
+    snapkv,
+    snapkv_kivi,
+    streaming_llm,
+)
 from kv_baselines.quant import KIVIStore, KIVITierSelector, UniformQuantizer
 from kv_baselines.scorers import (
     ChunkKVScorer,
     ConstantScorer,
+    ExpectedAttentionScorer,
     H2OScorer,
     KnormScorer,
     KVzipScorer,
@@ -18,25 +33,30 @@ from kv_baselines.scorers import (
     SnapKVScorer,
     StreamingLLMScorer,
 )
+from kv_baselines.selectors import PyramidSelector
 
 __all__ = [
     "ChunkKVScorer",
     "ConstantScorer",
+    "ExpectedAttentionScorer",
     "H2OScorer",
     "KIVIStore",
     "KIVITierSelector",
     "KVzipScorer",
     "KnormScorer",
+    "PyramidSelector",
     "RandomScorer",
     "SnapKVScorer",
     "StreamingLLMScorer",
     "UniformQuantizer",
     "chunkkv",
+    "expected_attention",
     "full",
     "h2o",
     "kivi",
     "knorm",
     "kvzip",
+    "pyramidkv",
     "random",
     "snapkv",
     "snapkv_kivi",

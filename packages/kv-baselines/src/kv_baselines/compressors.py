@@ -5,6 +5,7 @@ from __future__ import annotations
 from kv_baselines.scorers import (
     ChunkKVScorer,
     ConstantScorer,
+    ExpectedAttentionScorer,
     H2OScorer,
     KnormScorer,
     KVzipScorer,
@@ -12,6 +13,7 @@ from kv_baselines.scorers import (
     SnapKVScorer,
     StreamingLLMScorer,
 )
+from kv_baselines.selectors import PyramidSelector
 from kvcore import Budget, Compressor, DenseStore, Protection, TopKSelector
 
 KIVI_BITS = (1, 2, 3, 4, 8)
@@ -63,6 +65,37 @@ def chunkkv(ratio: float, chunk: int = 10, window: int = 64, kernel_size: int = 
     over the chunk, the same chunks in every head; the observation window is always kept (Liu et al. 2025, §3)."""
     scorer = ChunkKVScorer(SnapKVScorer(window, kernel_size), chunk)
     return _evicting("chunkkv", scorer, ratio, Protection(recent=window))
+
+
+def expected_attention(
+    ratio: float,
+    n_future_positions: int = 512,
+    n_sink: int = 4,
+    use_covariance: bool = True,
+    use_vnorm: bool = True,
+    epsilon: float = 0.0,
+) -> Compressor:
+    """Expected Attention (Devoto et al. 2025, §3; kvpress ``ExpectedAttentionPress`` defaults): the expected attention
+    of the next ``n_future_positions`` queries times the value norm, top-k per head; the ``n_sink`` first tokens are
+    always kept. See :class:`~kv_baselines.ExpectedAttentionScorer`."""
+    scorer = ExpectedAttentionScorer(n_future_positions, n_sink, use_covariance, use_vnorm, epsilon)
+    return _evicting("expected_attention", scorer, ratio, Protection(sinks=n_sink))
+
+
+def pyramidkv(ratio: float, window: int = 64, kernel_size: int = 5, beta: float = 20.0) -> Compressor:
+    """PyramidKV (Cai et al. 2024, §3; kvpress ``PyramidKVPress`` defaults): SnapKV's observation-window scores, kept
+    counts shrinking linearly from the first layer to the last (``beta`` = 20), the same total as SnapKV at ``ratio``.
+
+    The budget is ``"global"`` so that the selector sees every layer at once (:class:`~kv_baselines.PyramidSelector`);
+    the observation window is always kept."""
+    return Compressor(
+        scorer=SnapKVScorer(window, kernel_size),
+        selector=PyramidSelector(beta),
+        store=DenseStore,
+        budget=Budget(ratio=ratio, granularity="global"),
+        protect=Protection(recent=window),
+        name="pyramidkv",
+    )
 
 
 def h2o(ratio: float, recent: int = 0) -> Compressor:

@@ -52,6 +52,18 @@ METHODS: tuple[Method, ...] = (
         "whole 10-token chunks by SnapKV window attention, the same in every head (ChunkKV, Liu et al. 2025)",
     ),
     Method(
+        "expected_attention",
+        lambda budget: _at(c.expected_attention(0.0), budget),
+        "expected attention of the next 512 queries (RoPE-rotated query statistics) x value norm, 4 sinks "
+        "(Expected Attention, Devoto et al. 2025); needs the rope_inv_freq extra",
+    ),
+    Method(
+        "pyramidkv",
+        lambda budget: _at(c.pyramidkv(0.0), budget),
+        "SnapKV window scores with per-layer budgets shrinking from the first layer to the last, beta 20, the "
+        "same total (PyramidKV, Cai et al. 2024); a global budget",
+    ),
+    Method(
         "h2o", lambda budget: _at(c.h2o(0.0), budget), "heavy hitters by cumulative attention (H2O, Zhang et al. 2023)"
     ),
     Method("kivi-4", _kivi(4), "KIVI 4-bit keys per channel / values per token; ratio > 0 adds SnapKV eviction"),
