@@ -1,0 +1,404 @@
+"""Packed KV pages inside vLLM's own pool: the page format, the open-block staging and the paged attention.
+
+Pure PyTorch, no vLLM import: :mod:`kv_vllm.packed_backend` wires these into a vLLM attention backend, and the
+workspace tests run them on synthetic paged tensors.
+
+A vLLM block of ``N`` tokens holds, per KV head, KIVI's layout (Liu et al. 2024, "KIVI", §3):
+
+- keys quantized **per channel over the block's tokens** (one min-max group of ``N`` tokens per channel),
+- values quantized **per token in groups of** ``G`` **channels**,
+
+with ``bits``-wide codes packed densely (``kvcodec.packing``) plus the scales and zeros
+(``kvcodec.UniformQuantizer``). ``bits=16`` stores the raw keys and values (the same page as stock vLLM): the
+identity setting that checks the wiring.
+
+A block is packed **once, when it is complete**. Until then its tokens live at full precision in
+:class:`OpenBlocks` (outside vLLM's pool, one block per layer per request being filled: KIVI's residual). A
+packed block is never written again, so a prefix-cache hit on it reads exactly what its first owner packed.
+
+Attention (:func:`paged_attention`): each request's queries attend to its packed blocks (dequantized) and, at
+full precision and causally, to its staged tokens (the open block and the blocks this step wrote); the two
+partial attentions are merged by log-sum-exp (:func:`kvcore.merge_attention`). A prefill therefore attends to
+its own tokens at full precision; a decode attends to packed blocks + the open block.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcodec.stats import scale_dtype_for
+from kvcodec.uniform import UniformQuantizer
+from kvcore import QuantizedTensor, merge_attention
+
+PACKED_BITS: tuple[int, ...] = (2, 4, 8, 16)
+"""Code widths the backend packs (16: raw keys and values, the identity check)."""
+
+ENV_BITS = "KVCOMPRESS_KV_BITS"
+"""The flag that turns the backend on: ``KVCOMPRESS_KV_BITS=4`` (or 2, 8, 16) in the engine's environment."""
+ENV_GROUP = "KVCOMPRESS_KV_GROUP"
+"""Value group size in channels (default 32, KIVI's); must divide the head size."""
+
+MIN_BLOCK = 16
+"""Smallest block size: keys are grouped per channel over a block's tokens (KIVI uses 32-token groups)."""
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class PackedKVConfig:
+    """The backend's settings: ``bits`` (2, 4, 8 or 16) and the value group size ``group_size``."""
+
+    bits: int = 4
+    group_size: int = 32
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or self.bits not in PACKED_BITS:
+            raise ValueError(
+                f"kvcompress packed KV: cannot pack {self.bits!r}-bit codes; {ENV_BITS} must be one of {PACKED_BITS}"
+            )
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ValueError(
+                f"kvcompress packed KV: {ENV_GROUP} must be an int >= 1 (channels per value group), "
+                f"got {self.group_size!r}"
+            )
+
+    @classmethod
+    def from_env(cls, environ: dict | None = None) -> PackedKVConfig | None:
+        """The config named by ``KVCOMPRESS_KV_BITS`` / ``KVCOMPRESS_KV_GROUP``; None when the flag is unset."""
+        env = os.environ if environ is None else environ
+        raw = env.get(ENV_BITS, "").strip()
+        if not raw:
+            return None
+        try:
+            bits = int(raw)
+        except ValueError:
+            raise ValueError(
+                f"kvcompress packed KV: cannot pack {raw!r}-bit codes; {ENV_BITS} must be one of {PACKED_BITS}"
+            ) from None
+        graw = env.get(ENV_GROUP, "").strip() or "32"
+        try:
+            group = int(graw)
+        except ValueError:
+            raise ValueError(f"kvcompress packed KV: {ENV_GROUP} must be an int >= 1, got {graw!r}") from None
+        return cls(bits=bits, group_size=group)
+
+
+def _nbytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class PageFormat:
+    """The byte layout of one packed block: ``N`` tokens × ``H`` KV heads × head size ``D`` in ``dtype``.
+
+    Per head, a region of ``N * token_bytes`` bytes: key scales and zeros (``[D]`` each), value scales and
+    zeros (``[N, D/G]`` each), key codes and value codes (``[N, D*bits/8]`` each), then padding. ``token_bytes``
+    is what vLLM's spec calls ``state_content_bytes``: the page's bytes per (head, token), a whole number of
+    ``dtype`` elements. Construction validates the shapes and raises ValueError with one line.
+    """
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    bits: int = 4
+    group_size: int = 32
+    _sizes: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        PackedKVConfig(self.bits, self.group_size)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"kvcompress packed KV: KV dtype {self.dtype} is not one of float16, bfloat16, float32")
+        if self.block_size < MIN_BLOCK or self.block_size % MIN_BLOCK:
+            raise ValueError(
+                f"kvcompress packed KV: block size {self.block_size} breaks the per-channel key groups; "
+                f"use a multiple of {MIN_BLOCK} (--block-size 32 on CPU)"
+            )
+        if self.bits != 16 and (self.head_size % self.group_size or (self.head_size * self.bits) % 8):
+            raise ValueError(
+                f"kvcompress packed KV: head size {self.head_size} is not a multiple of the value group size "
+                f"{self.group_size}; set {ENV_GROUP} to a divisor of it"
+            )
+        N, D = self.block_size, self.head_size
+        e = _nbytes(self.dtype)
+        if self.bits == 16:
+            sizes = {"k": N * D * e, "v": N * D * e}
+        else:
+            s = _nbytes(scale_dtype_for(self.dtype, self.bits))
+            codes = N * D * self.bits // 8
+            groups = D // self.group_size
+            sizes = {"ks": D * s, "kz": D * e, "vs": N * groups * s, "vz": N * groups * e, "kc": codes, "vc": codes}
+        object.__setattr__(self, "_sizes", sizes)
+
+    @property
+    def content_bytes(self) -> int:
+        """Bytes of one head's region that carry data (codes, scales, zeros)."""
+        return sum(self._sizes.values())
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes per (head, token) of the page: vLLM's ``state_content_bytes`` (whole ``dtype`` elements)."""
+        e = _nbytes(self.dtype)
+        return math.ceil(self.content_bytes / self.block_size / e) * e
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of a whole block (all heads), metadata and padding included."""
+        return self.num_kv_heads * self.block_size * self.token_bytes
+
+    @property
+    def dense_page_bytes(self) -> int:
+        """Bytes of the same block in stock vLLM (keys and values in ``dtype``)."""
+        return self.num_kv_heads * self.block_size * 2 * self.head_size * _nbytes(self.dtype)
+
+    @property
+    def capacity_ratio(self) -> float:
+        """Blocks per byte relative to stock vLLM: ``dense_page_bytes / page_bytes``."""
+        return self.dense_page_bytes / self.page_bytes
+
+    def _quantizers(self) -> tuple[UniformQuantizer, UniformQuantizer]:
+        return (
+            UniformQuantizer(self.bits, "channel", self.block_size),
+            UniformQuantizer(self.bits, "token", self.group_size),
+        )
+
+    def pack(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """``keys``/``values`` ``[B, H, N, D]`` -> uint8 pages ``[B, H, N * token_bytes]``."""
+        B, H, N, D = keys.shape
+        if (self.num_kv_heads, self.block_size, self.head_size) != (H, N, D) or values.shape != keys.shape:
+            raise ValueError(
+                f"pack: expected [B, {self.num_kv_heads}, {self.block_size}, {self.head_size}] keys and values, "
+                f"got {tuple(keys.shape)} and {tuple(values.shape)}"
+            )
+        keys, values = keys.to(self.dtype), values.to(self.dtype)
+        if self.bits == 16:
+            parts = [keys, values]
+        else:
+            qk, qv = self._quantizers()
+            k, v = qk.quantize(keys), qv.quantize(values)
+            parts = [k.scales, k.zeros, v.scales, v.zeros, k.codes, v.codes]
+        blob = torch.cat([p.contiguous().reshape(B, H, -1).view(torch.uint8) for p in parts], dim=-1)
+        out = torch.zeros(B, H, N * self.token_bytes, dtype=torch.uint8, device=keys.device)
+        out[..., : blob.shape[-1]] = blob
+        return out
+
+    def unpack(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 pages ``[B, H, N * token_bytes]`` -> ``(keys, values)`` ``[B, H, N, D]`` in ``dtype``."""
+        B, H, _ = pages.shape
+        N, D = self.block_size, self.head_size
+        fields, at = {}, 0
+        for name, size in self._sizes.items():
+            fields[name] = pages[..., at : at + size].contiguous()
+            at += size
+        if self.bits == 16:
+            k = fields["k"].view(self.dtype).reshape(B, H, N, D)
+            return k, fields["v"].view(self.dtype).reshape(B, H, N, D)
+        sdt = scale_dtype_for(self.dtype, self.bits)
+        width = D * self.bits // 8
+        G = self.group_size
+        qk, qv = self._quantizers()
+        kq = QuantizedTensor(
+            codes=fields["kc"].reshape(B, H, N, width),
+            scales=fields["ks"].view(sdt).reshape(B, H, 1, D),
+            zeros=fields["kz"].view(self.dtype).reshape(B, H, 1, D),
+            bits=self.bits,
+            axis="channel",
+            group_size=N,
+            shape=(B, H, N, D),
+            dtype=self.dtype,
+        )
+        vq = QuantizedTensor(
+            codes=fields["vc"].reshape(B, H, N, width),
+            scales=fields["vs"].view(sdt).reshape(B, H, N, D // G),
+            zeros=fields["vz"].view(self.dtype).reshape(B, H, N, D // G),
+            bits=self.bits,
+            axis="token",
+            group_size=G,
+            shape=(B, H, N, D),
+            dtype=self.dtype,
+        )
+        return qk.dequantize(kq), qv.dequantize(vq)
+
+
+def page_bytes_view(layer_cache: torch.Tensor) -> torch.Tensor:
+    """vLLM's layer view ``[num_blocks, H, N, C]`` (any dtype, head-major blocks) as uint8 ``[num_blocks, H, N*C']``."""
+    nb, H, _, _ = layer_cache.shape
+    if not layer_cache[0].is_contiguous():
+        raise ValueError("kvcompress packed KV: the layer's KV cache view must store each block contiguously (LBHNC)")
+    if layer_cache.is_contiguous():
+        return layer_cache.view(torch.uint8).reshape(nb, H, -1)
+    # blocks are contiguous but strided apart (several layers share one tensor): view each block's bytes
+    u8 = layer_cache.view(torch.uint8)
+    return u8.as_strided((nb, H, u8.shape[2] * u8.shape[3]), (u8.stride(0), u8.stride(1), 1))
+
+
+class OpenBlocks:
+    """The full-precision tokens of the blocks not packed yet, keyed by vLLM block id (one layer).
+
+    ``write`` stores a step's keys and values by slot (``block * N + offset``); writing offset 0 starts a fresh
+    block (a freed block id reused by another request). ``complete()`` lists blocks whose last slot was written:
+    the caller packs them after the step's attention and calls ``drop``.
+
+    vLLM does not tell the attention backend when it frees a block, so the partial last block of a finished (or
+    preempted) request stays staged until its id is written again. ``trim(keep)`` bounds that: it keeps the
+    ``keep`` most recently used entries (between steps each running request has at most one open block, so
+    ``keep = 2 * max_num_seqs`` never drops a live one while every running request is scheduled each step).
+    A request that needs a dropped block gets a KeyError, never wrong tokens.
+    """
+
+    def __init__(self, num_kv_heads: int, block_size: int, head_size: int, dtype: torch.dtype) -> None:
+        self.shape = (num_kv_heads, block_size, head_size)
+        self.dtype = dtype
+        self.blocks: dict[int, list] = {}  # block id -> [keys [H, N, D], values [H, N, D], written offsets mask]
+        self.used: dict[int, int] = {}  # block id -> tick of its last write or read
+        self.tick = 0
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+        """``keys``/``values`` ``[T, H, D]`` at ``slots`` ``[T]`` (negative slots are padding and skipped)."""
+        N = self.shape[1]
+        slots = slots.to("cpu", torch.int64)
+        T = min(slots.shape[0], keys.shape[0])
+        valid = torch.nonzero(slots[:T] >= 0).flatten()
+        if valid.numel() == 0:
+            return
+        s = slots[valid]
+        blocks, offsets = s // N, s % N
+        for b in torch.unique(blocks).tolist():
+            sel = blocks == b
+            offs = offsets[sel]
+            rows = valid[sel]
+            entry = self.blocks.get(b)
+            if entry is None or bool((offs == 0).any()):
+                entry = [
+                    torch.zeros(self.shape, dtype=self.dtype, device=keys.device),
+                    torch.zeros(self.shape, dtype=self.dtype, device=keys.device),
+                    torch.zeros(N, dtype=torch.bool),
+                ]
+                self.blocks[b] = entry
+            entry[0][:, offs] = keys[rows].to(self.dtype).transpose(0, 1)
+            entry[1][:, offs] = values[rows].to(self.dtype).transpose(0, 1)
+            entry[2][offs] = True
+            self._touch(b)
+
+    def _touch(self, block: int) -> None:
+        self.tick += 1
+        self.used[block] = self.tick
+
+    def complete(self) -> list[int]:
+        """Block ids whose every slot has been written."""
+        return [b for b, e in self.blocks.items() if bool(e[2].all())]
+
+    def get(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        e = self.blocks.get(block)
+        if e is None:
+            raise KeyError(
+                f"kvcompress packed KV: block {block} is open but its full-precision tokens were dropped "
+                "(raise max_num_seqs or schedule every running request each step)"
+            )
+        self._touch(block)
+        return e[0], e[1]
+
+    def drop(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.blocks.pop(b, None)
+            self.used.pop(b, None)
+
+    def trim(self, keep: int) -> list[int]:
+        """Drop all but the ``keep`` most recently used entries; returns the dropped block ids."""
+        if len(self.blocks) <= keep:
+            return []
+        old = sorted(self.blocks, key=lambda b: self.used.get(b, 0))[: len(self.blocks) - keep]
+        self.drop(old)
+        return old
+
+    @property
+    def nbytes(self) -> int:
+        n = math.prod(self.shape) * _nbytes(self.dtype) * 2
+        return n * len(self.blocks)
+
+
+def pack_complete(fmt: PageFormat, staged: OpenBlocks, pages: torch.Tensor) -> list[int]:
+    """Pack every complete staged block into ``pages`` (uint8 ``[num_blocks, H, N*C]``) once; returns their ids."""
+    done = staged.complete()
+    if done:
+        ks = torch.stack([staged.get(b)[0] for b in done])
+        vs = torch.stack([staged.get(b)[1] for b in done])
+        packed = fmt.pack(ks, vs)
+        ids = torch.tensor(done, dtype=torch.long, device=pages.device)
+        pages.index_copy_(0, ids, packed.to(pages.device))
+        staged.drop(done)
+    return done
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [Hq, Q, D]`` over ``k``/``v`` ``[H, T, D]`` (GQA), optional bool ``mask [Q, T]`` (True: visible).
+
+    Returns ``(out [Hq, Q, D], lse [Hq, Q])`` in float32.
+    """
+    group = q.shape[0] // k.shape[0]
+    kf = k.float().repeat_interleave(group, dim=0)
+    vf = v.float().repeat_interleave(group, dim=0)
+    logits = (q.float() @ kf.transpose(-1, -2)) * scale
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    safe = torch.where(torch.isfinite(lse), lse, 0.0)
+    return torch.exp(logits - safe[..., None]) @ vf, lse
+
+
+def paged_attention(
+    query: torch.Tensor,
+    pages: torch.Tensor,
+    staged: OpenBlocks,
+    fmt: PageFormat,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    output: torch.Tensor,
+) -> torch.Tensor:
+    """Causal attention of a batch of requests over packed pages + staged full-precision tokens.
+
+    ``query`` ``[T, Hq, D]`` (the step's tokens, requests back to back as ``query_start_loc`` says);
+    ``seq_lens`` ``[R]`` each request's length after this step; ``block_table`` ``[R, max_blocks]``. A request
+    with ``L`` tokens of which ``Q`` are this step's has its first ``(L - Q) // N`` blocks packed (computed in
+    earlier steps or hit in the prefix cache); the rest are staged. Writes ``output[:T]`` (``[T, Hq, D]`` or
+    ``[T, Hq*D]``) and returns it.
+    """
+    N = fmt.block_size
+    qsl = query_start_loc.to("cpu").tolist()
+    lens = seq_lens.to("cpu").tolist()
+    table = block_table.to("cpu")
+    for r, L in enumerate(lens):
+        s, e = qsl[r], qsl[r + 1]
+        Q = e - s
+        if Q == 0:
+            continue
+        ctx = L - Q
+        n_packed = ctx // N
+        q = query[s:e].transpose(0, 1)  # [Hq, Q, D]
+        parts = []
+        if n_packed:
+            ids = table[r, :n_packed].to(pages.device, torch.long)
+            k, v = fmt.unpack(pages.index_select(0, ids))  # [n, H, N, D]
+            k = k.transpose(0, 1).reshape(k.shape[1], -1, k.shape[-1])
+            v = v.transpose(0, 1).reshape(v.shape[1], -1, v.shape[-1])
+            parts.append(_attend(q, k, v, scale, None))
+        n_blocks = -(-L // N)
+        ks, vs = zip(*(staged.get(int(b)) for b in table[r, n_packed:n_blocks].tolist()), strict=True)
+        start = n_packed * N
+        k = torch.cat(ks, dim=1)[:, : L - start]
+        v = torch.cat(vs, dim=1)[:, : L - start]
+        qpos = torch.arange(ctx, L)[:, None]
+        kpos = torch.arange(start, L)[None, :]
+        parts.append(_attend(q, k, v, scale, (kpos <= qpos).to(q.device)))
+        out, _ = merge_attention(parts) if len(parts) > 1 else parts[0]
+        dst = output[s:e]
+        dst.copy_(out.transpose(0, 1).reshape(dst.shape).to(dst.dtype))
+    return output

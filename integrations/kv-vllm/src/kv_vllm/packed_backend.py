@@ -1,0 +1,244 @@
+"""A vLLM attention backend whose KV pool holds packed 2/4/8-bit KIVI blocks (see :mod:`kv_vllm.packed`).
+
+Turned on by ``KVCOMPRESS_KV_BITS`` (2, 4, 8 or 16) in the engine's environment with kv-vllm installed: the
+``vllm.general_plugins`` entry point (:func:`kv_vllm.plugin.register`) then overrides vLLM's ``CPU_ATTN`` backend
+path with :class:`PackedAttentionBackend` (``register_backend``). vLLM's CPU platform ignores
+``--attention-backend CUSTOM`` (``CpuPlatform.get_attn_backend_cls`` logs "Cannot use CUSTOM backend on CPU" and
+returns ``AttentionBackendEnum.CPU_ATTN.get_path()``), but ``get_path`` honours registry overrides, so overriding
+``CPU_ATTN`` is how an out-of-tree backend runs on CPU without a platform plugin.
+
+``customize_spec`` sets the layer's ``state_content_bytes`` to the packed page's bytes per (head, token) before
+vLLM sizes the pool, so the same KV memory holds more blocks. Start-up refuses, with one line: MLA, sliding-window
+layers, quantized (fp8) KV caches, non-decoder attention, ALiBi / soft-capping / sinks, a KV connector on the same
+engine, bits it cannot pack and a block size or group size that breaks KIVI's grouping.
+
+This is the CPU reference: attention runs in PyTorch (dequantize + matmul), one request at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from .packed import (
+    ENV_BITS,
+    MIN_BLOCK,
+    OpenBlocks,
+    PackedKVConfig,
+    PageFormat,
+    pack_complete,
+    page_bytes_view,
+    paged_attention,
+)
+
+logger = logging.getLogger(__name__)
+NAME = "CUSTOM"  # vLLM maps get_name() back to an AttentionBackendEnum member: out-of-tree backends are CUSTOM
+
+
+def active_config() -> PackedKVConfig:
+    """The config from ``KVCOMPRESS_KV_BITS`` / ``KVCOMPRESS_KV_GROUP`` (4-bit, groups of 32 if unset)."""
+    return PackedKVConfig.from_env() or PackedKVConfig()
+
+
+def refuse(message: str) -> None:
+    raise ValueError(f"kvcompress packed KV ({ENV_BITS}): {message}")
+
+
+def _check_spec(spec: AttentionSpec) -> None:
+    kind = type(spec).__name__
+    if "MLA" in kind:
+        refuse(f"MLA layers ({kind}) are not supported; only full-attention decoder layers (MHA/GQA)")
+    if getattr(spec, "sliding_window", None) is not None or "SlidingWindow" in kind or "Chunked" in kind:
+        refuse(f"sliding-window / chunked-local layers ({kind}) are not supported; only full attention")
+    if kind not in ("FullAttentionSpec",):
+        refuse(f"{kind} layers are not supported; only FullAttentionSpec decoder layers")
+    mode = getattr(spec, "kv_quant_mode", None)
+    if mode is not None and getattr(mode, "name", "NONE") != "NONE":
+        refuse(f"quantized KV cache ({mode.name}) cannot be packed again; use --kv-cache-dtype auto")
+    if spec.head_size_v != spec.head_size:
+        refuse(f"different key/value head sizes ({spec.head_size}/{spec.head_size_v}) are not supported")
+
+
+def page_format(spec: AttentionSpec, config: PackedKVConfig | None = None) -> PageFormat:
+    c = config or active_config()
+    return PageFormat(spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype, c.bits, c.group_size)
+
+
+class PackedAttentionBackend(AttentionBackend):
+    """KIVI-packed KV blocks in vLLM's pool; PyTorch attention over packed blocks + the open block (LSE merge)."""
+
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return NAME
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        return [MultipleOf(MIN_BLOCK)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple:
+        return (KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """Validate the layer and shrink its page to the packed size (vLLM sizes the pool from this)."""
+        if spec.state_content_bytes is not None:
+            refuse(f"the layer's page was already customized ({spec.state_content_bytes} bytes per token)")
+        _check_spec(spec)
+        try:
+            fmt = page_format(spec)
+        except ValueError as exc:
+            raise ValueError(str(exc)) from None
+        return replace(spec, state_content_bytes=fmt.token_bytes)
+
+    @staticmethod
+    def get_impl_cls() -> type[PackedAttentionImpl]:
+        return PackedAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[PackedMetadataBuilder]:
+        return PackedMetadataBuilder
+
+
+@dataclass
+class PackedMetadata:
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor  # [R + 1], CPU
+    seq_lens: torch.Tensor  # [R], CPU
+    block_table: torch.Tensor  # [R, max_blocks]
+    slot_mapping: torch.Tensor  # [T]
+    block_size: int
+
+
+class PackedMetadataBuilder(AttentionMetadataBuilder[PackedMetadata]):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+        if vllm_config.kv_transfer_config is not None:
+            refuse("a KV connector cannot run on packed pages yet; drop --kv-transfer-config or unset the flag")
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> PackedMetadata:
+        m = common_attn_metadata
+        if isinstance(m.causal, torch.Tensor) or not m.causal:
+            refuse("non-causal attention is not supported")
+        return PackedMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            query_start_loc=m.query_start_loc_cpu[: m.num_reqs + 1],
+            seq_lens=m.seq_lens[: m.num_reqs].cpu(),
+            block_table=m.block_table_tensor[: m.num_reqs],
+            slot_mapping=m.slot_mapping,
+            block_size=self.block_size,
+        )
+
+
+class PackedAttentionImpl(AttentionImpl):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+        **_: object,
+    ) -> None:
+        if attn_type != AttentionType.DECODER:
+            refuse(f"{attn_type} attention is not supported; only decoder self-attention")
+        if sliding_window is not None:
+            refuse(f"sliding-window layers (window {sliding_window}) are not supported; only full attention")
+        if kv_cache_dtype != "auto":
+            refuse(f"--kv-cache-dtype {kv_cache_dtype} cannot be packed again; use auto")
+        if alibi_slopes is not None or logits_soft_cap or sinks is not None:
+            refuse("ALiBi, logit soft-capping and attention sinks are not supported")
+        if kv_sharing_target_layer_name is not None:
+            refuse("cross-layer KV sharing is not supported")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = None
+        self.config = active_config()
+        from vllm.config import get_current_vllm_config
+
+        seqs = getattr(get_current_vllm_config().scheduler_config, "max_num_seqs", None) or 256
+        self.keep_open = 2 * int(seqs)  # staged open blocks kept between steps (see OpenBlocks.trim)
+        self.fmt: PageFormat | None = None
+        self.staged: OpenBlocks | None = None
+
+    def _setup(self, block_size: int, dtype: torch.dtype) -> None:
+        if self.fmt is None or self.fmt.block_size != block_size:
+            c = self.config
+            self.fmt = PageFormat(block_size, self.num_kv_heads, self.head_size, dtype, c.bits, c.group_size)
+            self.staged = OpenBlocks(self.num_kv_heads, block_size, self.head_size, dtype)
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        """Stage the step's keys and values at full precision; pages are written when a block completes."""
+        self._setup(kv_cache.shape[2], kv_cache.dtype)
+        self.staged.write(key, value, slot_mapping)
+
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: PackedMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported by the packed KV backend")
+        if attn_metadata is None:  # profiling / warm-up
+            return output
+        self._setup(kv_cache.shape[2], kv_cache.dtype)
+        pages = page_bytes_view(kv_cache)
+        n = attn_metadata.num_actual_tokens
+        paged_attention(
+            query[:n].view(n, self.num_heads, self.head_size),
+            pages,
+            self.staged,
+            self.fmt,
+            attn_metadata.query_start_loc,
+            attn_metadata.seq_lens,
+            attn_metadata.block_table,
+            self.scale,
+            output[:n],
+        )
+        pack_complete(self.fmt, self.staged, pages)
+        self.staged.trim(self.keep_open)
+        return output

@@ -1,0 +1,175 @@
+"""The packed-KV backend on real vLLM (CPU): run under the engine venv (see ../vllm_env.py); prints one JSON line.
+
+Usage: python packed.py SCENARIO WORKDIR
+  stock      vLLM's own CPU_ATTN backend: the prompts' tokens and logprobs, and the blocks the pool holds
+  bits-B     KVCOMPRESS_KV_BITS=B (2, 4, 8, 16) through kv_vllm.plugin.register(): the same, plus which backend ran
+  custom     register_backend(CUSTOM, PackedAttentionBackend) and --attention-backend CUSTOM, no flag: which
+             backend the CPU platform runs
+  refuse-X   start-up refusals: X in bits (3-bit), group (group size 48, head size 64), fp8 (--kv-cache-dtype fp8),
+             connector (a KV connector on the same engine)
+
+Every run uses the same fixed KV memory (VLLM_CPU_KVCACHE_SPACE, set by the caller) and float32, so block counts
+compare at equal memory and stock vs 16-bit compares exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from tiny_llama import VOCAB, save_tiny_llama
+
+BLOCK = 32
+MAX_TOKENS = 40  # prompts of 3 blocks + 7 tokens: decoding completes block 3 and packs it mid-generation
+
+
+def prompts() -> list[list[int]]:
+    out = []
+    for k in range(4):
+        out.append([(7 * i + 3 + 13 * k) % (VOCAB - 10) + 10 for i in range(3 * BLOCK + 7 + 5 * k)])
+    return out
+
+
+def make_llm(model: Path, **kw):
+    from vllm import LLM
+
+    args = dict(
+        model=str(model),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        block_size=BLOCK,
+        max_model_len=512,
+        max_num_seqs=4,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        seed=0,
+    )
+    args.update(kw)
+    return LLM(**args)
+
+
+def generate(llm, batch: list[list[int]]) -> list[dict]:
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=20, ignore_eos=True)
+    res = []
+    for out in llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False):
+        o = out.outputs[0]
+        res.append(
+            {
+                "tokens": list(o.token_ids),
+                "logprobs": [{int(t): float(lp.logprob) for t, lp in step.items()} for step in o.logprobs],
+            }
+        )
+    return res
+
+
+def backend_names(llm) -> list[str]:
+    """The attention backend class of every attention layer in the (in-process) engine."""
+    names = set()
+    core = llm.llm_engine.engine_core.engine_core
+    runner = core.model_executor.driver_worker.worker.model_runner
+    for groups in runner.attn_groups:
+        for g in groups:
+            names.add(g.backend.get_name())
+    return sorted(names)
+
+
+def run(llm) -> dict:
+    core = llm.llm_engine.engine_core.engine_core
+    ps = prompts()
+    first = generate(llm, ps)  # batched: 4 requests, prefill at full precision, packed blocks during decode
+    again = generate(llm, ps[:1])  # the same prompt: its 3 full blocks are prefix-cache hits (packed pages)
+    cfg = llm.llm_engine.vllm_config.cache_config
+    return {
+        "backends": backend_names(llm),
+        "num_blocks": cfg.num_gpu_blocks,
+        "block_size": cfg.block_size,
+        "kv_bytes": int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * 2**30),
+        "page_bytes": page_bytes(core),
+        "outputs": first,
+        "again": again,
+        "prefix_hits": prefix_hits(core),
+    }
+
+
+def page_bytes(core) -> int:
+    cfg = core.scheduler.kv_cache_config
+    return sum(g.kv_cache_spec.page_size_bytes for g in cfg.kv_cache_groups)
+
+
+def prefix_hits(core) -> int | None:
+    try:
+        stats = core.scheduler.kv_cache_manager.prefix_cache_stats
+        return int(stats.hits) if stats is not None else None
+    except AttributeError:
+        return None
+
+
+def refuse(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # the one-line start-up error (possibly wrapped by vLLM)
+        text = f"{type(exc).__name__}: {exc}"
+        cause = exc
+        while cause is not None:
+            if "kvcompress packed KV" in str(cause):
+                return str(cause).splitlines()[0]
+            cause = cause.__cause__ or cause.__context__
+        return text.splitlines()[0]
+    return "not refused"
+
+
+def main() -> None:
+    scenario, workdir = sys.argv[1], Path(sys.argv[2])
+    model = save_tiny_llama(workdir / "tiny-llama")
+    from kv_vllm import plugin
+
+    if scenario == "stock":
+        result = run(make_llm(model))
+    elif scenario.startswith("bits-"):
+        os.environ["KVCOMPRESS_KV_BITS"] = scenario.split("-", 1)[1]
+        plugin.register()
+        result = run(make_llm(model))
+    elif scenario == "custom":
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+        register_backend(AttentionBackendEnum.CUSTOM, "kv_vllm.packed_backend.PackedAttentionBackend")
+        llm = make_llm(model, attention_config={"backend": "CUSTOM"})
+        result = {"backends": backend_names(llm), "num_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks}
+    elif scenario.startswith("refuse-"):
+        what = scenario.split("-", 1)[1]
+        if what == "bits":
+            os.environ["KVCOMPRESS_KV_BITS"] = "3"
+            result = {"message": refuse(plugin.register)}
+        else:
+            os.environ["KVCOMPRESS_KV_BITS"] = "4"
+            plugin.register()
+            if what == "group":
+                os.environ["KVCOMPRESS_KV_GROUP"] = "48"
+                result = {"message": refuse(lambda: make_llm(model))}
+            elif what == "fp8":
+                result = {"message": refuse(lambda: make_llm(model, kv_cache_dtype="fp8"))}
+            elif what == "connector":
+                from vllm.config import KVTransferConfig
+
+                ktc = KVTransferConfig(
+                    kv_connector="KVCompressConnector",
+                    kv_connector_module_path="kv_vllm",
+                    kv_role="kv_both",
+                    kv_load_failure_policy="recompute",
+                )
+                result = {"message": refuse(lambda: make_llm(model, kv_transfer_config=ktc))}
+            else:
+                raise SystemExit(f"unknown refusal {what}")
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+    print(json.dumps(result))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
