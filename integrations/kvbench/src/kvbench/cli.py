@@ -41,6 +41,9 @@ Profile paper: {PROFILES["paper"].describe()}.
 Budgets: {SYNTAX}.
 Results go to --out: kvbench.json, kvbench_accuracy.png, kvbench_kl.png, report.md and cells/ (one file per
 finished cell; a rerun with the same options skips them).
+
+kvbench tune --model M --text FILE --target 0.25: the best method and budget for a memory target on your own model
+and text (kvbench tune --help).
 """
 
 
@@ -161,6 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--kl-continuation", type=_count(2), default=None, help=f"window continuation tokens {prof('kl_continuation')}"
     )
+    add_run_options(ap, Path("results"))
+    ap.add_argument("--list", action="store_true", help="list registered methods (budget kinds, description) and exit")
+    ap.add_argument("--list-tasks", action="store_true", help="list the task names and exit")
+    ap.add_argument("--list-models", action="store_true", help="list the models --model takes and exit")
+    return ap
+
+
+def add_run_options(ap: argparse.ArgumentParser, out: Path) -> None:
+    """The options of every kvbench command that runs a model: ``--dtype``, ``--device``, ``--seed``, ``--out``
+    (default ``out``), ``--fresh`` and ``--no-progress``."""
     ap.add_argument(
         "--dtype",
         default="auto",
@@ -169,13 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda when available, else cpu)")
     ap.add_argument("--seed", type=int, default=0, help="task, window and bootstrap seed (default: %(default)s)")
-    ap.add_argument("--out", type=Path, default=Path("results"), help="output folder (default: %(default)s)")
+    ap.add_argument("--out", type=Path, default=out, help="output folder (default: %(default)s)")
     ap.add_argument("--fresh", action="store_true", help="recompute every cell, ignoring finished ones in --out/cells")
-    ap.add_argument("--list", action="store_true", help="list registered methods (budget kinds, description) and exit")
-    ap.add_argument("--list-tasks", action="store_true", help="list the task names and exit")
-    ap.add_argument("--list-models", action="store_true", help="list the models --model takes and exit")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return ap
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -235,21 +244,37 @@ def validate(args: argparse.Namespace, registry: dict) -> tuple[list, list[str],
         validate_comparisons(args.comparisons, grid)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if args.device is not None:
-        import torch
-
-        try:
-            dev = torch.device(args.device)
-        except RuntimeError:
-            raise UsageError(f"--device: {args.device!r} is not a device; use cpu or cuda[:i]") from None
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise UsageError("--device cuda: no CUDA device is available here; use cpu")
-        if dev.type not in ("cpu", "cuda"):
-            raise UsageError(f"--device: {args.device!r}; use cpu or cuda[:i]")
+    check_device(args.device)
     if args.kl_samples and args.kl_context < 2:
         raise UsageError("--kl-context must be >= 2 tokens")
     protocols = ["agnostic", "aware"] if args.protocol == "both" else [args.protocol]
     return grid, tasks, protocols
+
+
+def check_device(device: str | None) -> None:
+    """Raise :class:`UsageError` unless ``--device`` is ``None``, ``cpu`` or an available ``cuda[:i]``."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"--device: {device!r} is not a device; use cpu or cuda[:i]") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available here; use cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device: {device!r}; use cpu or cuda[:i]")
+
+
+def device_and_dtype(args: argparse.Namespace) -> tuple[str, str]:
+    """``--device`` and ``--dtype`` with their defaults filled: cuda when available, bfloat16 on CUDA, float32 on
+    CPU."""
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    return device, dtype
 
 
 def versions() -> dict[str, str]:
@@ -270,6 +295,11 @@ def versions() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    words = sys.argv[1:] if argv is None else list(argv)
+    if words[:1] == ["tune"]:
+        from kvbench.tune.cli import main as tune
+
+        return tune(words[1:])
     args = parse_args(argv)
     if args.list_models:
         print(describe_models())
@@ -304,8 +334,7 @@ def _run(args, argv, registry, grid, tasks, protocols) -> int:
     from kvbench.run import Workload, code_changed, describe_machine, fp16_bytes_per_token, method_code, run_grid
     from kvbench.tasks import continuation_split, lee_background, make_tasks
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    device, dtype = device_and_dtype(args)
     machine = describe_machine(device)
     t0 = time.perf_counter()
     entry = get_model(args.model)

@@ -1,0 +1,189 @@
+"""The search grid of ``kvbench tune``: which methods, at which byte levels, and what it will cost.
+
+Every registered method is a candidate (``--methods`` restricts them) except the full cache, which is the reference
+of every row, and the ablations and controls the method packages register for their papers' tables (their
+description says so). A method that takes budgets is matched to each byte level (:mod:`kvbench.match`, on held
+bytes); one with a fixed budget (HqeKV-2, HEX-3, KCVT-3 ...) runs once at it and lands where its bytes are. The
+eviction + quantization compositions (``kivi-2`` / ``kivi-4`` above ratio 0: SnapKV eviction, then KIVI on what is
+kept) and HubKV over each base (``hubkv-snapkv``, ``hubkv-h2o``, ``hubkv-kvzip``) are registered methods, so they are
+in the grid like the others.
+
+The cost of the grid is estimated from timings measured on the first window (:func:`measure_costs`) before the search
+starts, so ``--budget-minutes`` can drop the most expensive cells first (:func:`trim`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbench.budgets import BudgetSpec
+from kvbench.match import _GRIDS
+from kvbench.methods import GridItem, MethodSpec, plan_grid
+from kvcore import Budget
+from kvcore.registry import Method
+
+__all__ = ["Costs", "candidates", "estimate", "floor_fraction", "grid", "measure_costs", "trim"]
+
+SKIPPED_WORDS = ("ablation", "control")
+"""Words of a registered method's description that keep it out of the default candidates (paper-table variants)."""
+
+MATCH_PROBES = max(len(g) for g in _GRIDS.values()) + 6
+"""Compressions a bytes target's budget search makes at most (:func:`kvbench.match.match_budget`: grid + bisection)."""
+
+DECODE_STEPS = 16
+"""Decode steps :func:`kvbench.run.decode_rate` times per cell."""
+
+
+def candidates(registry: dict[str, Method], methods: str | None) -> list[str]:
+    """The methods to search, in registry order (``full`` never: it is the reference).
+
+    Parameters
+    ----------
+    registry : dict of str to Method
+        :func:`kvcore.registry.discover`.
+    methods : str or None
+        ``--methods``: comma-separated registered names; ``None``: every registered method but the ablations and
+        controls (:data:`SKIPPED_WORDS` in the description).
+
+    Raises
+    ------
+    ValueError
+        Naming ``--methods``: an unknown name (listing the registered ones) or an empty list.
+    """
+    if methods is None:
+        return [
+            n
+            for n, m in sorted(registry.items())
+            if n != "full" and not any(w in m.description.lower() for w in SKIPPED_WORDS)
+        ]
+    names = list(dict.fromkeys(x.strip() for x in methods.split(",") if x.strip()))
+    unknown = [n for n in names if n not in registry]
+    if unknown:
+        raise ValueError(f"--methods: unknown method(s) {unknown}; registered: {', '.join(sorted(registry))}")
+    names = [n for n in names if n != "full"]
+    if not names:
+        raise ValueError("--methods must name at least one method besides the full cache (the reference)")
+    return names
+
+
+def grid(registry: dict[str, Method], names: Sequence[str], levels: Sequence[float]) -> list[GridItem]:
+    """Every (method, byte level) to evaluate: ``levels`` are bytes per context token, matched per method.
+
+    A method with a fixed budget is one item at its default whatever the levels (:func:`kvbench.methods.plan_grid`).
+    """
+    specs = [MethodSpec(n) for n in names]
+    return plan_grid(registry, specs, [BudgetSpec("bytes_per_token", float(v)) for v in levels])
+
+
+def floor_fraction(method: Method, context_tokens: int) -> float:
+    """A lower bound on the fraction of an fp16 cache ``method`` can hold on ``context_tokens``-token windows,
+    without a model: the tokens its protection always keeps (sinks + recent window, at least one), at one bit
+    (the narrowest entry any store holds), or its fixed average bits over 16."""
+    if not method.budgets:
+        bits = method.default.avg_bits
+        return (bits if bits is not None else 1.0) / 16.0
+    try:
+        comp = method.build(Budget(tokens=1) if "tokens" in method.budgets else Budget(ratio=0.99))
+        kept = comp.protect.sinks + comp.protect.recent
+    except (ValueError, LookupError, TypeError):
+        kept = 1
+    return max(1, min(kept, context_tokens)) / context_tokens / 16.0
+
+
+@dataclass
+class Costs:
+    """Seconds measured on one window: the shared forward pass, a teacher-forced continuation, one decode step,
+    and each method's compression (``None``: it refused the middle budget tried)."""
+
+    forward_s: float
+    continuation_s: float
+    step_s: float
+    compress_s: dict[str, float | None] = field(default_factory=dict)
+
+
+def _middle(method: Method, context_tokens: int) -> Budget:
+    if not method.budgets:
+        return method.default
+    if "ratio" in method.budgets:
+        return Budget(ratio=0.75)
+    if "tokens" in method.budgets:
+        return Budget(tokens=max(1, context_tokens // 4))
+    return Budget(avg_bits=4.0)
+
+
+@torch.no_grad()
+def measure_costs(model, tokenizer, registry: dict[str, Method], names: Sequence[str], window) -> Costs:
+    """Time one window: the forward pass, the full cache's continuation and one decode step, and each method's
+    compression at a middle budget (ratio 0.75, a quarter of the tokens, 4 bits or its fixed budget).
+
+    Parameters
+    ----------
+    model, tokenizer
+        The loaded model.
+    registry : dict of str to Method
+    names : sequence of str
+        The candidate methods.
+    window : tuple of (list of int, list of int)
+        A (context, continuation) pair of the workload.
+    """
+    from kv_hf.shared import collect_prefill
+    from kvbench.run import _continuation, decode_rate
+
+    device = next(model.parameters()).device
+    ctx, cont = window
+    collected = collect_prefill(model, torch.tensor([ctx], device=device), tokenizer=tokenizer)
+    full = collected.compress(registry["full"].build())
+    t0 = time.perf_counter()
+    _continuation(model, full, collected.logits, torch.tensor([cont], device=device))
+    continuation_s = time.perf_counter() - t0
+    full = collected.compress(registry["full"].build())
+    step_s = 1.0 / decode_rate(model, full, collected.logits.argmax(-1), steps=2)
+    costs = Costs(collected.forward_seconds, continuation_s, step_s)
+    for name in names:
+        method = registry[name]
+        try:
+            comp = method.build(_middle(method, len(ctx)))
+            t0 = time.perf_counter()
+            collected.compress(comp)
+            costs.compress_s[name] = time.perf_counter() - t0
+        except (ValueError, LookupError):
+            costs.compress_s[name] = None
+    return costs
+
+
+def item_seconds(item: GridItem, costs: Costs, windows: int, samples: int, answer_tokens: int = 8) -> float:
+    """Estimated seconds of one grid item: its budget search (a bytes target), one compression and continuation
+    per window, the decode-rate steps, and per task sample a compression and a short answer."""
+    c = costs.compress_s.get(item.name) or 0.0
+    search = MATCH_PROBES * c if item.budget is None else 0.0
+    per_window = c + costs.continuation_s
+    per_sample = c + (answer_tokens + 1) * costs.step_s
+    return search + windows * per_window + DECODE_STEPS * costs.step_s + samples * per_sample
+
+
+def estimate(items: Sequence[GridItem], costs: Costs, windows: int, samples: int) -> float:
+    """Estimated seconds of a search over ``items``: the shared forward passes (the windows and the task prompts
+    once each, and the full cache's reference) plus :func:`item_seconds` of each item."""
+    shared = (windows + samples) * costs.forward_s + windows * costs.continuation_s
+    shared += samples * 9 * costs.step_s + DECODE_STEPS * costs.step_s
+    return shared + sum(item_seconds(i, costs, windows, samples) for i in items)
+
+
+def trim(
+    items: Sequence[GridItem], costs: Costs, windows: int, samples: int, seconds: float
+) -> tuple[list[GridItem], list[GridItem]]:
+    """Drop the most expensive items until the estimate fits ``seconds``; returns ``(kept, dropped)``, each in
+    grid order. Items of methods that refused the middle budget cost nothing to keep (they will not run)."""
+    kept = list(items)
+    dropped: list[GridItem] = []
+    by_cost = sorted(kept, key=lambda i: item_seconds(i, costs, windows, samples))
+    while kept and estimate(kept, costs, windows, samples) > seconds:
+        worst = by_cost.pop()
+        kept.remove(worst)
+        dropped.append(worst)
+    order = {id(i): n for n, i in enumerate(items)}
+    return kept, sorted(dropped, key=lambda i: order[id(i)])
