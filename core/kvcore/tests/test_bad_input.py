@@ -439,3 +439,15 @@ def test_check_int_returns_ints_and_lets_none_through_only_when_optional():
     assert check_int("n", None, optional="no limit") is None
     with pytest.raises(TypeError, match="n must be an int, got NoneType"):
         check_int("n", None)
+
+
+def test_check_power_of_two():
+    from kvcore.checks import check_power_of_two
+
+    assert check_power_of_two("block", 64, low=16) == 64 and check_power_of_two("b", None, optional="auto") is None
+    with pytest.raises(ValueError, match="block must be a power of two >= 16, got 48"):
+        check_power_of_two("block", 48, low=16)
+    with pytest.raises(ValueError, match=">= 16"):
+        check_power_of_two("block", 8, low=16)
+    with pytest.raises(TypeError, match="block must be an int"):
+        check_power_of_two("block", 16.0)

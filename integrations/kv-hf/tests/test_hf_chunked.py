@@ -147,11 +147,13 @@ def test_scorer_that_is_not_chunkable_is_refused_by_name():
     assert cache.get_seq_length() == 0
 
 
-@pytest.mark.parametrize("chunk", [0, -3, 2.5, True, "8"])
-def test_bad_chunk_size_is_refused(chunk):
+@pytest.mark.parametrize(
+    ("chunk", "err"), [(0, ValueError), (-3, ValueError), (2.5, TypeError), (True, TypeError), ("8", TypeError)]
+)
+def test_bad_chunk_size_is_refused(chunk, err):
     model = tiny_model()
     cache = kv_hf.compressed_cache(model, knorm(0.5))
-    with pytest.raises(ValueError, match="chunk_size"):
+    with pytest.raises(err, match="chunk_size"):
         kv_hf.prefill(model, cache, prompt(20), chunk_size=chunk, compress_chunks=True)
 
 

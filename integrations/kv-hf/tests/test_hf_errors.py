@@ -81,7 +81,7 @@ def test_bad_options():
         kv_hf.compressed_cache(model, comp, target_ratio=1.0)
     with pytest.raises(ValueError, match="'global' is not supported"):
         kv_hf.compressed_cache(model, make(KnormScorer(), granularity="global"), recompress_every=2, target_length=3)
-    with pytest.raises(ValueError, match="query_window must be >= 0"):
+    with pytest.raises(ValueError, match="query_window must be an int >= 0"):
         kv_hf.compressed_cache(model, comp, query_window=-1)
 
 

@@ -18,7 +18,7 @@ BAD = {
     "snapkv kernel_size even": (ValueError, "kernel_size", lambda: kb.snapkv(0.5, kernel_size=4)),
     "streaming_llm n_sink float": (TypeError, "n_sink", lambda: kb.streaming_llm(0.5, n_sink=1.5)),
     "streaming_llm n_sink negative": (ValueError, "n_sink", lambda: kb.streaming_llm(0.5, n_sink=-1)),
-    "h2o recent str": (ValueError, "recent", lambda: kb.h2o(0.5, recent="x")),
+    "h2o recent str": (TypeError, "recent", lambda: kb.h2o(0.5, recent="x")),
     "kivi group_size 0": (ValueError, "group_size", lambda: kb.kivi(2, group_size=0)),
     "kivi residual not a multiple": (ValueError, "residual", lambda: kb.kivi(2, group_size=32, residual=48)),
     "kvzip ratio str": (TypeError, "ratio", lambda: kb.kvzip("0.5")),

@@ -131,8 +131,15 @@ def test_uniform_error_within_half_scale():
 
 
 def test_bad_widths():
-    for bad in (0, 3, 16, 5, True, 2.0):
-        with pytest.raises(ValueError, match="bits"):
+    for bad, err in (
+        (0, ValueError),
+        (3, ValueError),
+        (16, ValueError),
+        (5, ValueError),
+        (True, TypeError),
+        (2.0, TypeError),
+    ):
+        with pytest.raises(err, match="bits"):
             tier_quantizer(bad, "key")
     with pytest.raises(ValueError, match="kind"):
         tier_quantizer(2, "query")

@@ -171,6 +171,6 @@ def test_bad_input_is_refused_naming_the_argument(monkeypatch, triton_path, args
 def test_bad_block_sizes_are_refused():
     """Block sizes must be powers of two >= 16."""
     x, sid, w = torch.randn(1, 4, 4), torch.zeros(4, dtype=torch.long), torch.rand(4)
-    for kwargs in (dict(block_t=24), dict(block_d=8), dict(block_t=True)):
-        with pytest.raises(ValueError, match=next(iter(kwargs))):
+    for kwargs, err in ((dict(block_t=24), ValueError), (dict(block_d=8), ValueError), (dict(block_t=True), TypeError)):
+        with pytest.raises(err, match=next(iter(kwargs))):
             coarse_entries_triton(x, sid, w, 1, **kwargs)

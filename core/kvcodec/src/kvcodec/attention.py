@@ -70,8 +70,7 @@ class CodeRows:
             raise TypeError(f"full must be float32, float16 or bfloat16 (the cache dtype), got {self.full.dtype}")
         if self.codes.dtype != torch.uint8:
             raise TypeError(f"codes must be uint8, got {self.codes.dtype}")
-        if isinstance(self.bits, bool) or self.bits not in PACK_BITS:
-            raise ValueError(f"bits must be one of {PACK_BITS}, got {self.bits!r}")
+        check_int("bits", self.bits, choices=PACK_BITS)
         if self.axis not in AXES:
             raise ValueError(f"axis must be one of {AXES}, got {self.axis!r}")
         check_int("group_size", self.group_size, low=1)

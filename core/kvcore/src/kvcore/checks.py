@@ -140,6 +140,14 @@ def check_int(
     return value
 
 
+def check_power_of_two(name: str, value: object, *, low: int = 1, optional: str | None = None) -> int | None:
+    """A power-of-two int ``>= low`` (a Triton block size or chunk); ``optional`` as in :func:`check_int`."""
+    value = check_int(name, value, low=low, optional=optional)
+    if value is not None and value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= {low}, got {value}")
+    return value
+
+
 def check_number(name: str, value: object, *, low: float | None = None, high: float | None = None) -> float:
     """A finite real number (any ``numbers.Real``: int, float, a NumPy scalar; not a bool) in ``[low, high]``;
     returned as float."""

@@ -19,6 +19,7 @@ from kv_hf.step import COLLECT, SCRATCH, STEP_ATTR, STORE
 from kv_hf.support import check_compressor, check_model, layer_kinds, resolve_query_window
 from kv_hf.window import WindowLayer
 from kvcore import Compressor
+from kvcore.checks import check_int
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -214,8 +215,7 @@ class CompressedCache(Cache):
         forgotten tokens also leave the re-plan period (``replan_every`` / ``recompress_every`` count the tokens the
         Store still holds since its last compression) and the remembered query window (a later compression never
         scores with the queries of forgotten tokens)."""
-        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
-            raise ValueError(f"length must be an int >= 0, got {length!r}")
+        check_int("length", length, low=0)
         for layer in self.layers:
             layer.truncate(length)
 

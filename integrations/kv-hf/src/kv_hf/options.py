@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcore import Compressor
+from kvcore.checks import check_int
 
 
 @dataclass(frozen=True)
@@ -49,14 +50,7 @@ class CacheOptions:
 
     def __post_init__(self) -> None:
         for name in ("query_window", "recompress_every", "target_length"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            low = 0 if name == "query_window" else 1
-            if value < low:
-                raise ValueError(f"{name} must be >= {low}, got {value}")
+            check_int(name, getattr(self, name), low=0 if name == "query_window" else 1, optional="not set")
         if self.target_ratio is not None:
             if isinstance(self.target_ratio, bool) or not isinstance(self.target_ratio, (int, float)):
                 raise TypeError(f"target_ratio must be a float in [0, 1), got {type(self.target_ratio).__name__}")

@@ -12,6 +12,7 @@ import torch
 from kv_hf import providers
 from kv_hf.cache import CompressedCache
 from kvcore import Compressor
+from kvcore.checks import check_int
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -33,8 +34,7 @@ def _check_ids(input_ids: object, attention_mask: object) -> None:
 
 
 def _check_chunking(input_ids: torch.Tensor, chunk_size: object, context_start: object) -> None:
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    check_int("chunk_size", chunk_size, low=1, optional="one pass")
     if (
         isinstance(context_start, bool)
         or not isinstance(context_start, int)

@@ -17,6 +17,7 @@ import torch
 
 from kv_hf.cache import CompressedCache, compressed_cache
 from kv_hf.prefill import prefill
+from kvcore.checks import check_int
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -58,8 +59,7 @@ def generate_answer(
         raise TypeError(f"cache must be a kv_hf.CompressedCache, got {type(cache).__name__}")
     if not isinstance(question_ids, torch.Tensor) or question_ids.ndim != 2 or question_ids.shape[1] == 0:
         raise ValueError("question_ids must be an integer tensor [B, q] with q >= 1")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens, low=1)
     if not keep and cache.options.recompress_every:
         raise ValueError(
             "answers cannot be rolled back exactly when periodic re-compression may prune the context while "

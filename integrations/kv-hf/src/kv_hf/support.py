@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from kv_hf import providers
 from kv_hf.implementations import KV_HF_IMPLEMENTATIONS
 from kvcore import Compressor
+from kvcore.checks import check_int
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -37,11 +38,7 @@ def resolve_query_window(compressor: Compressor, options: CacheOptions) -> int |
         if comp is None or not comp.scorer.needs_queries:
             continue
         declared = comp.scorer.query_window
-        if declared is not None and (isinstance(declared, bool) or not isinstance(declared, int) or declared < 1):
-            raise ValueError(
-                f"scorer {type(comp.scorer).__name__} declares query_window={declared!r}; "
-                "it must be an int >= 1 or None (every prompt query)"
-            )
+        check_int(f"{type(comp.scorer).__name__}.query_window", declared, low=1, optional="every prompt query")
         asks.append(declared)
     if options.query_window is not None:
         longer = [w for w in asks if w is not None and w > options.query_window]

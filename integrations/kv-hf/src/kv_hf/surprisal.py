@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kv_hf.providers import Provider, register
+from kvcore.checks import check_int
 from kvcore.surprisal import token_surprisal
 
 if TYPE_CHECKING:
@@ -35,8 +36,7 @@ class SurprisalConfig:
     vocab_chunk: int = 8192
 
     def __post_init__(self) -> None:
-        if isinstance(self.vocab_chunk, bool) or not isinstance(self.vocab_chunk, int) or self.vocab_chunk < 1:
-            raise ValueError(f"vocab_chunk must be an int >= 1, got {self.vocab_chunk!r}")
+        check_int("vocab_chunk", self.vocab_chunk, low=1)
 
 
 @dataclass

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcore.checks import check_int
+
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 
@@ -39,8 +41,7 @@ class PageGeometry:
             raise NotImplementedError(f"host pool layout {self.layout!r} is not supported; supported: {LAYOUTS}")
         for name in ("layers", "page_size", "heads", "head_dim"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+            check_int(name, v, low=1)
         if self.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise NotImplementedError(f"host pool dtype {self.dtype} is not supported (fp16, bf16 or fp32 only)")
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import kvpages
+from kvcore.checks import check_int
 
 # keys SGLang itself reads from the same JSON object (the dynamic loader, the controller)
 ENGINE_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "interface_v2"})
@@ -58,11 +59,7 @@ class StorageSettings:
         if not isinstance(self.codec_options, Mapping):
             raise TypeError(f"codec_options must be a JSON object, got {type(self.codec_options).__name__}")
         for name, optional in (("cpu_bytes", False), ("disk_bytes", True)):
-            v = getattr(self, name)
-            if (v is None and not optional) or (
-                v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0)
-            ):
-                raise ValueError(f"{name} must be an int >= 0 (bytes){' or null' if optional else ''}, got {v!r}")
+            check_int(name, getattr(self, name), low=0, optional="no disk tier" if optional else None)
         if self.disk_dir is not None:
             if not isinstance(self.disk_dir, str) or not self.disk_dir:
                 raise TypeError(f"disk_dir must be a path string, got {self.disk_dir!r}")

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvcore.checks import check_int
+
 __all__ = ["MIN_PAIRS", "PairedDiff", "bootstrap_mean", "paired_difference"]
 
 MIN_PAIRS = 10
@@ -98,10 +100,8 @@ def bootstrap_mean(
     arr = _check(values, "values")
     if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must be a number in (0, 1), got {confidence!r}")
-    if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 100:
-        raise ValueError(f"n_boot must be an int >= 100, got {n_boot!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    check_int("n_boot", n_boot, low=100)
+    check_int("seed", seed)
     mean = float(arr.mean())
     if arr.size == 1 or np.all(arr == arr[0]):
         return PairedDiff(mean, mean, mean, int(arr.size), float(confidence))

@@ -8,6 +8,7 @@ import torch
 
 from kv_hex.config import BITS
 from kvcore import EVICT, FULL, Budget, Plan, Scores, Selector, TopKSelector
+from kvcore.checks import check_int
 
 __all__ = ["HEXSelector", "hex_tiers"]
 
@@ -77,8 +78,7 @@ class HEXSelector:
     def __post_init__(self) -> None:
         from kv_hex.config import HEXConfig
 
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in BITS:
-            raise ValueError(f"bits must be one of {BITS}, got {self.bits!r}")
+        check_int("bits", self.bits, choices=BITS)
         HEXConfig(heavy_ratio=self.heavy_ratio, recent=self.recent, block_size=self.block_size)  # validates them
         if not isinstance(self.base, Selector):
             raise TypeError(f"base must implement kvcore.Selector, got {type(self.base).__name__}")

@@ -79,12 +79,10 @@ class NormalizedQuantizer:
     group_size: int = 32
 
     def __post_init__(self) -> None:
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in PACK_BITS:
-            raise ValueError(f"bits must be an int in {PACK_BITS}, got {self.bits!r}")
+        check_int("bits", self.bits, choices=PACK_BITS)
         if self.axis not in AXES:
             raise ValueError(f"axis must be one of {AXES}, got {self.axis!r}")
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
-            raise ValueError(f"group_size must be an int >= 1, got {self.group_size!r}")
+        check_int("group_size", self.group_size, low=1)
 
     @property
     def codebook(self) -> torch.Tensor:

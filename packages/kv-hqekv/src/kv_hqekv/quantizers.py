@@ -28,7 +28,7 @@ def tier_quantizer(bits: int, kind: str, group_size: int = 32, one_bit: str = "n
     2, 4, 8: :class:`kvcodec.UniformQuantizer`. Widths outside {1, 2, 4, 8} (16 is full precision, 0 eviction)
     are a ``ValueError``.
     """
-    if isinstance(bits, bool) or bits not in QUANT_WIDTHS:
+    if check_int("bits", bits) not in QUANT_WIDTHS:
         raise ValueError(f"bits must be a quantized HqeKV width {QUANT_WIDTHS} (16 = fp16, 0 = evict), got {bits!r}")
     if kind not in ("key", "value"):
         raise ValueError(f"kind must be 'key' or 'value', got {kind!r}")

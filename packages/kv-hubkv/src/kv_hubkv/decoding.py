@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcore import Budget
+from kvcore.checks import check_int
 
 __all__ = ["DecodingSchedule"]
 
@@ -43,14 +44,12 @@ class DecodingSchedule:
     def __post_init__(self) -> None:
         for name in ("interval", "target_length"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+            check_int(name, v, low=1)
         Budget(tokens=self.target_length, granularity=self.granularity)  # validates granularity
 
     def due(self, generated: int) -> bool:
         """Whether the hook fires after ``generated`` decoded tokens (every ``interval``-th)."""
-        if isinstance(generated, bool) or not isinstance(generated, int) or generated < 0:
-            raise ValueError(f"generated must be an int >= 0, got {generated!r}")
+        check_int("generated", generated, low=0)
         return generated > 0 and generated % self.interval == 0
 
     def needs_compression(self, length: int) -> bool:
@@ -59,8 +58,7 @@ class DecodingSchedule:
 
     def ratio(self, length: int) -> float:
         """Gate ratio ``1 - target_length / length`` for a cache of ``length`` entries (0 if shorter)."""
-        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-            raise ValueError(f"length must be an int >= 1, got {length!r}")
+        check_int("length", length, low=1)
         return max(0.0, 1.0 - self.target_length / length)
 
     def cache_options(self) -> dict[str, int]:

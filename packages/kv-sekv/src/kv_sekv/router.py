@@ -22,6 +22,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from kvcore.checks import check_int
+
 from .config import SEKVConfig
 
 __all__ = ["FORMAT_VERSION", "GateNet", "RouterSource", "SEKVRouter", "ShippedRouter"]
@@ -106,8 +108,7 @@ class SEKVRouter(nn.Module):
             ("num_kv_heads", num_kv_heads),
             ("head_dim", head_dim),
         ):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+            check_int(name, v, low=1)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if not isinstance(model_id, str):

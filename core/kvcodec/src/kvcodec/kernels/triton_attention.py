@@ -35,6 +35,7 @@ from kvcodec.kernels.triton_dot import (
     qk_dot,
     softmax_result,
 )
+from kvcore.checks import check_int, check_power_of_two
 
 
 @triton.jit
@@ -258,8 +259,7 @@ def merge_splits(
     ``chunk`` (a power of two) splits are held in registers at a time and merged online into the running result,
     so a long cache's many splits do not spill (a compiled variant per power of two of ``nsplit``, as before)."""
     S, nsplit, M, D = outp.shape
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
-        raise ValueError(f"chunk must be a power of two >= 1, got {chunk!r}")
+    check_power_of_two("chunk", chunk)
     if nsplit == 1:
         return outp.view(S, M, D), lsep.view(S, M)
     out = torch.empty(S, M, D, dtype=torch.float32, device=outp.device)
@@ -318,8 +318,7 @@ def split_plan(T: int, programs: int, block_t: int | None = None, tiles: int | N
     if tiles is None:
         want = -(-T // max(1, -(-TARGET_PROGRAMS // max(programs, 1))))  # entries per split for the target
         tiles = next((c for c in TILE_CHOICES if c * bt >= want), TILE_CHOICES[-1])
-    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
-        raise ValueError(f"tiles must be an int >= 1, got {tiles!r}")
+    check_int("tiles", tiles, low=1)
     return bt, tiles, max(1, triton.cdiv(T, bt * tiles))
 
 

@@ -14,6 +14,7 @@ from kvbench.tasks.passkey import passkey
 from kvbench.tasks.sample import TaskSample
 from kvbench.tasks.tokens import check_count, check_depth, check_length, check_tokenizer
 from kvbench.tasks.variable_tracking import variable_tracking
+from kvcore.checks import check_int
 
 #: ``name -> generator(tokenizer, length, depth, seed, **options) -> TaskSample``.
 TASKS: dict[str, Callable[..., TaskSample]] = {
@@ -87,8 +88,7 @@ def make_tasks(
     depths = [check_depth(x, "depths") for x in _as_list(depths, "depths")]
     check_count(n_per, "n_per")
     check_tokenizer(tokenizer)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    check_int("seed", seed)
     options = dict(options or {})
     for n in options:
         if n not in TASKS:

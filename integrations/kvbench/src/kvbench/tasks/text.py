@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.tasks.tokens import check_count, check_tokenizer, encode
+from kvcore.checks import check_int
 
 LEE_FILENAME = "lee_background.cor"
 
@@ -141,8 +142,7 @@ def continuation_split(
     c = check_count(context_tokens, "context_tokens")
     k = check_count(continuation_tokens, "continuation_tokens")
     check_count(n, "n")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    check_int("seed", seed)
     ids = encode(tokenizer, text)
     window = c + k
     slots = len(ids) // window

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol, runtime_checkable
 
+from kvcore.checks import check_int
+
 
 @runtime_checkable
 class TokenizerLike(Protocol):
@@ -55,11 +57,7 @@ def count_tokens(tokenizer: Any, text: str) -> int:
 
 def check_length(length: Any, name: str = "length") -> int:
     """Validate a positive integer token length."""
-    if isinstance(length, bool) or not isinstance(length, int):
-        raise TypeError(f"{name} must be an int, got {type(length).__name__}")
-    if length < 1:
-        raise ValueError(f"{name} must be >= 1, got {length}")
-    return length
+    return check_int(name, length, low=1)
 
 
 def check_depth(depth: Any, name: str = "depth") -> float:
@@ -74,8 +72,4 @@ def check_depth(depth: Any, name: str = "depth") -> float:
 
 def check_count(value: Any, name: str, minimum: int = 1) -> int:
     """Validate an integer count ``>= minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    return check_int(name, value, low=minimum)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcore import EVICT, FULL, Budget, Plan, Scores, Selector, TopKSelector
+from kvcore.checks import check_int
 
 
 def kivi_tiers(keep: torch.Tensor, bits: int, residual: int, kind: str) -> torch.Tensor:
@@ -63,10 +64,8 @@ class KIVITierSelector:
             b = getattr(self, name)
             if name == "value_bits" and b is None:
                 continue
-            if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 8:
-                raise ValueError(f"{name} must be an int in [1, 8], got {b!r}")
-        if isinstance(self.residual, bool) or not isinstance(self.residual, int) or self.residual < 1:
-            raise ValueError(f"residual must be an int >= 1, got {self.residual!r}")
+            check_int(name, b, low=1, high=8)
+        check_int("residual", self.residual, low=1)
 
     @property
     def plan_bits(self) -> frozenset[int]:

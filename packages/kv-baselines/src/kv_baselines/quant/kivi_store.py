@@ -164,8 +164,7 @@ class KIVIStore(Store):
                 raise ValueError(f"{name}.bits must be a quantized width, not {q.bits}")
         if vq.axis != "token":
             raise ValueError(f"value_quantizer must group per token (axis='token'), got axis={vq.axis!r}")
-        if isinstance(residual, bool) or not isinstance(residual, int) or residual < 1:
-            raise ValueError(f"residual must be an int >= 1, got {residual!r}")
+        check_int("residual", residual, low=1)
         if kq.axis == "channel" and residual % kq.group_size:
             raise ValueError(
                 f"residual ({residual}) must be a multiple of key_quantizer.group_size ({kq.group_size}): "

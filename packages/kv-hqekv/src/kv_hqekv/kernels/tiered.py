@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcore.checks import check_tensor
+from kvcore.checks import check_int, check_tensor
 from kvcore.quantized import AXES
 
 TIER_BITS: tuple[int, ...] = (4, 2, 1)
@@ -65,8 +65,7 @@ class TierCodes:
         check_tensor("zeros", self.zeros, ndim=2)
         if self.codes.dtype != torch.uint8:
             raise TypeError(f"codes must be uint8, got {self.codes.dtype}")
-        if isinstance(self.bits, bool) or self.bits not in TIER_BITS:
-            raise ValueError(f"bits must be one of {TIER_BITS}, got {self.bits!r}")
+        check_int("bits", self.bits, choices=TIER_BITS)
         if self.scales.shape != self.zeros.shape:
             raise ValueError(f"scales {tuple(self.scales.shape)} and zeros {tuple(self.zeros.shape)} must match")
         if self.codebook is not None:
@@ -111,8 +110,7 @@ class TieredSide:
             raise TypeError(f"full must be float32, float16 or bfloat16 (the cache dtype), got {self.full.dtype}")
         if self.axis not in AXES:
             raise ValueError(f"axis must be one of {AXES}, got {self.axis!r}")
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
-            raise ValueError(f"group_size must be an int >= 1, got {self.group_size!r}")
+        check_int("group_size", self.group_size, low=1)
         check_tensor("tier", self.tier)
         if self.tier.dtype != torch.uint8:
             raise TypeError(f"tier must be uint8, got {self.tier.dtype}")

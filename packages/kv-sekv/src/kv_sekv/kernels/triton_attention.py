@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from kvcodec.kernels.alignment import rows_aligned
+from kvcore.checks import check_int
 
 try:
     import triton
@@ -230,8 +231,7 @@ def biased_attention_splits_triton(
     if tiles is None:
         want = -(-max(N, 1) // max(1, -(-TARGET_PROGRAMS // max(rows, 1))))
         tiles = next((t for t in (1, 2, 4, 8, 16, 32) if t * block_n >= want), 32)
-    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
-        raise ValueError(f"tiles must be an int >= 1, got {tiles!r}")
+    check_int("tiles", tiles, low=1)
     nsplit = max(1, triton.cdiv(max(N, 1), block_n * tiles))
     BD = triton.next_power_of_2(D)
     outp = torch.empty(rows, nsplit, BD, dtype=torch.float32, device=keys.device)

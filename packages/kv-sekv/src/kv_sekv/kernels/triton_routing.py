@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from kvcore.checks import check_power_of_two
+
 try:
     import triton
     import triton.language as tl
@@ -93,8 +95,7 @@ def routing_priority_triton(
     ``block_m`` spans per program)."""
     if not HAS_TRITON:
         raise ImportError("routing_priority_triton needs triton (pip install kv-sekv[triton])")
-    if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1 or block_m & (block_m - 1):
-        raise ValueError(f"block_m must be a power of two >= 1, got {block_m!r}")
+    check_power_of_two("block_m", block_m)
     B, Hq, Q, D = query.shape
     H, M = alive.shape[1], alive.shape[2]
     DP = W.shape[1]

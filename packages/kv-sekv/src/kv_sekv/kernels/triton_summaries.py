@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from kvcodec.kernels.alignment import rows_aligned
+from kvcore.checks import check_power_of_two
 
 try:
     import triton
@@ -149,8 +150,7 @@ def coarse_entries_triton(
         raise ImportError("coarse_entries_triton needs triton (pip install kv-sekv[triton])")
     H, n, D = x.shape
     for name, blk in (("block_t", block_t), ("block_d", block_d)):
-        if blk is not None and (isinstance(blk, bool) or not isinstance(blk, int) or blk < 16 or blk & (blk - 1)):
-            raise ValueError(f"{name} must be a power of two >= 16, got {blk!r}")
+        check_power_of_two(name, blk, low=16, optional="chosen from the shape")
     if n_spans == 0 or n == 0 or H == 0 or D == 0:
         return torch.zeros(H, n_spans, D, dtype=torch.float32, device=x.device)
     order, start, length = span_layout(span_id, n_spans)

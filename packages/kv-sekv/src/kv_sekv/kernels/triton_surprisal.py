@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from kvcore.checks import check_int, check_power_of_two
 from kvcore.surprisal import mask_surprisal
 
 try:
@@ -151,8 +152,7 @@ def surprisal_triton(
     block_v = (128 if native else 64) if block_v is None else block_v
     block_k = 64 if block_k is None else block_k
     for name, blk in (("block_t", block_t), ("block_v", block_v), ("block_k", block_k)):
-        if isinstance(blk, bool) or not isinstance(blk, int) or blk < 16 or blk & (blk - 1):
-            raise ValueError(f"{name} must be a power of two >= 16, got {blk!r}")
+        check_power_of_two(name, blk, low=16)
     B, T, D = hidden.shape
     V = weight.shape[0]
     out = torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
@@ -166,8 +166,7 @@ def surprisal_triton(
     if chunks_per_split is None:
         want = triton.cdiv(n_chunks, max(1, TARGET_PROGRAMS // n_tiles))
         chunks_per_split = min(triton.next_power_of_2(want), triton.next_power_of_2(n_chunks))
-    if isinstance(chunks_per_split, bool) or not isinstance(chunks_per_split, int) or chunks_per_split < 1:
-        raise ValueError(f"chunks_per_split must be an int >= 1, got {chunks_per_split!r}")
+    check_int("chunks_per_split", chunks_per_split, low=1)
     nsplit = triton.cdiv(n_chunks, chunks_per_split)
     lse = torch.empty(R, nsplit, dtype=torch.float32, device=hidden.device)
     pick = torch.empty(R, nsplit, dtype=torch.float32, device=hidden.device)

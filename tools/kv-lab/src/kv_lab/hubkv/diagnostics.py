@@ -19,6 +19,8 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
+from kvcore.checks import check_int
+
 __all__ = [
     "autocorrelation",
     "content_region",
@@ -44,8 +46,7 @@ def _as_1d(importance) -> torch.Tensor:
 
 
 def _pos_int(name: str, v, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
+    check_int(name, v, low=minimum)
     return v
 
 

@@ -7,13 +7,14 @@ from typing import Any
 
 import torch
 
+from kvcore.checks import check_int
+
 __all__ = ["corpus_sequences", "split_sequences"]
 
 
 def corpus_sequences(text: str, tokenizer: Any, seq_len: int) -> torch.Tensor:
     """``[N, seq_len]`` int64 consecutive, non-overlapping windows of the tokenized ``text`` (the tail is dropped)."""
-    if not isinstance(seq_len, int) or seq_len < 2:
-        raise ValueError(f"seq_len must be an int >= 2, got {seq_len!r}")
+    check_int("seq_len", seq_len, low=2)
     ids = tokenizer.encode(text, add_special_tokens=False)
     ids = torch.as_tensor(list(ids), dtype=torch.long)
     n = ids.numel() // seq_len

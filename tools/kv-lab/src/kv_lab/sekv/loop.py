@@ -21,6 +21,7 @@ import torch
 from kv_sekv.router import SEKVRouter
 from kv_sekv.segmentation import fit_segmentation
 from kv_sekv.surprisal import surprisal_from_logits
+from kvcore.checks import check_int
 
 from .forward import prepare_training, sekv_training
 from .teacher import TeacherRecord, teacher_recording
@@ -69,8 +70,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "eval_every", "patience"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+            check_int(name, v, low=1)
         if self.monitor not in ("total", "distill"):
             raise ValueError(f"monitor must be 'total' or 'distill', got {self.monitor!r}")
         if not 0.0 < self.split < 1.0:

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from kvcore.checks import check_int
+
 __all__ = ["CoverageObjective", "gaussian_kernel", "window_kernel"]
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
@@ -25,8 +27,7 @@ def window_kernel(half_width: int) -> Kernel:
     half_width : int
         ``k >= 0``.
     """
-    if isinstance(half_width, bool) or not isinstance(half_width, int) or half_width < 0:
-        raise ValueError(f"half_width must be an int >= 0, got {half_width!r}")
+    check_int("half_width", half_width, low=0)
 
     def kernel(d: torch.Tensor) -> torch.Tensor:
         return (d <= half_width).to(torch.float64)

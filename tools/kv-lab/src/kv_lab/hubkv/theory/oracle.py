@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import itertools
 
+from kvcore.checks import check_int
+
 from .coverage import CoverageObjective
 
 __all__ = ["brute_force_select", "greedy_select"]
 
 
 def _check_budget(budget: int) -> int:
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-        raise ValueError(f"budget must be an int >= 0, got {budget!r}")
+    check_int("budget", budget, low=0)
     return budget
 
 
