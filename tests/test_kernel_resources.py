@@ -3,8 +3,9 @@ sm_90 (H100 / H200) at serving shapes without register spills.
 
 No GPU is needed: ``benchmarks/sm90_resources.py`` compiles each kernel for ``cuda:90`` with the installed Triton
 (specialised as on a GPU) and reads its registers and stack from the binary. A kernel that spills runs far below
-the memory bandwidth (an H200 measured ~1 % with a spilling formulation, docs/benchmarks.md#gpu-h200), so a spill
-is a regression even where every numerical test still passes.
+the memory bandwidth (an H200 measured ~1 % with a spilling formulation,
+docs/results/2026-11-26-gpu-h200.md#gpu-h200), so a spill is a regression even where every numerical test still
+passes.
 """
 
 import os
