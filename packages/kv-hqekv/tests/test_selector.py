@@ -83,3 +83,20 @@ def test_bad_inputs():
         HqeKVSelector(PRESETS["llama-2"], sharing="batch")
     with pytest.raises(ValueError, match="protected"):  # 5 protected blocks, 2 fp16 slots
         sel.select(Scores(torch.rand(1, 2, 160)), Budget(), protected=torch.ones(1, 160, dtype=torch.bool))
+
+
+def test_declares_tier_shares():
+    """HqeKVSelector declares ``kvcore.TierShares``: its tiers and the Eq. 3 shares δ, the budget checked as
+    ``select`` checks it."""
+    from kvcore import TierShares, tier_shares
+
+    shares = Shares(0.3, 0.4, 0.2, 0.1)
+    sel = HqeKVSelector(shares)
+    assert isinstance(sel, TierShares) and tier_shares(sel) is sel
+    assert sel.tiers == (FULL, 4, 2, 1, EVICT)
+    want = {4: shares.q4, 2: shares.q2, 1: shares.q1, EVICT: shares.evict}
+    assert sel.resolve_shares(Budget(avg_bits=shares.avg_bits)) == want == sel.resolve_shares(Budget())
+    with pytest.raises(ValueError, match="budgeted by its shares"):
+        sel.resolve_shares(Budget(ratio=0.5))
+    with pytest.raises(TypeError, match="kvcore.Budget"):
+        sel.resolve_shares(0.5)

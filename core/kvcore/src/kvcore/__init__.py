@@ -1,6 +1,7 @@
 """kvcore: the contract of kvcompress.
 
-Protocols (``Scorer``, ``Selector``, ``Quantizer``, ``Store``; optional capabilities ``PlanBits``, ``TierPolicy``)
+Protocols (``Scorer``, ``Selector``, ``Quantizer``, ``Store``; optional capabilities ``PlanBits``, ``TierPolicy``,
+``AttendingStore``, ``TierShares``, read through ``attends`` / ``tier_shares``)
 with their declared capabilities, the value types
 between them, the ``Compressor`` that composes them, reference attention and its log-sum-exp merge, the method
 registry (:mod:`kvcore.registry`), argument checks (:mod:`kvcore.checks`) and minimal reference implementations.
@@ -8,6 +9,7 @@ Conformance suites live in ``kvcore.testing`` (needs pytest and hypothesis: ``pi
 """
 
 from kvcore import checks, registry
+from kvcore.attending import AttendingStore, attends
 from kvcore.attention import merge_attention, merge_split_attention, reference_attention
 from kvcore.budget import Budget
 from kvcore.checks import value_checks
@@ -24,6 +26,7 @@ from kvcore.retier_checks import check_retier_plan
 from kvcore.scores import Scores
 from kvcore.selectors import TieredSelector, TopKSelector, solve_shares, tier_counts
 from kvcore.stores import DenseStore
+from kvcore.tier_shares import TierShares, tier_shares
 from kvcore.transfer import from_host
 from kvcore.view import KVView
 from kvcore.wrapping import WrappingScorer
@@ -34,6 +37,7 @@ __version__ = "0.2.0"
 __all__ = [
     "EVICT",
     "FULL",
+    "AttendingStore",
     "Budget",
     "Compressor",
     "DenseStore",
@@ -51,9 +55,11 @@ __all__ = [
     "ShortInputWarning",
     "Store",
     "TierPolicy",
+    "TierShares",
     "TieredSelector",
     "TopKSelector",
     "WrappingScorer",
+    "attends",
     "cap_plan",
     "check_retier_plan",
     "check_write_plan",
@@ -72,5 +78,6 @@ __all__ = [
     "solve_shares",
     "storage_bytes",
     "tier_counts",
+    "tier_shares",
     "value_checks",
 ]

@@ -9,6 +9,9 @@ Two capabilities are protocols of their own, so that selectors and stores writte
 ``Selector`` and ``Store``: :class:`PlanBits` (a selector declares the tiers its plans may hold) and
 :class:`TierPolicy` (a quantizing store lays a keep-or-evict plan out in its own tiers). :class:`kvcore.Compressor`
 reads both to compose a keep-or-evict selector with a quantizing store (docs/protocols.md, "Composition").
+Two more live in their own modules: :class:`kvcore.AttendingStore` (a store's fused ``attend``, declared by
+``can_attend``; read through :func:`kvcore.attends`) and :class:`kvcore.TierShares` (a selector's ``tiers`` and
+``resolve_shares(budget)``; read through :func:`kvcore.tier_shares`).
 """
 
 from __future__ import annotations
@@ -120,7 +123,9 @@ class Store(Protocol):
         ``read(query)`` depends on the query (SEKV zoom-in); adapters must pass the current query.
     can_attend : bool
         The store has a fused ``attend(query, scale) -> (out, lse)`` equal to
-        :func:`kvcore.attention.reference_attention` over ``read(query)``; adapters decode through it.
+        :func:`kvcore.attention.reference_attention` over ``read(query)`` (:class:`kvcore.AttendingStore`);
+        adapters read it through :func:`kvcore.attends`, which refuses ``True`` without the method, and decode
+        through ``attend``.
     can_demote : bool
         ``retier`` can move held entries down to a lower quantized width (from the held representation), besides
         evicting them.

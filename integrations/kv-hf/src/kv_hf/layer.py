@@ -41,7 +41,7 @@ from kv_hf.providers import missing_message
 from kv_hf.step import COLLECT, SCRATCH, STEP_ATTR, STORE, Step
 from kv_hf.step_memo import STEP
 from kv_hf.support import DEFAULT_QUERY_WINDOW
-from kvcore import Compressor, ScoringContext, Store, retier_store, storage_bytes
+from kvcore import Compressor, ScoringContext, Store, attends, retier_store, storage_bytes
 from kvcore.checks import check_batch_index
 
 __all__ = ["COLLECT", "SCRATCH", "STORE", "CompressedLayer", "Step"]
@@ -93,6 +93,7 @@ class CompressedLayer(CacheLayerMixin):
         self.recompressor = self.options.recompressor or compressor
         self.query_window = query_window
         self.store = compressor.new_store() if store is None else store
+        self.fused = attends(self.store)  # decode through Store.attend (kvcore.AttendingStore); refuses a bad one
         self.observer: Callable[[CompressedLayer, torch.Tensor, torch.Tensor, float], None] | None = None
         self.recompressions = 0
         # queries committed after compression serve re-compression (and a later merged prefill) only: captured
@@ -143,7 +144,7 @@ class CompressedLayer(CacheLayerMixin):
         step = Step(self, key_states, value_states)
         self._step = step
         held = self.held()
-        if held and self.store.can_attend:
+        if held and self.fused:
             step.fused = True
             setattr(key_states, STEP_ATTR, step)
             return key_states, value_states

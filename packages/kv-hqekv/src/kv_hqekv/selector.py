@@ -66,7 +66,7 @@ class HqeKVSelector(Selector):
     this selector is budgeted by its shares. :meth:`counts` reports the blocks per tier and the achieved bits.
     """
 
-    tiers: tuple[int, ...] = _TIERS
+    tiers: tuple[int, ...] = _TIERS  # with resolve_shares: kvcore.TierShares
 
     def __init__(
         self,
@@ -114,6 +114,30 @@ class HqeKVSelector(Selector):
         shares = self.decode_shares(n_blocks) if self.decoding else self.shares
         return tier_counts(n_blocks, shares, self.fp16_blocks)
 
+    def resolve_shares(self, budget: Budget) -> dict[int, float]:
+        """The Eq. 3 shares δ of the 4-bit, 2-bit, 1-bit and evict tiers under ``budget``
+        (:class:`kvcore.TierShares`).
+
+        They apply to the blocks outside the ``fp16_blocks`` fp16 blocks and the ``N mod block`` residual, whose
+        counts depend on the length, not on the budget (:meth:`counts` gives the blocks per tier of a length); a
+        decode-time selector (``decoding``) counts by :meth:`decode_shares` instead. ``budget`` is checked as
+        :meth:`select` checks it: a ratio or token budget, or an ``avg_bits`` other than the shares' Eq. 3 bits, is
+        a ``ValueError``.
+        """
+        self._check_budget(budget)
+        return {4: self.shares.q4, 2: self.shares.q2, 1: self.shares.q1, EVICT: self.shares.evict}
+
+    def _check_budget(self, budget: Budget) -> None:
+        if not isinstance(budget, Budget):
+            raise TypeError(f"budget must be a kvcore.Budget, got {type(budget).__name__}")
+        if budget.tokens is not None or (budget.ratio or 0.0) != 0.0:
+            raise ValueError(
+                "HqeKVSelector is budgeted by its shares (Budget(avg_bits=...)); got a ratio/token budget "
+                f"(ratio={budget.ratio}, tokens={budget.tokens})"
+            )
+        if budget.avg_bits is not None and not self.decoding:
+            self.shares.check_bits(budget.avg_bits)
+
     # -- selection -----------------------------------------------------------------------------------------
     def select(
         self,
@@ -125,17 +149,9 @@ class HqeKVSelector(Selector):
         """A plan ``[B, Hkv, N]`` of fp16 / 4 / 2 / 1-bit / evict tiers (class doc)."""
         if not isinstance(scores, Scores):
             raise TypeError(f"scores must be kvcore.Scores, got {type(scores).__name__}")
-        if not isinstance(budget, Budget):
-            raise TypeError(f"budget must be a kvcore.Budget, got {type(budget).__name__}")
+        self._check_budget(budget)
         if scores.keys.ndim != 3:
             raise ValueError(f"HqeKVSelector plans one layer: scores must be [B, Hkv, N], got {scores.shape}")
-        if budget.tokens is not None or (budget.ratio or 0.0) != 0.0:
-            raise ValueError(
-                "HqeKVSelector is budgeted by its shares (Budget(avg_bits=...)); got a ratio/token budget "
-                f"(ratio={budget.ratio}, tokens={budget.tokens})"
-            )
-        if budget.avg_bits is not None and not self.decoding:
-            self.shares.check_bits(budget.avg_bits)
         B, H, N = scores.shape
         device = scores.keys.device
         valid = torch.ones(B, N, dtype=torch.bool, device=device) if valid is None else valid

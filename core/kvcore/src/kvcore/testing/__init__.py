@@ -25,9 +25,10 @@ suite                fixture            capability flags (class attributes) and 
 ===================  =================  ======================================================================
 
 Each suite's module documents its flags; a flag left ``None`` is read from the object under test (``can_demote``
-and ``can_attend`` from the store's declared capabilities). A test of a feature a flag turns off is skipped with
-the flag in the reason. Every standard test's docstring ends with a "Troubleshooting" paragraph: what a failure
-usually means and how to fix it. Every suite runs
+and ``can_attend`` from the store's declared capabilities, ``can_attend`` through :func:`kvcore.attends`;
+``tiered`` and ``tiers`` from a selector's :class:`kvcore.TierShares` through :func:`kvcore.tier_shares`). A test
+of a feature a flag turns off is skipped with the flag in the reason. Every standard test's docstring ends with a
+"Troubleshooting" paragraph: what a failure usually means and how to fix it. Every suite runs
 ``test_no_overrides_DO_NOT_OVERRIDE``: overriding or deleting a standard test fails unless the override carries
 ``@pytest.mark.xfail(reason=...)`` (see :func:`overridden_standard_tests`). Properties are checked with hypothesis
 (:mod:`kvcore.testing.strategies`), few examples and no deadline, so a suite runs in seconds on CPU. Needs

@@ -5,9 +5,12 @@ clear errors (NaN/inf, protected over budget, types).
 
 Fixture ``selector``. Flags: ``supports_granularities`` (subset of ``("head", "layer", "global")``, default
 ``("head",)``; "global" selects over ``[L, B, H, T]`` scores), ``supports_token_budget`` (``Budget(tokens=...)``,
-default True), ``tiered`` (budgeted by ``avg_bits``, default False), ``tiers`` (default ``selector.tiers``),
-``avg_bits_choices`` (feasible ``avg_bits``, default the quartiles of the tier range). Hook
-``expected_shares(selector, budget)`` (default ``selector.resolve_shares``; ``None`` skips the share check).
+default True), ``tiered`` (budgeted by ``avg_bits``; default: the selector declares ``kvcore.TierShares``),
+``tiers`` (default the declared ``selector.tiers``), ``avg_bits_choices`` (feasible ``avg_bits``, default the
+quartiles of the tier range). Hook ``expected_shares(selector, budget)`` (default the declared
+``selector.resolve_shares``; ``None`` skips the share check). Capabilities are read from the declaration
+(:func:`kvcore.tier_shares`), never probed: a selector declaring ``tiers`` without ``resolve_shares`` fails with a
+``TypeError``.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ from hypothesis import assume
 from hypothesis import strategies as st
 
 from kvcore.budget import Budget
-from kvcore.plan import EVICT, Plan
+from kvcore.plan import EVICT, FULL, Plan
 from kvcore.protocols import PlanBits
 from kvcore.scores import Scores
 from kvcore.testing.base import StandardTests, forall
 from kvcore.testing.strategies import SEEDS, budgets, budgets_below_protected, fill, left_padded_masks, protections
+from kvcore.tier_shares import tier_shares
 
 KINDS = ("normal", "plateau", "constant", "huge")
 
@@ -46,7 +50,7 @@ class SelectorTests(StandardTests):
 
     supports_granularities: tuple[str, ...] = ("head",)
     supports_token_budget: bool = True
-    tiered: bool = False
+    tiered: bool | None = None
     tiers: tuple[int, ...] | None = None
     avg_bits_choices: tuple[float, ...] | None = None
 
@@ -56,22 +60,39 @@ class SelectorTests(StandardTests):
 
     def expected_shares(self, selector, budget: Budget) -> dict[int, float] | None:
         """Share of entries per bit width under ``budget`` (``None``: not checked)."""
-        return selector.resolve_shares(budget) if hasattr(selector, "resolve_shares") else None
+        declared = tier_shares(selector)
+        return None if declared is None else declared.resolve_shares(budget)
+
+    def is_tiered(self, selector) -> bool:
+        """The ``tiered`` flag, or whether the selector declares :class:`kvcore.TierShares`."""
+        return bool(self.flag("tiered", tier_shares(selector) is not None))
+
+    def declared_tiers(self, selector) -> tuple[int, ...]:
+        """The ``tiers`` flag, or the widths the selector declares (:class:`kvcore.TierShares`)."""
+        declared = tier_shares(selector)
+        tiers = self.flag("tiers", None if declared is None else declared.tiers)
+        if tiers is None:
+            raise TypeError(
+                f"{type(selector).__name__} is tested as tiered but declares no tiers: set the suite's `tiers` flag "
+                "or implement kvcore.TierShares (tiers and resolve_shares)"
+            )
+        return tuple(tiers)
 
     def avg_bits(self, selector) -> tuple[float, ...]:
-        tiers = tuple(self.flag("tiers", getattr(selector, "tiers", None)))
+        tiers = self.declared_tiers(selector)
         lo, hi = min(tiers), max(tiers)
         return tuple(self.flag("avg_bits_choices", [lo + (hi - lo) * f for f in (0.25, 0.5, 0.75)]))
 
     def budget(self, selector, granularity: str, T: int) -> st.SearchStrategy[Budget]:
-        if self.tiered:
+        if self.is_tiered(selector):
             return st.sampled_from(self.avg_bits(selector)).map(lambda a: Budget(avg_bits=a, granularity=granularity))
         return budgets(T, granularity, self.supports_token_budget)
 
     def select(self, selector, scores, budget, protected=None, valid=None, values=None) -> Plan:
         """``selector.select``; an example whose protected entries exceed the budget is discarded."""
+        tiered = self.is_tiered(selector)
         fits = (
-            self.tiered
+            tiered
             or valid is None
             or protected is None
             or bool((protected.sum(-1) <= torch.tensor([budget.kept(int(n)) for n in valid.sum(-1)])).all())
@@ -80,7 +101,7 @@ class SelectorTests(StandardTests):
         try:
             plan = selector.select(Scores(scores, values), budget, protected, valid)
         except ValueError as e:
-            assume(not (self.tiered and "protected" in str(e)))
+            assume(not (tiered and "protected" in str(e)))
             raise
         assert isinstance(plan, Plan) and tuple(plan.key_bits.shape) == tuple(scores.shape), "plan must match scores"
         if isinstance(selector, PlanBits):  # a declared capability holds: kvcore.Compressor relies on it
@@ -109,7 +130,7 @@ class SelectorTests(StandardTests):
         (non-padding) tokens; protected entries count inside the budget. List only the granularities you support in
         ``supports_granularities``."""
         self.require(granularity in self.supports_granularities, f"supports_granularities lacks {granularity!r}")
-        self.require(not self.tiered, "tiered=True (budgeted by avg_bits, not by counts)")
+        self.require(not self.is_tiered(selector), "tiered=True (budgeted by avg_bits, not by counts)")
 
         def check(g, budget, prot, plan, case):
             kept, counts = torch.tensor([budget.kept(int(n)) for n in case[1].sum(-1)]), heads(plan.keep_keys).sum(-1)
@@ -126,7 +147,7 @@ class SelectorTests(StandardTests):
 
         Troubleshooting: a top-k over padded scores picks padding at ratio 0; mask padding to the lowest score before
         ranking."""
-        self.require(not self.tiered, "tiered=True (ratio does not budget it)")
+        self.require(not self.is_tiered(selector), "tiered=True (ratio does not budget it)")
         for g in self.supports_granularities:
 
             def check(case, g=g):
@@ -177,7 +198,9 @@ class SelectorTests(StandardTests):
             assert torch.equal(again.key_bits, plan.key_bits), "the same input gave another plan"
 
         self.each(selector, check, kinds=("constant",))
-        if not self.tiered and "head" in self.supports_granularities:  # one case that always has a tie to break
+        if (
+            not self.is_tiered(selector) and "head" in self.supports_granularities
+        ):  # one case that always has a tie to break
             scores, valid = torch.ones(1, 2, 8), torch.ones(1, 8, dtype=torch.bool)
             plan = selector.select(Scores(scores), Budget(ratio=0.5, granularity="head"), None, valid)
             kept = plan.key_bits != EVICT
@@ -220,8 +243,9 @@ class SelectorTests(StandardTests):
 
         Troubleshooting: solve shares with :func:`kvcore.solve_shares` and turn them into counts with
         :func:`kvcore.tier_counts` (floor rule); assign widths by score rank."""
-        self.require(self.tiered, "tiered=False")
-        top = max(self.flag("tiers", getattr(selector, "tiers", (16,))))
+        self.require(self.is_tiered(selector), "tiered=False")
+        declared = tier_shares(selector)
+        top = max(self.flag("tiers", (FULL,) if declared is None else declared.tiers))
 
         def check(g, budget, prot, plan, case):
             plan, a, valid = self.select(selector, case[0], budget, None, case[1]), budget.avg_bits, case[1]
@@ -250,7 +274,7 @@ class SelectorTests(StandardTests):
                 scores = fill(((2,) if g == "global" else ()) + (2, 3, T), seed=seed)
                 valid = torch.ones(2, T, dtype=torch.bool)
                 prot = protect.mask(valid)
-                if self.tiered:  # everything protected, but the top tier cannot hold everything
+                if self.is_tiered(selector):  # everything protected, but the top tier cannot hold everything
                     prot, budget = valid, Budget(avg_bits=min(self.avg_bits(selector)), granularity=g)
                 with pytest.raises(ValueError, match="protected"):
                     selector.select(Scores(scores), budget, prot, valid)
@@ -259,7 +283,11 @@ class SelectorTests(StandardTests):
 
     def _valid_call(self, selector):
         g = self.supports_granularities[0]
-        b = Budget(avg_bits=max(self.avg_bits(selector)), granularity=g) if self.tiered else Budget(0.5, granularity=g)
+        b = (
+            Budget(avg_bits=max(self.avg_bits(selector)), granularity=g)
+            if self.is_tiered(selector)
+            else Budget(0.5, granularity=g)
+        )
         return fill(((2,) if g == "global" else ()) + (2, 3, 10)), b
 
     @pytest.mark.parametrize("bad", (float("nan"), float("inf"), float("-inf")))

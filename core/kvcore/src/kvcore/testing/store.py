@@ -14,9 +14,10 @@ Fixture ``store_factory`` (a callable making an empty store, e.g. ``return lambd
 kept set), ``same_kv_tiers`` (values take the key tiers; default False), ``supports_crop``, ``supports_reorder``,
 ``lossless_full_tier`` (the 16 tier reads back bit-exact), ``lossless_append`` (appended entries read back
 bit-exact, earlier ones unchanged); True by default. ``can_demote`` (plans drawn for ``retier`` move entries to
-lower widths; default ``store.can_demote``), ``can_attend`` (test the fused ``attend``; default
-``store.can_attend``, skipped when False). Hook ``max_quantization_error(x, bits)`` bounds the error of one head's
-``bits``-wide entries (default: uniform min-max grouped along tokens or channels).
+lower widths; default ``store.can_demote``), ``can_attend`` (test the fused ``attend``; default the store's
+declaration, read through :func:`kvcore.attends` (``kvcore.AttendingStore``), skipped when False). Hook
+``max_quantization_error(x, bits)`` bounds the error of one head's ``bits``-wide entries (default: uniform min-max
+grouped along tokens or channels).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
+from kvcore.attending import attends
 from kvcore.attention import reference_attention
 from kvcore.checks import value_checks
 from kvcore.plan import EVICT, FULL, Plan
@@ -475,7 +477,7 @@ class StoreTests(StandardTests):
     def test_declares_capabilities(self, store_factory) -> None:
         """The store declares its capabilities as the protocol's class attributes: ``supported_bits`` (a frozenset
         holding ``EVICT`` and ``FULL``), ``query_dependent``, ``can_attend``, ``can_demote`` (bools); with
-        ``can_attend`` it has an ``attend`` method.
+        ``can_attend`` it implements :class:`kvcore.AttendingStore` (an ``attend`` method; :func:`kvcore.attends`).
 
         Troubleshooting: subclass ``kvcore.Store`` to inherit the defaults and override only what the store
         offers (``can_attend = True`` needs ``def attend(self, query, scale=None)``); ``supported_bits`` must be a
@@ -486,8 +488,7 @@ class StoreTests(StandardTests):
         assert {EVICT, FULL} <= bits, f"supported_bits {sorted(bits)} must hold EVICT=0 and FULL=16"
         for name in ("query_dependent", "can_attend", "can_demote"):
             assert isinstance(getattr(type(store), name), bool), f"{name} must be declared as a bool class attribute"
-        if store.can_attend:
-            assert callable(getattr(type(store), "attend", None)), "can_attend=True but the store has no attend()"
+        attends(store)  # TypeError: can_attend = True without attend()
 
     # -- re-tiering ----------------------------------------------------------------------------------------
     def held_entries(self, store) -> tuple[KVView, Plan, dict]:
@@ -807,7 +808,7 @@ class StoreTests(StandardTests):
         Troubleshooting: add the view's logit bias (``-inf`` on padding) before the softmax; map query head ``j`` to
         KV head ``j // group``; return the natural-log log-sum-exp; a head with no entry must give ``out = 0`` and
         ``lse = -inf``, not NaN; ``scale=None`` means ``1/sqrt(D)``."""
-        self.require(self.flag("can_attend", store_factory().can_attend), "can_attend=False")
+        self.require(self.flag("can_attend", attends(store_factory())), "can_attend=False")
 
         def check(args):
             case, group, nq, seed, scale, qdtype = args
@@ -833,7 +834,7 @@ class StoreTests(StandardTests):
 
         Troubleshooting: validate as :func:`kvcore.attention.check_query` / ``check_scale`` do, before launching a
         kernel (a kernel reads out of bounds instead of raising)."""
-        self.require(self.flag("can_attend", store_factory().can_attend), "can_attend=False")
+        self.require(self.flag("can_attend", attends(store_factory())), "can_attend=False")
         B, H, T, D = 2, 2, 6, 8
         x = fill((B, H, T, D), seed=1)
         store = self.written_store(
