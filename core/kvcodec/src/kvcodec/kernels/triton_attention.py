@@ -31,6 +31,7 @@ from kvcodec.kernels.triton_dot import (
     as_dot,
     cache_round,
     dot_mode,
+    load_query_group,
     online_softmax_step,
     qk_dot,
     softmax_result,
@@ -178,15 +179,9 @@ def _quantized_attention_kernel(
     sp = tl.program_id(1)
     b = pid // H
     h = pid % H
-    m = tl.arange(0, BLOCK_M)
-    mmask = m < GROUP * Q
-    hq = h * GROUP + m // Q
-    qi = m % Q
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    qoff = b.to(tl.int64) * sqb + hq.to(tl.int64) * sqh + qi.to(tl.int64) * sqq
+    qv, m, mmask, _hq, _qi, d, dmask = load_query_group(q_ptr, b, h, sqb, sqh, sqq, sqd, Q, GROUP, D, BLOCK_M, BLOCK_D)
+    qv = as_dot(qv, DOT)
     qmask = mmask[:, None] & dmask[None, :]
-    qv = as_dot(tl.load(q_ptr + qoff[:, None] + d[None, :].to(tl.int64) * sqd, mask=qmask, other=0.0), DOT)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)

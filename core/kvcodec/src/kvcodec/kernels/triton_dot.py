@@ -30,6 +30,7 @@ __all__ = [
     "as_dot",
     "cache_round",
     "dot_mode",
+    "load_query_group",
     "online_softmax_step",
     "online_softmax_step_t",
     "pv_dot",
@@ -173,3 +174,23 @@ def softmax_result(m_i, l_i, acc):
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
     return out, lse
+
+
+@triton.jit
+def load_query_group(q_ptr, b, h, sqb, sqh, sqq, sqd, Q, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_D: tl.constexpr):  # fmt: skip
+    """The query rows of KV head ``h`` of sequence ``b``: its ``GROUP`` query heads × ``Q`` positions as the ``M``
+    rows of one tile (row ``m`` = query head ``h * GROUP + m // Q``, position ``m % Q``), padded to ``BLOCK_M`` rows
+    and ``BLOCK_D`` channels with zeros.
+
+    Returns ``(q [BLOCK_M, BLOCK_D], m, row mask, query head per row, position per row, channels, channel mask)``.
+    """
+    m = tl.arange(0, BLOCK_M)
+    mmask = m < GROUP * Q
+    hq = h * GROUP + m // Q
+    qi = m % Q
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    off = b.to(tl.int64) * sqb + hq.to(tl.int64) * sqh + qi.to(tl.int64) * sqq
+    qv = tl.load(q_ptr + off[:, None] + d[None, :].to(tl.int64) * sqd, mask=mmask[:, None] & dmask[None, :], other=0.0)
+    return qv, m, mmask, hq, qi, d, dmask

@@ -27,21 +27,14 @@ from kv_hqekv.kernels.blocked import BlockedSide, BlockLayout
 from kv_hqekv.kernels.tiered import TieredSide
 from kv_hqekv.kernels.triton_tiles import OUT_CODE, _block_maps, _dummies, _entry_maps, _mapped_rows, side_args
 from kvcodec.kernels.triton_attention import merge_splits
-from kvcodec.kernels.triton_dot import as_dot, dot_mode, online_softmax_step, qk_dot, softmax_result
-
-
-@triton.jit
-def _load_query(q_ptr, b, h, sqb, sqh, sqq, sqd, Q, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_D: tl.constexpr):  # fmt: skip
-    m = tl.arange(0, BLOCK_M)
-    mmask = m < GROUP * Q
-    hq = h * GROUP + m // Q
-    qi = m % Q
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    off = b.to(tl.int64) * sqb + hq.to(tl.int64) * sqh + qi.to(tl.int64) * sqq
-    qv = tl.load(q_ptr + off[:, None] + d[None, :].to(tl.int64) * sqd, mask=mmask[:, None] & dmask[None, :], other=0.0)
-    return qv, m, mmask, hq, qi, d, dmask
+from kvcodec.kernels.triton_dot import (
+    as_dot,
+    dot_mode,
+    load_query_group,
+    online_softmax_step,
+    qk_dot,
+    softmax_result,
+)
 
 
 @triton.jit(do_not_specialize=["T", "A"])  # the width grows every step: one compiled variant, not two
@@ -63,7 +56,7 @@ def _tiered_attention_kernel(
     sp = tl.program_id(1)
     b = pid // H
     h = pid % H
-    qv, m, mmask, _hq, _qi, d, dmask = _load_query(q_ptr, b, h, sqb, sqh, sqq, sqd, Q, GROUP, D, BLOCK_M, BLOCK_D)
+    qv, m, mmask, _hq, _qi, d, dmask = load_query_group(q_ptr, b, h, sqb, sqh, sqq, sqd, Q, GROUP, D, BLOCK_M, BLOCK_D)
     qv = as_dot(qv, DOT)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -117,7 +110,7 @@ def _tiered_row_kernel(
     sp = tl.program_id(1)
     b = pid // H
     h = pid % H
-    qv, _m, mmask, hq, qi, d, dmask = _load_query(q_ptr, b, h, sqb, sqh, sqq, sqd, Q, GROUP, D, BLOCK_M, BLOCK_D)
+    qv, _m, mmask, hq, qi, d, dmask = load_query_group(q_ptr, b, h, sqb, sqh, sqq, sqd, Q, GROUP, D, BLOCK_M, BLOCK_D)
     qv = as_dot(qv, DOT)
     lse = tl.load(lse_ptr + (b * (H * GROUP) + hq).to(tl.int64) * Q + qi, mask=mmask, other=float("-inf"))
     seen = lse != float("-inf")
