@@ -16,6 +16,7 @@ from kv_baselines.quant import KIVIStore, KIVITierSelector, UniformQuantizer
 from kv_baselines.registry import METHODS
 from kv_baselines.scorers import ROPE_EXTRA
 from kv_baselines.scorers.kvzip import KVZIP_EXTRA
+from kv_baselines.sentence import SENTENCE_EXTRA
 from kvcore import Budget, Compressor, registry
 from kvcore.testing.cases import (
     RegisteredMethods,
@@ -109,6 +110,22 @@ class TestExpectedAttentionScorer(ScorerSuite):
         return rope_extras(shapes)
 
 
+def sentence_extras(shapes):
+    """Sentence ids for ``SentenceKVScorer``: sentences of 1 to 6 tokens, non-decreasing along each row."""
+    g = torch.Generator().manual_seed(shapes["seed"])
+    ends = torch.rand(shapes["B"], shapes["T"], generator=g) < 0.3
+    return {SENTENCE_EXTRA: (ends.long().cumsum(-1) - ends.long())}
+
+
+class TestSentenceKVScorer(ScorerSuite):
+    """SentenceKV's scorer reads the prompt's sentence ids from ``extras["sentence_ids"]``."""
+
+    cases = objects(sentencekv=lambda: kb.SentenceKVScorer(kb.SnapKVScorer(window=4, kernel_size=3, pooling="max")))
+
+    def make_extras(self, shapes):
+        return sentence_extras(shapes)
+
+
 # -- selectors --------------------------------------------------------------------------------------------------
 POSITIONAL = (
     "KIVI tiers the kept entries by position (keys: all but the last n mod R quantized; values: all but the last R), "
@@ -154,6 +171,12 @@ class TestPyramidSelector(SelectorSuite):
     cases = objects(pyramid=kb.PyramidSelector, pyramid_beta_2=lambda: kb.PyramidSelector(beta=2.0))
 
 
+class TestSentenceSelector(SelectorSuite):
+    """SentenceKV's selector: top-k per head (the sentences ride along only on ``SentenceScores``)."""
+
+    cases = objects(sentencekv=kb.SentenceSelector)
+
+
 # -- stores -----------------------------------------------------------------------------------------------------
 @pytest.mark.filterwarnings("ignore::kv_baselines.quant.KIVIUnquantizedWarning")  # the suite writes all-FULL plans
 class TestKIVIStore(StoreSuite):
@@ -170,6 +193,16 @@ class TestKIVIStoreLongResidual(StoreSuite):
 
     cases = objects(
         kivi_4_r128=lambda: KIVIStore(UniformQuantizer(4, "channel", 32), UniformQuantizer(4, "token", 4), 128)
+    )
+
+
+class TestSentenceKVStore(StoreSuite):
+    """SentenceKV's store: ``read()`` is the whole cache (the per-step retrieval needs a query and has its own tests,
+    test_sentencekv.py)."""
+
+    cases = objects(
+        sentencekv=kb.SentenceKVStore,
+        sentencekv_short=lambda: kb.SentenceKVStore(sinks=1, recent=2, semantic_factor=1.0),
     )
 
 
@@ -193,6 +226,14 @@ class TestExpectedAttentionMethod(RegisteredSuite):
 
     def make_extras(self, shapes):
         return rope_extras(shapes)
+
+
+class TestSentenceKVMethod(RegisteredSuite):
+    methods = ("sentencekv",)
+    budget = Budget(ratio=0.5)
+
+    def make_extras(self, shapes):
+        return sentence_extras(shapes)
 
 
 class TestFullMethod(RegisteredSuite):

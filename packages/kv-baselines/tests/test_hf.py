@@ -16,6 +16,7 @@ kv_hf = pytest.importorskip("kv_hf")
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kv_baselines.hf import ROPE, rope_frequencies
+from kv_baselines.sentence import sentence_ids
 from kv_hf.testing import tiny_model
 
 
@@ -87,3 +88,37 @@ def test_prefill_runs_expected_attention_and_pyramidkv(family):
     lengths = [int(n[0, 0]) for n in cache.seq_lengths()]
     assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
     assert sum(lengths) == 60 * len(lengths)
+
+
+class _Chars:
+    """A stand-in tokenizer: id ``i`` decodes to ``"."`` every 9th id, else a word."""
+
+    def decode(self, ids):
+        return "." if ids[0] % 9 == 0 else " w"
+
+
+def test_sentencekv_prefills_and_decodes_through_the_retrieving_store(monkeypatch):
+    model = tiny_model("llama", num_hidden_layers=2)
+    ids = torch.randint(1, 256, (1, 500), generator=torch.Generator().manual_seed(2))
+    comp = kb.sentencekv(0.2)
+    cache = kv_hf.compressed_cache(model, comp)
+    with pytest.raises(ValueError, match="tokenizer"):
+        kv_hf.prefill(model, cache, ids)
+    cache = kv_hf.compressed_cache(model, comp)
+    logits = kv_hf.prefill(model, cache, ids, tokenizer=_Chars())
+    assert all(bool(n.eq(400).all()) for n in cache.seq_lengths())
+    store = cache.compressed[0].store
+    assert isinstance(store, kb.SentenceKVStore) and int(store._limit.min()) == 400 // 5 - 64
+    want = sentence_ids(ids, lambda i: i % 9 == 0)
+    held = store.read().positions[0, 0]
+    assert torch.equal(store.sentences()[0, 0], want[0, held])
+    calls = []
+    retrieve = kb.SentenceKVStore.retrieve
+    monkeypatch.setattr(
+        kb.SentenceKVStore, "retrieve", lambda self, v, q: calls.append(q.shape) or retrieve(self, v, q)
+    )
+    nxt = logits.argmax(-1, keepdim=True)
+    with torch.no_grad():
+        out = model(nxt, past_key_values=cache, use_cache=True)
+    assert torch.isfinite(out.logits).all() and all(bool(n.eq(401).all()) for n in cache.seq_lengths())
+    assert calls == [torch.Size([1, 4, 1, 16])] * 2  # every layer's decode step read through the retrieval

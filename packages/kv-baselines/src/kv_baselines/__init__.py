@@ -3,6 +3,7 @@
 Scorers: Random, Knorm, StreamingLLM, SnapKV, ChunkKV (whole chunks over a base scorer), H2O, KVzip (its scores
 come from an adapter's reconstruction pass), Expected Attention (RoPE-rotated query statistics).
 Selectors: PyramidKV's per-layer budgets.
+SentenceKV: punctuation sentences, SnapKV prefill, per-step sentence retrieval (scorer, selector, store).
 Quantizers: uniform asymmetric min-max (1/2/3/4/8 bits, per-channel or per-token groups, KIVI).
 Store: KIVI's quantized store with a full-precision residual.
 """
@@ -17,6 +18,7 @@ from kv_baselines.compressors import (
     kvzip,
     pyramidkv,
     random,
+    sentencekv,
     snapkv,
     snapkv_kivi,
     streaming_llm,
@@ -34,6 +36,7 @@ from kv_baselines.scorers import (
     StreamingLLMScorer,
 )
 from kv_baselines.selectors import PyramidSelector
+from kv_baselines.sentence import SentenceKVScorer, SentenceKVStore, SentenceSelector
 
 __all__ = [
     "ChunkKVScorer",
@@ -46,6 +49,9 @@ __all__ = [
     "KnormScorer",
     "PyramidSelector",
     "RandomScorer",
+    "SentenceKVScorer",
+    "SentenceKVStore",
+    "SentenceSelector",
     "SnapKVScorer",
     "StreamingLLMScorer",
     "UniformQuantizer",
@@ -58,6 +64,7 @@ __all__ = [
     "kvzip",
     "pyramidkv",
     "random",
+    "sentencekv",
     "snapkv",
     "snapkv_kivi",
     "streaming_llm",

@@ -98,6 +98,32 @@ def pyramidkv(ratio: float, window: int = 64, kernel_size: int = 5, beta: float 
     )
 
 
+def sentencekv(
+    ratio: float,
+    window: int = 32,
+    kernel_size: int = 7,
+    sinks: int = 32,
+    recent: int = 32,
+    semantic_factor: float = 5.0,
+) -> Compressor:
+    """SentenceKV (Zhu et al. 2025, §3; the authors' code defaults): SnapKV prefill eviction (window 32, max-pool 7)
+    at ``ratio``, the kept tokens grouped by punctuation sentences; while decoding, each step attends to the first
+    ``sinks`` and last ``recent`` held entries plus the entries of the sentences whose mean key best matches the query,
+    ``held / semantic_factor`` entries in all. See :class:`~kv_baselines.SentenceKVStore` for the departures."""
+    from kv_baselines.sentence import SentenceKVScorer, SentenceKVStore, SentenceSelector
+
+    scorer = SentenceKVScorer(SnapKVScorer(window, kernel_size, "max"))
+    SentenceKVStore(sinks, recent, semantic_factor)  # validates now, not at the first compress
+    return Compressor(
+        scorer=scorer,
+        selector=SentenceSelector(),
+        store=lambda: SentenceKVStore(sinks, recent, semantic_factor),
+        budget=Budget(ratio=ratio),
+        protect=Protection(recent=window),
+        name="sentencekv",
+    )
+
+
 def h2o(ratio: float, recent: int = 0) -> Compressor:
     """H2O heavy hitters by cumulative attention over every prompt query, plus an optional recent window."""
     return _evicting("h2o", H2OScorer(), ratio, Protection(recent=recent))

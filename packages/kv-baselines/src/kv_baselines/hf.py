@@ -3,7 +3,9 @@
 Only kv-hf imports this module (when it discovers providers), so kv-baselines itself never needs transformers:
 
 * ``"rope_inv_freq"`` — the RoPE inverse frequencies of every compressed layer, read from the model's rotary
-  embedding (no forward pass), for :class:`~kv_baselines.ExpectedAttentionScorer`.
+  embedding (no forward pass), for :class:`~kv_baselines.ExpectedAttentionScorer`;
+* ``"sentence_ids"`` — the prompt's sentence index per token, split after punctuation tokens (the tokenizer's text
+  of each id), for :class:`~kv_baselines.SentenceKVScorer`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 import torch
 
 from kv_baselines.scorers.expected_attention import ROPE_EXTRA
+from kv_baselines.sentence.scorer import SENTENCE_EXTRA
+from kv_baselines.sentence.segmentation import is_sentence_end, sentence_ids
 from kv_hf.providers import Provider
 
 
@@ -57,3 +61,27 @@ ROPE = Provider(
     description="the layers' RoPE inverse frequencies from the model's rotary embedding (no forward pass)",
 )
 """The ``"rope_inv_freq"`` extras provider."""
+
+
+def _check_tokenizer(cache: Any, input_ids: torch.Tensor, attention_mask: Any, tokenizer: Any) -> None:
+    """The segmentation reads each token's text: a tokenizer with ``decode`` is needed."""
+    if tokenizer is None or not callable(getattr(tokenizer, "decode", None)):
+        raise ValueError(
+            f"the {SENTENCE_EXTRA} provider splits sentences at punctuation tokens and needs the tokenizer: "
+            "kv_hf.prefill(model, cache, ids, tokenizer=tokenizer)"
+        )
+
+
+def _sentences(model: Any, cache: Any, input_ids: torch.Tensor, *, tokenizer: Any, **_: Any) -> dict:
+    ids = sentence_ids(input_ids, lambda i: is_sentence_end(tokenizer.decode([i])))
+    return {layer.layer_idx: {SENTENCE_EXTRA: ids} for layer in cache.compressed}
+
+
+SENTENCES = Provider(
+    name=SENTENCE_EXTRA,
+    option=SENTENCE_EXTRA,
+    check=_check_tokenizer,
+    run=_sentences,
+    description="sentence index per token, split after punctuation tokens (needs tokenizer=)",
+)
+"""The ``"sentence_ids"`` extras provider."""

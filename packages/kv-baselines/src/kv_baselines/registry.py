@@ -64,6 +64,13 @@ METHODS: tuple[Method, ...] = (
         "same total (PyramidKV, Cai et al. 2024); a global budget",
     ),
     Method(
+        "sentencekv",
+        lambda budget: _at(c.sentencekv(0.0), budget),
+        "SnapKV prefill eviction (window 32, max-pool 7), then each decode step attends to 32 sinks, 32 recent and "
+        "the punctuation sentences whose mean key best matches the query, 1/5 of the held entries (SentenceKV, Zhu "
+        "et al. 2025); needs the sentence_ids extra (a tokenizer)",
+    ),
+    Method(
         "h2o", lambda budget: _at(c.h2o(0.0), budget), "heavy hitters by cumulative attention (H2O, Zhang et al. 2023)"
     ),
     Method("kivi-4", _kivi(4), "KIVI 4-bit keys per channel / values per token; ratio > 0 adds SnapKV eviction"),
