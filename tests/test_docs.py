@@ -3,7 +3,8 @@
 The blocks of one Markdown file run in order in one fresh interpreter (a later block may use what an earlier one
 defined), from a temporary directory. Shell blocks are checked where they name our own CLIs: every ``kvbench``
 command line must parse with kvbench's own argument parser and pass the checks it runs before loading the model
-(running the benchmark itself takes minutes); every ``kv-sekv`` line must parse with its parser.
+(running the benchmark itself takes minutes; a ``kvbench tune`` line, the checks that need neither its model nor
+its text file); every ``kv-sekv`` line must parse with its parser.
 """
 
 from __future__ import annotations
@@ -74,6 +75,16 @@ def test_kvbench_command_lines_parse(where: str, line: str) -> None:
     words = shlex.split(line)
     args = words[words.index("kvbench") + 1 :]
     if "--help" in args or "-h" in args:
+        return
+    if args[:1] == ["tune"]:  # kvbench tune: its options and the checks that need neither the model nor the text
+        from kvbench.tune import cli as tune
+
+        try:
+            tune.validate(tune.parse_args(args[1:]), discover(), files=False)
+        except SystemExit as e:
+            pytest.fail(f"{where}: `{line}` does not parse with kvbench tune's options (exit {e.code})")
+        except UsageError as e:
+            pytest.fail(f"{where}: `{line}` is refused by kvbench tune: {e}")
         return
     try:
         parsed = parse_args(args)
