@@ -362,6 +362,7 @@ def paged_attention(
     block_table: torch.Tensor,
     scale: float,
     output: torch.Tensor,
+    stats: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention of a batch of requests over packed pages + staged full-precision tokens.
 
@@ -369,7 +370,9 @@ def paged_attention(
     ``seq_lens`` ``[R]`` each request's length after this step; ``block_table`` ``[R, max_blocks]``. A request
     with ``L`` tokens of which ``Q`` are this step's has its first ``(L - Q) // N`` blocks packed (computed in
     earlier steps or hit in the prefix cache); the rest are staged. Writes ``output[:T]`` (``[T, Hq, D]`` or
-    ``[T, Hq*D]``) and returns it.
+    ``[T, Hq*D]``) and returns it. ``stats``, if given, gains ``packed_reads`` (packed blocks read) and
+    ``prefill_packed_reads`` (packed blocks read by a request computing more than one token: prefix-cache hits
+    and earlier chunks of a chunked prefill).
     """
     N = fmt.block_size
     qsl = query_start_loc.to("cpu").tolist()
@@ -390,6 +393,10 @@ def paged_attention(
             k = k.transpose(0, 1).reshape(k.shape[1], -1, k.shape[-1])
             v = v.transpose(0, 1).reshape(v.shape[1], -1, v.shape[-1])
             parts.append(_attend(q, k, v, scale, None))
+            if stats is not None:
+                stats["packed_reads"] = stats.get("packed_reads", 0) + n_packed
+                if Q > 1:
+                    stats["prefill_packed_reads"] = stats.get("prefill_packed_reads", 0) + n_packed
         n_blocks = -(-L // N)
         ks, vs = zip(*(staged.get(int(b)) for b in table[r, n_packed:n_blocks].tolist()), strict=True)
         start = n_packed * N

@@ -195,6 +195,7 @@ class PackedAttentionImpl(AttentionImpl):
 
         seqs = getattr(get_current_vllm_config().scheduler_config, "max_num_seqs", None) or 256
         self.keep_open = 2 * int(seqs)  # staged open blocks kept between steps (see OpenBlocks.trim)
+        self.stats: dict[str, int] = {"packed_blocks": 0, "packed_reads": 0, "prefill_packed_reads": 0}
         self.fmt: PageFormat | None = None
         self.staged: OpenBlocks | None = None
 
@@ -238,7 +239,8 @@ class PackedAttentionImpl(AttentionImpl):
             attn_metadata.block_table,
             self.scale,
             output[:n],
+            self.stats,
         )
-        pack_complete(self.fmt, self.staged, pages)
+        self.stats["packed_blocks"] += len(pack_complete(self.fmt, self.staged, pages))
         self.staged.trim(self.keep_open)
         return output

@@ -1,12 +1,12 @@
 """The packed-KV backend on real vLLM (CPU): run under the engine venv (see ../vllm_env.py); prints one JSON line.
 
-Usage: python packed.py SCENARIO WORKDIR
+Usage: python packed.py SCENARIO WORKDIR [DTYPE]  (DTYPE: float32, the default, or bfloat16)
   stock      vLLM's own CPU_ATTN backend: the prompts' tokens and logprobs, and the blocks the pool holds
   bits-B     KVCOMPRESS_KV_BITS=B (2, 4, 8, 16) through kv_vllm.plugin.register(): the same, plus which backend ran
   custom     register_backend(CUSTOM, PackedAttentionBackend) and --attention-backend CUSTOM, no flag: which
              backend the CPU platform runs
-  refuse-X   start-up refusals: X in bits (3-bit), group (group size 48, head size 64), fp8 (--kv-cache-dtype fp8),
-             connector (a KV connector on the same engine)
+  refusals   start-up refusals, one after another in one process: bits (3-bit), group (group size 48 with head
+             size 64), fp8 (--kv-cache-dtype fp8), connector (a KV connector on the same engine)
 
 Every run uses the same fixed KV memory (VLLM_CPU_KVCACHE_SPACE, set by the caller) and float32, so block counts
 compare at equal memory and stock vs 16-bit compares exactly.
@@ -32,13 +32,16 @@ def prompts() -> list[list[int]]:
     return out
 
 
+DTYPE = sys.argv[3] if len(sys.argv) > 3 else "float32"
+
+
 def make_llm(model: Path, **kw):
     from vllm import LLM
 
     args = dict(
         model=str(model),
         skip_tokenizer_init=True,
-        dtype="float32",
+        dtype=DTYPE,
         block_size=BLOCK,
         max_model_len=512,
         max_num_seqs=4,
@@ -66,6 +69,20 @@ def generate(llm, batch: list[list[int]]) -> list[dict]:
     return res
 
 
+def packed_stats(llm) -> dict:
+    """The packed backend's counters summed over its layers (empty under stock vLLM)."""
+    core = llm.llm_engine.engine_core.engine_core
+    runner = core.model_executor.driver_worker.worker.model_runner
+    total: dict[str, int] = {}
+    for groups in runner.attn_groups:
+        for g in groups:
+            for name in g.layer_names:
+                impl = runner.compilation_config.static_forward_context[name].impl
+                for k, v in getattr(impl, "stats", {}).items():
+                    total[k] = total.get(k, 0) + v
+    return total
+
+
 def backend_names(llm) -> list[str]:
     """The attention backend class of every attention layer in the (in-process) engine."""
     names = set()
@@ -81,6 +98,7 @@ def run(llm) -> dict:
     core = llm.llm_engine.engine_core.engine_core
     ps = prompts()
     first = generate(llm, ps)  # batched: 4 requests, prefill at full precision, packed blocks during decode
+    stats_first = packed_stats(llm)
     again = generate(llm, ps[:1])  # the same prompt: its 3 full blocks are prefix-cache hits (packed pages)
     cfg = llm.llm_engine.vllm_config.cache_config
     return {
@@ -91,21 +109,15 @@ def run(llm) -> dict:
         "page_bytes": page_bytes(core),
         "outputs": first,
         "again": again,
-        "prefix_hits": prefix_hits(core),
+        "stats_first": stats_first,
+        "stats": packed_stats(llm),
+        "dtype": llm.llm_engine.vllm_config.model_config.dtype.__repr__(),
     }
 
 
 def page_bytes(core) -> int:
     cfg = core.scheduler.kv_cache_config
     return sum(g.kv_cache_spec.page_size_bytes for g in cfg.kv_cache_groups)
-
-
-def prefix_hits(core) -> int | None:
-    try:
-        stats = core.scheduler.kv_cache_manager.prefix_cache_stats
-        return int(stats.hits) if stats is not None else None
-    except AttributeError:
-        return None
 
 
 def refuse(fn) -> str:
@@ -120,6 +132,32 @@ def refuse(fn) -> str:
             cause = cause.__cause__ or cause.__context__
         return text.splitlines()[0]
     return "not refused"
+
+
+def refusal(what: str, model: Path, plugin) -> str:
+    """The start-up message for one bad setting (each leaves the flag and group unset for the next)."""
+    os.environ.pop("KVCOMPRESS_KV_GROUP", None)
+    if what == "bits":
+        os.environ["KVCOMPRESS_KV_BITS"] = "3"
+        return refuse(plugin.register)
+    os.environ["KVCOMPRESS_KV_BITS"] = "4"
+    plugin.register()
+    if what == "group":
+        os.environ["KVCOMPRESS_KV_GROUP"] = "48"
+        message = refuse(lambda: make_llm(model))
+        os.environ.pop("KVCOMPRESS_KV_GROUP")
+        return message
+    if what == "fp8":
+        return refuse(lambda: make_llm(model, kv_cache_dtype="fp8"))
+    from vllm.config import KVTransferConfig
+
+    ktc = KVTransferConfig(
+        kv_connector="KVCompressConnector",
+        kv_connector_module_path="kv_vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+    )
+    return refuse(lambda: make_llm(model, kv_transfer_config=ktc))
 
 
 def main() -> None:
@@ -139,31 +177,8 @@ def main() -> None:
         register_backend(AttentionBackendEnum.CUSTOM, "kv_vllm.packed_backend.PackedAttentionBackend")
         llm = make_llm(model, attention_config={"backend": "CUSTOM"})
         result = {"backends": backend_names(llm), "num_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks}
-    elif scenario.startswith("refuse-"):
-        what = scenario.split("-", 1)[1]
-        if what == "bits":
-            os.environ["KVCOMPRESS_KV_BITS"] = "3"
-            result = {"message": refuse(plugin.register)}
-        else:
-            os.environ["KVCOMPRESS_KV_BITS"] = "4"
-            plugin.register()
-            if what == "group":
-                os.environ["KVCOMPRESS_KV_GROUP"] = "48"
-                result = {"message": refuse(lambda: make_llm(model))}
-            elif what == "fp8":
-                result = {"message": refuse(lambda: make_llm(model, kv_cache_dtype="fp8"))}
-            elif what == "connector":
-                from vllm.config import KVTransferConfig
-
-                ktc = KVTransferConfig(
-                    kv_connector="KVCompressConnector",
-                    kv_connector_module_path="kv_vllm",
-                    kv_role="kv_both",
-                    kv_load_failure_policy="recompute",
-                )
-                result = {"message": refuse(lambda: make_llm(model, kv_transfer_config=ktc))}
-            else:
-                raise SystemExit(f"unknown refusal {what}")
+    elif scenario == "refusals":
+        result = {what: refusal(what, model, plugin) for what in ("bits", "group", "fp8", "connector")}
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     print(json.dumps(result))
