@@ -14,6 +14,7 @@
 Engine adapters (kv-vllm, kv-sglang) build on these; kvpages imports no engine.
 """
 
+from kvpages.byte_counts import ByteCounts
 from kvpages.cache import CacheMetrics, PageCache
 from kvpages.codec import CODEC_FORMAT_VERSION, PageCodec
 from kvpages.errors import CorruptEntry
@@ -30,6 +31,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "FAULT_KINDS",
     "FRAME_VERSION",
+    "ByteCounts",
     "CacheMetrics",
     "CorruptEntry",
     "FaultLog",

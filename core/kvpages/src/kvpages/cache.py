@@ -8,13 +8,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvpages.byte_counts import ByteCounts
 from kvpages.codec import PageCodec
 from kvpages.errors import CorruptEntry
 from kvpages.tiered import TieredStore
 
 
 @dataclass(frozen=True)
-class CacheMetrics:
+class CacheMetrics(ByteCounts):
     """A snapshot of a :class:`PageCache`'s counters.
 
     ``stored_bytes`` / ``fp16_bytes`` are summed over every :meth:`PageCache.save` (the blob lengths written, and
@@ -31,12 +32,8 @@ class CacheMetrics:
     encode_seconds: float = 0.0
     decode_seconds: float = 0.0
 
-    @property
-    def compression(self) -> float:
-        return self.fp16_bytes / self.stored_bytes if self.stored_bytes else 0.0
-
     def as_dict(self) -> dict[str, float]:
-        return {**asdict(self), "compression": self.compression}
+        return {**asdict(self), **self.byte_summary()}
 
 
 class PageCache:

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class WorkerMetrics:
+class WorkerMetrics(kvpages.ByteCounts):
     """What the worker moved: blocks, bytes stored vs the same KV in fp16, codec time, and what failed.
 
     ``saved_blocks`` / ``stored_bytes`` count entries the store accepted; ``not_stored`` counts planned saves that
@@ -53,21 +53,8 @@ class WorkerMetrics:
     encode_s: float = 0.0
     decode_s: float = 0.0
 
-    @property
-    def compression(self) -> float:
-        """fp16 bytes per stored byte over everything saved (0 before the first save)."""
-        return self.fp16_bytes / self.stored_bytes if self.stored_bytes else 0.0
-
-    @property
-    def saved_bytes(self) -> int:
-        """Bytes compression saved: fp16 bytes of what was stored minus the bytes stored (negative if lossless)."""
-        return self.fp16_bytes - self.stored_bytes
-
     def as_dict(self) -> dict[str, float]:
-        out = dict(self.__dict__)
-        out["compression"] = self.compression
-        out["saved_bytes"] = self.saved_bytes
-        return out
+        return {**self.__dict__, **self.byte_summary()}
 
 
 class WorkerState:
