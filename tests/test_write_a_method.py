@@ -30,7 +30,8 @@ DOC = ROOT / "docs" / "write-a-method.md"
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
 MEMBER, MODULE = "kv-keynorm", "kv_keynorm"
 
-pytestmark = pytest.mark.skipif(shutil.which("uv") is None, reason="needs uv (the workspace's tool)")
+UV = os.environ.get("UV") or shutil.which("uv")  # `uv run` names itself in $UV
+pytestmark = pytest.mark.skipif(UV is None, reason="needs uv (the workspace's tool)")
 
 
 def block(language: str, marker: str) -> str:
@@ -84,7 +85,7 @@ def test_a_member_made_by_the_doc_is_listed_by_kvbench(tmp_path: Path) -> None:
     (pkg / "src" / MODULE / "registry.py").write_text(registry)
 
     # the member alone is locked (the members glob) but not a dependency of the root: uv sync would not install it
-    uv = shutil.which("uv")
+    uv = UV
     env = {k: v for k, v in os.environ.items() if not k.startswith("VIRTUAL_ENV")}
     lock = subprocess.run([uv, "lock", "--offline"], cwd=ws, capture_output=True, text=True, timeout=120, env=env)
     assert lock.returncode == 0, lock.stderr
