@@ -8,6 +8,11 @@ One run prints two tables:
   from HEX's layout (no metadata): full-precision tokens at 16 bits; coded tokens at ``b`` bits + the overlay's
   ``16·ρ`` + the value statistics' ``32 / (H·d_h)`` per element; key statistics ``32 / n`` per element. The paper
   reports 25.35 % (HEX-3) and 31.50 % (HEX-4) without a formula (Table 1).
+* **decode_bytes** -- the same stores after a decode: a ``--decode-prompt``-token prefill written through the plan,
+  then ``--decode-tokens`` tokens appended one at a time (append mode: each full block of 96 decoded tokens is
+  compressed as a segment, the rest stays at 16 bits until its block fills). ``nbytes()`` as a fraction of the fp16
+  cache of every token held, and the decoded tokens' own cost (bytes added since the prefill / their fp16 bytes).
+  The paper's 31.50 % (HEX-4) is a prefill figure; this table says what a long generation costs.
 * **masks** -- cold generation time of the Ramanujan-checked expander masks (draw + SVD check), tries and σ₂ against
   the bound, for one block (96) and longer prefill segments.
 
@@ -70,6 +75,32 @@ def bytes_table(lengths: list[int]) -> None:
                 print(
                     f"| {model} | {bits} | {n} | {r['nbytes']} | {100 * r['fraction_of_fp16']:.2f} | "
                     f"{100 * r['payload_fraction_of_fp16']:.2f} | {100 * theoretical(cfg, n, H, D):.2f} |"
+                )
+
+
+def decode_bytes_table(prompt: int, decoded: list[int]) -> None:
+    """Bytes held after a ``prompt``-token prefill and each count of ``decoded`` tokens appended one at a time."""
+    print("| model | bits | prefill | decoded | nbytes | % of fp16 (all held) | decoded tokens' % of their fp16 |")
+    print("|---|---|---|---|---|---|---|")
+    for model, (H, D) in SHAPES.items():
+        for bits in (3, 4):
+            comp = kv_hex.hex(bits)
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(1, H, prompt, D, generator=g).to(torch.float16)
+            plan = comp.selector.select(Scores(torch.rand(1, 1, prompt, generator=g).expand(1, H, prompt)), comp.budget)
+            store = HEXStore(comp.new_store().config)
+            store.write(x, x, plan, torch.arange(prompt)[None])
+            base, done = store.nbytes(), 0
+            for target in decoded:
+                while done < target:
+                    t = torch.randn(1, H, 1, D, generator=g).to(torch.float16)
+                    store.append(t, t, torch.tensor([[prompt + done]]))
+                    done += 1
+                fp16 = 2 * H * D * 2  # K and V, 2 bytes each, per token
+                own = f"{100 * (store.nbytes() - base) / (fp16 * done):.2f}" if done else "–"
+                print(
+                    f"| {model} | {bits} | {prompt} | {done} | {store.nbytes()} | "
+                    f"{100 * store.nbytes() / (fp16 * (prompt + done)):.2f} | {own} |"
                 )
 
 
@@ -166,7 +197,11 @@ def main() -> None:
     p.add_argument("--lengths", default="96,960,1920")
     p.add_argument("--attend-lengths", default="960,3840")
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--tables", default="bytes,masks,attend", help="any of bytes, masks, attend, blocks")
+    p.add_argument(
+        "--tables", default="bytes,decode_bytes,masks,attend", help="any of bytes, decode_bytes, masks, attend, blocks"
+    )
+    p.add_argument("--decode-prompt", type=int, default=960)
+    p.add_argument("--decode-tokens", default="0,96,480,960,1920")
     p.add_argument("--blocks-prompt", type=int, default=2048)
     p.add_argument("--blocks-decoded", default="0,192,480,960,1920")
     a = p.parse_args()
@@ -180,6 +215,9 @@ def main() -> None:
     print(f"load average: {os.getloadavg()}, torch threads: {torch.get_num_threads()}")
     if "bytes" in tables:
         bytes_table(lengths)
+        print()
+    if "decode_bytes" in tables:
+        decode_bytes_table(a.decode_prompt, [int(x) for x in a.decode_tokens.split(",")])
         print()
     if "masks" in tables:
         mask_table(lengths)
