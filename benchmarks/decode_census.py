@@ -66,9 +66,12 @@ from kvbench.cli import _count  # whole-number arguments with a one-line error
 from kvcore import registry, value_checks
 from kvcore.testing.host_reads import HostReads, call_site
 
-# every place that decides "Triton or the PyTorch reference" by the tensor's device (module, function name)
+# every module that calls kvcore.dispatch.use_triton, the one decision "Triton or the PyTorch reference" by the
+# tensor's device, through its own binding of the name (module, name): patching each binding forces every call site
+# (tests/test_dispatch_point.py checks the list against the sources)
 DISPATCH = (
     ("kvcodec.kernels.dispatch", "use_triton"),
+    ("kvcodec.decode_v2", "use_triton"),
     ("kvcodec.attention", "use_triton"),
     ("kv_baselines.quant.kivi_store", "use_triton"),
     ("kv_baselines.quant.kivi_decode", "use_triton"),
@@ -78,7 +81,9 @@ DISPATCH = (
     ("kv_hqekv.importance", "use_triton"),
     ("kv_hqekv.window", "use_triton"),
     ("kv_hex.kernels.dispatch", "use_triton"),
-    ("kv_sekv.kernels.dispatch", "_use_triton"),
+    ("kv_sekv.kernels.dispatch", "use_triton"),
+    ("kv_hubkv.refine", "use_triton"),
+    ("kv_hubkv.refiner", "use_triton"),
 )
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 

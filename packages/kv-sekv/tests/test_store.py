@@ -64,7 +64,7 @@ def test_two_stage_on_the_triton_path_equals_one_softmax(monkeypatch, budget, B,
     q = (torch.randn(B, 2 * group, 1, 16, generator=torch.Generator().manual_seed(seed + 1)) * 3).to(device)
     want = reference_attention(store.read(q), q)
     launched = []  # on a GPU the kernels run compiled; on a CPU they are forced, under the interpreter
-    monkeypatch.setattr(dispatch, "_use_triton", lambda t: launched.append(1) or True)
+    monkeypatch.setattr(dispatch, "use_triton", lambda t: launched.append(1) or True)
     got = store.attend(q)
     assert store.last_step.expanded > 0 and len(launched) == 5  # routing, 2x Stage 1, Stage 2, merge
     torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)

@@ -117,7 +117,7 @@ def test_segmentation_layouts_match_the_reference(n, D, Hkv, bf16, seed):
 
 
 def test_coarse_entries_dispatches_to_the_kernel(monkeypatch):
-    """``coarse_entries`` runs the Triton launcher where ``_use_triton`` says so (CUDA; forced here, the interpreter
+    """``coarse_entries`` runs the Triton launcher where ``use_triton`` says so (CUDA; forced here, the interpreter
     runs it on CPU tensors) and gives the reference's result; with autograd tracking ``x`` it takes the reference
     (the kernel has no backward)."""
     calls = []
@@ -126,7 +126,7 @@ def test_coarse_entries_dispatches_to_the_kernel(monkeypatch):
         calls.append(1)
         return coarse_entries_triton(*args, **kwargs)
 
-    monkeypatch.setattr(summaries_module.dispatch, "_use_triton", lambda t: True)
+    monkeypatch.setattr(summaries_module.dispatch, "use_triton", lambda t: True)
     monkeypatch.setattr(triton_summaries, "coarse_entries_triton", spy)
     span_id, h = _mixed_layout()
     x = torch.randn(1, span_id.numel(), 4, generator=torch.Generator().manual_seed(3)).to(DEVICE)
@@ -163,7 +163,7 @@ def _bad_inputs():
 def test_bad_input_is_refused_naming_the_argument(monkeypatch, triton_path, args, error, message):
     """Wrong ranks, lengths and dtypes raise before dispatch, naming the argument; a span id >= ``n_spans`` is
     refused on both paths (the Triton launcher checks it with its one host read)."""
-    monkeypatch.setattr(summaries_module.dispatch, "_use_triton", lambda t: triton_path)
+    monkeypatch.setattr(summaries_module.dispatch, "use_triton", lambda t: triton_path)
     with pytest.raises(error, match=message):
         coarse_entries(*args)
 

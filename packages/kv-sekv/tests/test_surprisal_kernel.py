@@ -106,7 +106,7 @@ def test_surprisal_from_hidden_dispatches_after_its_checks(monkeypatch):
         calls.append(1)
         return surprisal_triton(*args, **kwargs)
 
-    monkeypatch.setattr(surprisal_mod.dispatch, "_use_triton", lambda t: True)
+    monkeypatch.setattr(surprisal_mod.dispatch, "use_triton", lambda t: True)
     monkeypatch.setattr(triton_surprisal, "surprisal_triton", spy)
     hidden, weight, b, ids = _case(1, 4, 8, 20, seed=4)
     mask = torch.tensor([[0, 1, 1, 1]], device=DEVICE)
@@ -123,7 +123,7 @@ def test_surprisal_from_hidden_dispatches_after_its_checks(monkeypatch):
     ]
     for err, match, args in bad:
         for use in (True, False):
-            monkeypatch.setattr(surprisal_mod.dispatch, "_use_triton", lambda t, use=use: use)
+            monkeypatch.setattr(surprisal_mod.dispatch, "use_triton", lambda t, use=use: use)
             with pytest.raises(err, match=match):
                 surprisal_from_hidden(*args)
     with pytest.raises(ValueError, match="chunk"):

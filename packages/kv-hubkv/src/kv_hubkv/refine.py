@@ -1,16 +1,19 @@
 """``kv_hubkv.refine``: the HubKV score refinement with back-end dispatch (paper §3.3).
 
 Triton on CUDA tensors (when triton is installed), the PyTorch reference everywhere else
-(the reference *is* the CPU path; docs/architecture.md, "Kernels").
+(the reference *is* the CPU path; docs/architecture.md, "Kernels"); the decision is
+:func:`kvcore.dispatch.use_triton`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvcore.dispatch import use_triton
+
 from .config import HubKVConfig
 from .reference import refine_torch_config
-from .triton_kernel import HAS_TRITON, refine_triton_config
+from .triton_kernel import refine_triton_config
 
 __all__ = ["refine", "refine_config"]
 
@@ -25,7 +28,7 @@ def refine_config(
     config = HubKVConfig() if config is None else config
     if not isinstance(config, HubKVConfig):
         raise TypeError(f"config must be a HubKVConfig, got {type(config).__name__}")
-    if HAS_TRITON and isinstance(scores, torch.Tensor) and scores.is_cuda:
+    if isinstance(scores, torch.Tensor) and use_triton(scores):
         return refine_triton_config(scores, ratio, protected, config)
     return refine_torch_config(scores, ratio, protected, config)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from kvcore.dispatch import use_triton
+
 from .config import HubKVConfig
 from .reference import refine_torch_config
 from .triton_kernel import HAS_TRITON, refine_triton_config
@@ -73,7 +75,7 @@ class Refiner:
         """Refined float32 scores of ``scores [..., H, N]`` (see :func:`kv_hubkv.refine`)."""
         if self.cuda_graph:
             return self._replay(scores, ratio, protected)
-        if HAS_TRITON and isinstance(scores, torch.Tensor) and scores.is_cuda:
+        if isinstance(scores, torch.Tensor) and use_triton(scores):
             return refine_triton_config(
                 scores, ratio, protected, self.config, workspace=self.workspace, check=self.check
             )

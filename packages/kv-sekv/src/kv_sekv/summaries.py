@@ -92,7 +92,7 @@ def coarse_entries(x: torch.Tensor, span_id: torch.Tensor, weights: torch.Tensor
         if t.device != x.device:
             raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
     tracked = torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad)
-    if dispatch._use_triton(x) and not tracked:
+    if dispatch.use_triton(x) and not tracked:
         from .kernels.triton_summaries import coarse_entries_triton
 
         return coarse_entries_triton(x, span_id, weights, n_spans)

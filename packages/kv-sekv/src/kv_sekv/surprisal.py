@@ -42,7 +42,7 @@ def surprisal_from_hidden(
         ``[B, T]`` float32 surprisal in nats; the first real token of a row and padding are ``0`` (SEKV makes the
         first token an anchor regardless).
     """
-    if not (isinstance(hidden, torch.Tensor) and dispatch._use_triton(hidden)):  # kvcore's checks and reference
+    if not (isinstance(hidden, torch.Tensor) and dispatch.use_triton(hidden)):  # kvcore's checks and reference
         return token_surprisal(hidden, weight, input_ids, bias, attention_mask, chunk)
     from .kernels.triton_surprisal import surprisal_triton
 

@@ -1,32 +1,19 @@
 """Dispatch: Triton kernels for CUDA tensors, the PyTorch references for everything else.
 
-``import kvcodec`` works without triton: the Triton modules are imported on the first CUDA call, and
-CUDA tensors fall back to the reference when triton is not installed.
+The decision is :func:`kvcore.dispatch.use_triton` (the one dispatch point of kvcompress), re-exported here with
+:func:`~kvcore.dispatch.triton_available`. ``import kvcodec`` works without triton: the Triton modules are imported
+on the first CUDA call, and CUDA tensors fall back to the reference when triton is not installed.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
 from kvcodec.kernels.reference import compact_ref, quantize_pack_ref, unpack_dequantize_ref
 from kvcore.checks import check_tensor
+from kvcore.dispatch import triton_available, use_triton
 
-
-@functools.cache
-def triton_available() -> bool:
-    """Whether ``triton`` can be imported."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def use_triton(t: torch.Tensor) -> bool:
-    """The Triton path is taken for CUDA tensors when triton is installed."""
-    return t.is_cuda and triton_available()
+__all__ = ["compact", "quantize_pack", "triton_available", "unpack_dequantize", "use_triton"]
 
 
 def quantize_pack(

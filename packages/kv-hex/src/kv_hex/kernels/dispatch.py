@@ -1,11 +1,11 @@
-"""One dispatch point for HEX's kernels: the Triton kernel for CUDA tensors when Triton is installed, the PyTorch
-reference otherwise (the reference is the CPU path, not a test-only copy)."""
+"""HEX's kernels dispatched: the Triton kernel for CUDA tensors when Triton is installed, the PyTorch reference
+otherwise (the reference is the CPU path, not a test-only copy). The decision is :func:`kvcore.dispatch.use_triton`,
+bound here so a test can force this module's Triton path (``monkeypatch.setattr(dispatch, "use_triton", ...)``)."""
 
 from __future__ import annotations
 
-import torch
-
 from kv_hex.kernels import reference
+from kvcore.dispatch import triton_available, use_triton
 
 __all__ = [
     "accumulate_attention",
@@ -17,20 +17,6 @@ __all__ = [
     "uniform_attention",
     "use_triton",
 ]
-
-
-def triton_available() -> bool:
-    """Triton is importable."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def use_triton(t: torch.Tensor) -> bool:
-    """Run the Triton kernel for ``t``: a CUDA tensor with Triton installed."""
-    return t.is_cuda and triton_available()
 
 
 def kcvt_codes(x, use, bits, axis):
