@@ -139,6 +139,10 @@ def test_trim_drops_the_most_expensive_cells_first():
     kept, dropped = trim(items, costs, 4, 0, total - 1)
     assert [i.name for i in dropped] == ["b"] and [i.name for i in kept] == ["a", "c"]
     assert trim(items, costs, 4, 0, 0.0)[0] == []
+    done = {id(items[1]): (0.0, False)}  # b finished in an earlier run: it costs nothing and stays
+    assert estimate(items, costs, 4, 0, done) < total
+    assert trim(items, costs, 4, 0, estimate(items, costs, 4, 0, done), done) == (items, [])
+    assert estimate(items, costs, 4, 0, {id(i): (0.0, False) for i in items}) == 0.0
 
 
 def _row(method, budget, bpt, kl, fp16=1000.0):
@@ -194,8 +198,9 @@ def test_a_search_on_a_local_folder_resumes_and_trims(tmp_path, capsys):
     assert meta["cells_reused"] == 0 and (out / "tune.png").stat().st_size > 0
     results = json.loads((out / "tune.json").read_text())["results"]
     assert all(r["decode_tok_s"] for r in results if not r["error"])
-    assert cli.main(argv) == 0  # a second run reuses every cell
-    assert json.loads((out / "tune.json").read_text())["meta"]["cells_reused"] > 0
+    assert cli.main(argv) == 0  # a second run reuses every cell, and knows it has nothing left to do
+    second = json.loads((out / "tune.json").read_text())["meta"]
+    assert second["cells_reused"] > 0 and second["estimate_s"] == 0.0 and second["winner"] == meta["winner"]
     capsys.readouterr()
     assert cli.main([*argv, "--budget-minutes", "0.0001", "--out", str(tmp_path / "o2")]) == 2
     assert "even the cheapest cell does not fit" in capsys.readouterr().err
@@ -206,7 +211,7 @@ def test_budget_minutes_drops_cells_and_says_so(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(ModelSource, "load", lambda self, dtype, device: (tiny_model(), _tokenizer()))
     monkeypatch.setattr(
-        grid, "measure_costs", lambda m, t, r, names, w: Costs(0.01, 0.01, 0.001, {n: 1.0 for n in names})
+        grid, "measure_costs", lambda m, t, r, names, w, progress: Costs(0.01, 0.01, 0.001, {n: 1.0 for n in names})
     )
     text = _text(tmp_path / "t.txt")
     argv = ["tune", "--text", str(text), "--windows", "2", "--context", "40", "--continuation", "4"]

@@ -361,28 +361,9 @@ def run_grid(
     calibration = _Calibration(model, tokenizer, work)
     items = _distinct([_resolve(methods, g, calibration, cache) for g in items])
 
-    codes = {i.name: method_code(methods[i.name]) for i in items}  # once per method: it builds the compressor
-
-    def task_cell(item: GridItem, protocol: str) -> dict:
-        code = codes[item.name]
-        return {"kind": "tasks", "method": item.name, "budget": item.label, "protocol": protocol, "code": code}
-
-    def kl_cell(item: GridItem) -> dict:
-        return {"kind": "kl", "method": item.name, "budget": item.label, "code": codes[item.name]}
-
-    def protocols_of(item: GridItem) -> list[str]:
-        return ["any"] if item.name == "full" else list(protocols)
-
-    todo = 0
-    for item in items:
-        if item.budget is None:
-            continue
-        if work.samples:
-            todo += sum(
-                len(work.samples) - _done(cache, task_cell(item, p), len(work.samples)) for p in protocols_of(item)
-            )
-        if work.kl_pairs:
-            todo += len(work.kl_pairs) - _done(cache, kl_cell(item), len(work.kl_pairs))
+    cells = Cells({i.name: method_code(methods[i.name]) for i in items}, tuple(protocols))  # builds each once
+    task_cell, kl_cell, protocols_of = cells.task, cells.kl, cells.protocols_of
+    todo = sum(cells.left(item, work, cache) for item in items if item.budget is not None)
     bar = tqdm(total=todo, desc="kvbench", unit="unit", disable=not progress)
     runnable = [i for i in items if i.budget is not None]
     if work.kl_pairs:
@@ -412,6 +393,57 @@ def run_grid(
                 row.matched = {"target_bytes_per_token": item.target.value, "calibration": item.calibration}
             rows.append(row)
     return rows
+
+
+@dataclass(frozen=True)
+class Cells:
+    """The keys of a run's cells in a :class:`~kvbench.cells.CellCache`: what :func:`run_grid` stores and finds.
+
+    Parameters
+    ----------
+    codes : dict of str to str
+        :func:`method_code` of every method of the run.
+    protocols : tuple of str
+        The run's protocols (the full cache's task cell is protocol-free: ``"any"``).
+    """
+
+    codes: dict[str, str]
+    protocols: tuple[str, ...] = ("agnostic",)
+
+    def task(self, item: GridItem, protocol: str) -> dict:
+        code = self.codes[item.name]
+        return {"kind": "tasks", "method": item.name, "budget": item.label, "protocol": protocol, "code": code}
+
+    def kl(self, item: GridItem) -> dict:
+        return {"kind": "kl", "method": item.name, "budget": item.label, "code": self.codes[item.name]}
+
+    def match(self, item: GridItem) -> dict:
+        """The cell of a bytes-per-token target's budget search (:func:`kvbench.match.match_budget`)."""
+        return {"kind": "match", "method": item.name, "target": item.target.value, "code": self.codes[item.name]}
+
+    def protocols_of(self, item: GridItem) -> list[str]:
+        return ["any"] if item.name == "full" else list(self.protocols)
+
+    def left(self, item: GridItem, work: Workload, cache) -> int:
+        """Units (task samples per protocol, continuation windows) of ``item`` not computed yet in ``cache``; a
+        bytes target counts as resolved when its budget search is stored (all of its units otherwise), and a target
+        no budget meets as done."""
+        if item.budget is None:
+            found = cache.get(self.match(item))
+            if found is not None and "error" in found:
+                return 0
+            if found is not None:
+                item = GridItem(item.name, Budget(**found["budget"]), item.target)
+        todo = 0
+        if work.samples:
+            n = len(work.samples)
+            todo += sum(
+                n - (0 if item.budget is None else _done(cache, self.task(item, p), n)) for p in self.protocols_of(item)
+            )
+        if work.kl_pairs:
+            n = len(work.kl_pairs)
+            todo += n - (0 if item.budget is None else _done(cache, self.kl(item), n))
+        return todo
 
 
 @dataclass
@@ -645,7 +677,7 @@ def _resolve(methods: dict[str, Method], item: GridItem, calibration: _Calibrati
     if item.budget is not None:
         return item
     target = item.target.value
-    cell = {"kind": "match", "method": item.name, "target": target, "code": method_code(methods[item.name])}
+    cell = Cells({item.name: method_code(methods[item.name])}).match(item)
     found = cache.get(cell)
     if found is None:
         collected = calibration.collected()

@@ -209,6 +209,20 @@ def _fail(exc: Exception | str) -> int:
     return 2
 
 
+def _left(registry, items, work, cache) -> dict[int, tuple[float, bool]]:
+    """:data:`kvbench.tune.grid.Left` of ``items``: the share of each one's units not in ``cache`` yet, and whether its
+    budget search is still to do."""
+    from kvbench.run import Cells, method_code
+
+    cells = Cells({n: method_code(registry[n]) for n in {i.name for i in items}})
+    total = len(work.kl_pairs) + len(work.samples)
+    out = {}
+    for item in items:
+        searched = item.budget is not None or cache.get(cells.match(item)) is not None
+        out[id(item)] = (cells.left(item, work, cache) / total if total else 0.0, not searched)
+    return out
+
+
 def _run(args, argv, registry, names, tasks, source, text) -> int:
     import torch
 
@@ -242,16 +256,22 @@ def _run(args, argv, registry, names, tasks, source, text) -> int:
     samples = make_tasks(tasks, [args.context], [0.5], args.samples, tok, seed=args.seed) if tasks else []
     work = Workload(samples, windows)
 
-    costs = grid.measure_costs(model, tok, registry, names, windows[0])
-    full_s = grid.estimate(items, costs, len(windows), len(samples))
+    context = {"model": source.fingerprint, "dtype": dtype, "device": device, "work": work.fingerprint()}
+    if args.fresh:
+        context["fresh"] = time.time()
+    counter = _Counting(CellCache(args.out / "cells", context))
+    left = _left(registry, items, work, counter.inner)
+    costs = grid.measure_costs(model, tok, registry, names, windows[0], progress=not args.no_progress)
+    n_w, n_s = len(windows), len(samples)
+    full_s = grid.estimate(items, costs, n_w, n_s, left)
     print(
         f"kvbench tune: {len(items)} cells ({len(names)} methods at {len(level_bpt)} byte level(s)), estimated "
-        f"{full_s / 60:.1f} min (cells finished in {args.out}/cells are skipped)",
+        f"{full_s / 60:.1f} min (what {args.out}/cells already holds is not counted)",
         file=sys.stderr,
     )
     dropped: list = []
     if args.budget_minutes is not None and full_s > 60 * args.budget_minutes:
-        items, dropped = grid.trim(items, costs, len(windows), len(samples), 60 * args.budget_minutes)
+        items, dropped = grid.trim(items, costs, n_w, n_s, 60 * args.budget_minutes, left)
         if not items:
             return _fail(
                 f"--budget-minutes {args.budget_minutes:g}: even the cheapest cell does not fit (the search would "
@@ -259,16 +279,12 @@ def _run(args, argv, registry, names, tasks, source, text) -> int:
             )
         print(
             f"kvbench tune: that is longer than --budget-minutes {args.budget_minutes:g}; dropping "
-            f"{len(dropped)} cell(s) ({', '.join(sorted({d.name for d in dropped}))}) to fit about "
-            f"{grid.estimate(items, costs, len(windows), len(samples)) / 60:.1f} min",
+            f"{len(dropped)} cell(s) ({', '.join(f'{d.name} {d.label}' for d in dropped)}) to fit about "
+            f"{grid.estimate(items, costs, n_w, n_s, left) / 60:.1f} min",
             file=sys.stderr,
         )
-    estimate_s = grid.estimate(items, costs, len(windows), len(samples))
+    estimate_s = grid.estimate(items, costs, n_w, n_s, left)
 
-    context = {"model": source.fingerprint, "dtype": dtype, "device": device, "work": work.fingerprint()}
-    if args.fresh:
-        context["fresh"] = time.time()
-    counter = _Counting(CellCache(args.out / "cells", context))
     rows = run_grid(model, tok, registry, items, work, cache=counter, progress=not args.no_progress)
     pair_rows(rows, "full", seed=args.seed)
     if args.max_kl is not None:

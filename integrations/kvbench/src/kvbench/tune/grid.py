@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 
 from kvbench.budgets import BudgetSpec
 from kvbench.match import _GRIDS
@@ -116,7 +117,9 @@ def _middle(method: Method, context_tokens: int) -> Budget:
 
 
 @torch.no_grad()
-def measure_costs(model, tokenizer, registry: dict[str, Method], names: Sequence[str], window) -> Costs:
+def measure_costs(
+    model, tokenizer, registry: dict[str, Method], names: Sequence[str], window, *, progress: bool = True
+) -> Costs:
     """Time one window: the forward pass, the full cache's continuation and one decode step, and each method's
     compression at a middle budget (ratio 0.75, a quarter of the tokens, 4 bits or its fixed budget).
 
@@ -129,6 +132,8 @@ def measure_costs(model, tokenizer, registry: dict[str, Method], names: Sequence
         The candidate methods.
     window : tuple of (list of int, list of int)
         A (context, continuation) pair of the workload.
+    progress : bool
+        A progress bar over the methods.
     """
     from kv_hf.shared import collect_prefill
     from kvbench.run import _continuation, decode_rate
@@ -143,7 +148,9 @@ def measure_costs(model, tokenizer, registry: dict[str, Method], names: Sequence
     full = collected.compress(registry["full"].build())
     step_s = 1.0 / decode_rate(model, full, collected.logits.argmax(-1), steps=2)
     costs = Costs(collected.forward_seconds, continuation_s, step_s)
-    for name in names:
+    bar = tqdm(names, desc="timing one window", unit="method", disable=not progress, leave=False)
+    for name in bar:
+        bar.set_postfix_str(name, refresh=False)
         method = registry[name]
         try:
             comp = method.build(_middle(method, len(ctx)))
@@ -155,35 +162,51 @@ def measure_costs(model, tokenizer, registry: dict[str, Method], names: Sequence
     return costs
 
 
-def item_seconds(item: GridItem, costs: Costs, windows: int, samples: int, answer_tokens: int = 8) -> float:
+Left = dict[int, tuple[float, bool]]
+"""Per grid item (by ``id``): the share of its units still to compute and whether its budget search is still to
+do (:meth:`kvbench.run.Cells.left`); an item missing from it is all to do."""
+
+
+def item_seconds(
+    item: GridItem, costs: Costs, windows: int, samples: int, left: Left | None = None, answer_tokens: int = 8
+) -> float:
     """Estimated seconds of one grid item: its budget search (a bytes target), one compression and continuation
-    per window, the decode-rate steps, and per task sample a compression and a short answer."""
+    per window, the decode-rate steps, and per task sample a compression and a short answer; only what ``left``
+    says is still to do."""
+    share, search = (left or {}).get(id(item), (1.0, item.budget is None))
     c = costs.compress_s.get(item.name) or 0.0
-    search = MATCH_PROBES * c if item.budget is None else 0.0
     per_window = c + costs.continuation_s
     per_sample = c + (answer_tokens + 1) * costs.step_s
-    return search + windows * per_window + DECODE_STEPS * costs.step_s + samples * per_sample
+    run = windows * per_window + DECODE_STEPS * costs.step_s + samples * per_sample
+    return (MATCH_PROBES * c if search else 0.0) + share * run
 
 
-def estimate(items: Sequence[GridItem], costs: Costs, windows: int, samples: int) -> float:
+def estimate(items: Sequence[GridItem], costs: Costs, windows: int, samples: int, left: Left | None = None) -> float:
     """Estimated seconds of a search over ``items``: the shared forward passes (the windows and the task prompts
-    once each, and the full cache's reference) plus :func:`item_seconds` of each item."""
+    once each, and the full cache's reference) while any unit is left, plus :func:`item_seconds` of each item."""
+    per_item = [item_seconds(i, costs, windows, samples, left) for i in items]
+    if not any(per_item):
+        return 0.0
     shared = (windows + samples) * costs.forward_s + windows * costs.continuation_s
     shared += samples * 9 * costs.step_s + DECODE_STEPS * costs.step_s
-    return shared + sum(item_seconds(i, costs, windows, samples) for i in items)
+    return shared + sum(per_item)
 
 
 def trim(
-    items: Sequence[GridItem], costs: Costs, windows: int, samples: int, seconds: float
+    items: Sequence[GridItem], costs: Costs, windows: int, samples: int, seconds: float, left: Left | None = None
 ) -> tuple[list[GridItem], list[GridItem]]:
-    """Drop the most expensive items until the estimate fits ``seconds``; returns ``(kept, dropped)``, each in
-    grid order. Items of methods that refused the middle budget cost nothing to keep (they will not run)."""
+    """Drop the most expensive items still to compute until the estimate fits ``seconds``; returns
+    ``(kept, dropped)``, each in grid order. Finished items cost nothing and are kept."""
     kept = list(items)
     dropped: list[GridItem] = []
-    by_cost = sorted(kept, key=lambda i: item_seconds(i, costs, windows, samples))
-    while kept and estimate(kept, costs, windows, samples) > seconds:
+    by_cost = sorted(kept, key=lambda i: item_seconds(i, costs, windows, samples, left))
+    while kept and estimate(kept, costs, windows, samples, left) > seconds:
         worst = by_cost.pop()
+        if not item_seconds(worst, costs, windows, samples, left):
+            break
         kept.remove(worst)
         dropped.append(worst)
+    if estimate(kept, costs, windows, samples, left) > seconds:
+        kept = []
     order = {id(i): n for n, i in enumerate(items)}
     return kept, sorted(dropped, key=lambda i: order[id(i)])
