@@ -3,13 +3,14 @@
 # Runs from a checkout with the members' src folders on PYTHONPATH (no install needed). Logs go to $OUT (or ./gpu_out).
 #
 #   bash benchmarks/gpu_check.sh                       # every step
-#   bash benchmarks/gpu_check.sh tests,attend,hubkv    # some steps: attend hubkv tests hex hqekv smoke hf sekv sweep quant
+#   bash benchmarks/gpu_check.sh tests,attend,hubkv    # some steps: v2 attend hubkv tests hex hqekv smoke hf sekv sweep quant
+#   bash benchmarks/gpu_check.sh v2                    # issue 43 first: decode attention v2 checked, then timed
 #
 # Each step runs under its own time limit, so one slow or failing step leaves the others' logs.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 source benchmarks/device_env.sh  # the members on PYTHONPATH, their entry points registered
-steps=",${1:-tests,attend,sweep,hubkv,hqekv,hex,smoke,hf,sekv,quant},"
+steps=",${1:-v2,tests,attend,sweep,hubkv,hqekv,hex,smoke,hf,sekv,quant},"
 has() { [[ $steps == *",$1,"* ]]; }
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, log to $OUT/NAME.txt, print its tail
   local name=$1 limit=$2; shift 2
@@ -23,6 +24,12 @@ step() {  # step NAME SECONDS CMD...: run CMD with a time limit, log to $OUT/NAM
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
   python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee "$OUT/env.txt"
+# issue 43 goal 1: decode attention v2 (folded formulation, inline-PTX code conversion) -- its tests compiled on the
+# GPU (the asm path the interpreter cannot run: conversion exact, tolerance contract), then the goal's timing grid
+# (fp16 SDPA, the v1 decode-layout kernel, v2; B 1 and 8, T 16k-64k, 2 and 4 bits)
+has v2 && TAIL=12 step decode_v2_tests 150 python3 -m pytest -p no:cacheprovider -q --tb=short -m "not hypothesis" \
+    core/kvcodec/tests/test_decode_v2.py packages/kv-baselines/tests/quant/test_kivi_decode_v2.py
+has v2 && TAIL=16 step bench_decode_v2 ${V2_LIMIT:-200} python3 benchmarks/bench_decode_v2.py
 has attend && step bench_fused_attend 90 python3 benchmarks/bench_fused_attend.py
 has hubkv && step bench_hubkv 60 python3 benchmarks/bench_hubkv.py --min-run-time 0.1
 if has tests; then

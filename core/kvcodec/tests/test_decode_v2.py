@@ -113,6 +113,16 @@ def test_kernel_within_the_contract_of_attention_over_the_dequantized_cache(seed
     assert rel <= OUT_RTOL / 2 and lse_err <= LSE_ATOL / 2
 
 
+@pytest.mark.parametrize(
+    ("bits", "dtype"), [((2, 2), torch.float16), ((4, 4), torch.bfloat16), ((4, 2), torch.float16)]
+)
+def test_contract_at_fixed_cases(bits, dtype):
+    """The contract at a few fixed shapes (the property test's, without hypothesis: what the GPU run checks)."""
+    cache, gen = make_cache(3, 2, 64, *bits, 16, 16, 3, 5, 16, 2, dtype)
+    q = (torch.randn(2, 4, 64, generator=gen) * 3).to(DEVICE, dtype)
+    check_contract(*kivi_decode_v2_triton(q, cache, 0.2, block_t=16, tiles=2), q, cache, 0.2)
+
+
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_code_conversion_is_exact(bits):
     """Every lane of every byte becomes its code as float16 exactly (1024.0's mantissa OR-ed with the lane's bits in

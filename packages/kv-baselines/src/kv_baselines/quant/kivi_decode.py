@@ -47,6 +47,10 @@ from kvcore.checks import MAX_POSITION, values_checked
 KEY_RESERVE = 8
 """Key residual rows reserved past the rows held."""
 
+FOLDED_DECODE = False
+"""Whether :meth:`DecodeState.attend` takes kvcodec's decode attention v2 (the folded formulation, issue 43) on CUDA
+where it applies: off until its speed is measured on a device; an explicit opt-in (set this, or pass ``folded``)."""
+
 
 def reserve(n: int) -> int:
     """Slots reserved past ``n`` entries when a per-token buffer grows: ``max(16, n // 128)``."""
@@ -360,10 +364,23 @@ class DecodeState:
         self.ring, self.head, self.nv = ring, head, nv + n - out
         self.tk, self.nr, self.tv, self.top = self.tk + f * R, nr, tv + out, top
 
-    def attend(self, query: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(
+        self, query: torch.Tensor, scale: float, folded: bool | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out float32 [S, M, D], lse float32 [S, M, 1])`` of ``query [S, M, D]`` (the ``M`` query rows of each
         KV head): the Triton kernel (:mod:`kv_baselines.quant.kivi_decode_triton`) for CUDA caches of the shapes
-        it takes (power-of-two head dims and value groups), else :func:`decode_attention_ref`."""
+        it takes (power-of-two head dims and value groups), else :func:`decode_attention_ref`.
+
+        ``folded`` (default :data:`FOLDED_DECODE`, off): on CUDA, for the shapes it takes, kvcodec's decode attention
+        v2 instead (:func:`kvcodec.decode_v2.kivi_decode_v2`, the folded formulation: within ``docs/protocols.md``'s
+        tolerance of attention over ``read()``, not bit-exact); elsewhere the paths above."""
+        if (FOLDED_DECODE if folded is None else folded) and use_triton(self.kc):
+            from kvcodec.decode_v2 import PackedKIVI
+            from kvcodec.kernels import triton_decode_v2 as v2
+
+            cache = PackedKIVI.of_state(self)
+            if v2.supported(cache):
+                return v2.kivi_decode_v2_triton(query, cache, scale)
         if use_triton(self.kc):
             from kv_baselines.quant import kivi_decode_triton as kernel
 
