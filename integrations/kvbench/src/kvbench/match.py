@@ -4,7 +4,8 @@ Methods that evict and methods that quantize mean different bytes by "ratio"; co
 actually held* in the fast tier (``CompressedCache.resident_nbytes()``: ``nbytes()`` for every store except one that
 offloads on purpose, such as SEKV's span bases in host memory) is the fair axis. The search runs over the budget
 kinds the method's registry entry takes (average bits first, then ratio, then tokens): a coarse grid of candidates,
-then a bisection between the two candidates that bracket the target. Every candidate is measured, never predicted,
+walked in order until two successive ones bracket the target, then interpolation steps (regula falsi) between them
+until one lands within ``tolerance`` of it. Every candidate is measured, never predicted,
 so scales, zero points, positions and container overheads are counted.
 """
 
@@ -55,6 +56,7 @@ def match_budget(
     *,
     context_tokens: int = 1000,
     steps: int = 6,
+    tolerance: float = 0.005,
 ) -> Match:
     """The budget of ``method`` whose measured bytes per token are closest to ``target``.
 
@@ -70,7 +72,9 @@ def match_budget(
     context_tokens : int
         Length of the calibration prompt (bounds the token-budget search).
     steps : int
-        Bisection steps after the grid.
+        Interpolation steps after the grid, at most.
+    tolerance : float
+        Relative distance from the target at which the search stops.
 
     Raises
     ------
@@ -95,23 +99,33 @@ def match_budget(
                 return None
         return seen[value]
 
-    for v in grid:
-        probe(v)
+    last: float | None = None
+    for v in grid:  # in order, until two successive measured candidates bracket the target
+        b = probe(v)
+        if b is None:
+            continue
+        if b == target or (last is not None and min(last, b) <= target <= max(last, b)):
+            break
+        last = b
     if not seen:
         raise ValueError(f"method {method.name!r} refused every {kind} budget tried: {errors[:3]}")
     pts = sorted(seen.items())
     for (v0, b0), (v1, b1) in pairwise(pts):
         if min(b0, b1) <= target <= max(b0, b1) and b0 != b1:
-            lo, hi, blo = v0, v1, b0
+            lo, hi, blo, bhi = v0, v1, b0, b1
             for _ in range(steps):
-                mid = (lo + hi) / 2 if kind != "tokens" else round((lo + hi) / 2)
+                # regula falsi: held bytes are close to linear in the budget, so the interpolant lands near
+                # the target; kept strictly inside the bracket (a bisection step when it would not move)
+                mid = lo + (hi - lo) * (target - blo) / (bhi - blo)
+                mid = min(max(mid, lo + (hi - lo) * 0.05), hi - (hi - lo) * 0.05)
+                mid = round(mid) if kind == "tokens" else mid
                 bm = probe(mid)
-                if bm is None or mid in (lo, hi):
+                if bm is None or mid in (lo, hi) or abs(bm - target) <= tolerance * target:
                     break
                 if (bm - target) * (blo - target) > 0:
                     lo, blo = mid, bm
                 else:
-                    hi = mid
+                    hi, bhi = mid, bm
             break
     value, held = min(seen.items(), key=lambda kv: abs(kv[1] - target))
     return Match(_make(kind, value), held, float(target), len(seen) + len(errors))
