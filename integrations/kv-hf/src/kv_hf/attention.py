@@ -13,10 +13,11 @@ change its behaviour elsewhere. Flash-attention and flex kernels cannot take an 
 refused (:func:`enable_attention`).
 
 How a step flows: ``CompressedLayer.update`` returns ``[stored view | pending raw | new]`` key/value tensors and
-tags the key tensor with a :class:`~kv_hf.step.Step`; the function below builds the mask (stored and pending
-columns from the layer's bias, the new columns from the last ``q`` columns of the mask transformers built), runs
-the kernel and calls ``Step.layer.commit`` (then the cache's ``Step.on_commit`` hook, which compresses a finished
-prefill or re-compresses).
+hands its :class:`~kv_hf.step.Step` over explicitly (:func:`kv_hf.step.hand_off`; nothing is set on the tensor);
+the function below takes it with the key tensor it received (:func:`kv_hf.step.take_step`), builds the mask
+(stored and pending columns from the layer's bias, the new columns from the last ``q`` columns of the mask
+transformers built), runs the kernel and calls ``Step.layer.commit`` (then the cache's ``Step.on_commit`` hook,
+carried from the layer's ``on_commit``, which compresses a finished prefill or re-compresses).
 
 Stores that declare ``can_attend`` are not read back at all: the layer returns only the step's new K/V, and the
 function attends to the Store with its fused ``attend(query, scale) -> (out, lse)``, to ``[pending | new]`` with an
@@ -40,7 +41,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
 from kv_hf.implementations import KV_HF_EAGER, KV_HF_IMPLEMENTATIONS, KV_HF_SDPA
-from kv_hf.step import STEP_ATTR, Step
+from kv_hf.step import Step, take_step
 from kv_hf.step_memo import STEP
 from kvcore import merge_attention
 
@@ -244,10 +245,9 @@ def _valid_new(new: torch.Tensor | None, B: int, q: int) -> torch.Tensor | None:
 # -- the registered functions ------------------------------------------------------------------------------
 def _make(base: Callable[..., Any], eager: bool) -> Callable[..., Any]:
     def attention(module, query, key, value, attention_mask, **kwargs):
-        step = getattr(key, STEP_ATTR, None)
+        step = take_step(key)  # handed over by the kv_hf cache layer whose update returned `key`
         if step is None:
             return base(module, query, key, value, attention_mask, **kwargs)
-        delattr(key, STEP_ATTR)  # the tag would otherwise keep a reference cycle with the prefill keys
         layer = step.layer
         if layer._step is not step:
             raise RuntimeError("stale kv_hf step: the key tensor was not produced by the current cache update")

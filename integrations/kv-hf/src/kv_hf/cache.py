@@ -15,7 +15,7 @@ from kv_hf.attention import enable_attention
 from kv_hf.implementations import KV_HF_IMPLEMENTATIONS
 from kv_hf.layer import CompressedLayer
 from kv_hf.options import CacheOptions
-from kv_hf.step import COLLECT, SCRATCH, STEP_ATTR, STORE
+from kv_hf.step import COLLECT, SCRATCH, STORE
 from kv_hf.support import check_compressor, check_model, layer_kinds, resolve_query_window
 from kv_hf.window import WindowLayer
 from kvcore import Compressor
@@ -84,6 +84,8 @@ class CompressedCache(Cache):
         ]
         super().__init__(layers=layers)
         self.compressed: list[CompressedLayer] = [layer for layer in layers if isinstance(layer, CompressedLayer)]
+        for layer in self.compressed:
+            layer.on_commit = self._committed  # each step of the layer carries it to the attention function
         self.windows: list[WindowLayer] = [layer for layer in layers if isinstance(layer, WindowLayer)]
 
     @contextlib.contextmanager
@@ -114,14 +116,11 @@ class CompressedCache(Cache):
             )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
-        """transformers' hook: the layer returns what attention sees; the step it hands to the kv_hf attention
-        function calls back :meth:`_committed` once the new tokens are kept."""
+        """transformers' hook: the layer returns what attention sees and hands its step to the kv_hf attention
+        function (:func:`kv_hf.step.hand_off`); the step calls back :meth:`_committed` (the layer's ``on_commit``)
+        once the new tokens are kept."""
         self.check_attention()
-        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        step = getattr(keys, STEP_ATTR, None)
-        if step is not None:
-            step.on_commit = self._committed
-        return keys, values
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _committed(self, layer: CompressedLayer) -> None:
         """A layer kept its step: compress a finished prefill (per layer now; a global budget once the last layer

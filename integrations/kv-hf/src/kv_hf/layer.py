@@ -38,7 +38,7 @@ from transformers.cache_utils import CacheLayerMixin
 from kv_hf.entries import Pending
 from kv_hf.options import CacheOptions
 from kv_hf.providers import missing_message
-from kv_hf.step import COLLECT, SCRATCH, STEP_ATTR, STORE, Step
+from kv_hf.step import COLLECT, SCRATCH, STORE, Step, drop_handoff, hand_off
 from kv_hf.step_memo import STEP
 from kv_hf.support import DEFAULT_QUERY_WINDOW
 from kvcore import Compressor, ScoringContext, Store, attends, retier_store, storage_bytes
@@ -95,6 +95,9 @@ class CompressedLayer(CacheLayerMixin):
         self.store = compressor.new_store() if store is None else store
         self.fused = attends(self.store)  # decode through Store.attend (kvcore.AttendingStore); refuses a bad one
         self.observer: Callable[[CompressedLayer, torch.Tensor, torch.Tensor, float], None] | None = None
+        # what the attention function calls after it committed a step of this layer (set by the cache: compress a
+        # finished prefill, re-compress when due); carried by each Step
+        self.on_commit: Callable[[CompressedLayer], None] | None = None
         self.recompressions = 0
         # queries committed after compression serve re-compression (and a later merged prefill) only: captured
         # when a scorer of the compressor or re-compressor declares ``needs_queries``
@@ -128,6 +131,7 @@ class CompressedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         """Return ``[stored view | pending | new]`` keys/values; the attention function commits the new ones."""
         if self._step is not None:
+            drop_handoff(self._step)
             self._step = None
             raise RuntimeError(
                 f"layer {self.layer_idx}: the kv_hf attention function did not run for the previous update; "
@@ -141,23 +145,23 @@ class CompressedLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: batch size {B} does not match the cached batch size {self._batch}"
             )
         self._batch = B
-        step = Step(self, key_states, value_states)
+        step = Step(self, key_states, value_states, on_commit=self.on_commit)
         self._step = step
         held = self.held()
         if held and self.fused:
             step.fused = True
-            setattr(key_states, STEP_ATTR, step)
+            hand_off(key_states, step)
             return key_states, value_states
         if held and self.store.query_dependent:
             step.deferred = True
-            setattr(key_states, STEP_ATTR, step)
+            hand_off(key_states, step)
             return key_states, value_states
         if held and self.plain_decode(key_states):
             step.appended = True  # no [view | new] concatenation: the attention function appends, then reads
-            setattr(key_states, STEP_ATTR, step)
+            hand_off(key_states, step)
             return key_states, value_states
         keys, values = self.assemble(step, None)
-        setattr(keys, STEP_ATTR, step)
+        hand_off(keys, step)
         return keys, values
 
     def plain_decode(self, key_states: torch.Tensor) -> bool:
