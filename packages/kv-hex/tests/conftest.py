@@ -4,20 +4,6 @@
 kernels run on CPU tensors through the interpreter; on a CUDA machine the kernels run compiled.
 """
 
-import os
+from kvcore.testing.kernel_tests import interpret_triton_without_cuda, single_torch_thread  # noqa: F401
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest
-
-
-@pytest.fixture(autouse=True)
-def _single_torch_thread():
-    """Tiny tensors: intra-op threads only add latency on a small CI box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+interpret_triton_without_cuda()

@@ -5,20 +5,6 @@ run on CPU tensors through the interpreter and are compared with their PyTorch r
 variable is left alone and the kernels run compiled.
 """
 
-import os
+from kvcore.testing.kernel_tests import interpret_triton_without_cuda, single_torch_thread  # noqa: F401
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest
-
-
-@pytest.fixture(autouse=True)
-def _single_torch_thread():
-    """Tiny tensors: intra-op threads only add wake-up latency on a small CPU box; restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+interpret_triton_without_cuda()

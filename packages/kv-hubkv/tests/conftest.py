@@ -7,22 +7,6 @@ imported triton earlier in the session without it, the kernel tests skip and say
 machine the variable is left alone and the kernel tests run compiled on the GPU.
 """
 
-import os
+from kvcore.testing.kernel_tests import interpret_triton_without_cuda, single_torch_thread  # noqa: F401
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-import pytest
-
-
-@pytest.fixture(autouse=True)
-def _single_torch_thread():
-    """Tiny tensors: intra-op threads only add OpenMP wake-up latency (10-80 ms per op on the
-    2-core CI box). Scoped to this package's tests and restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+interpret_triton_without_cuda()
