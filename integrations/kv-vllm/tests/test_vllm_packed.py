@@ -17,6 +17,7 @@ from kv_vllm.packed import (
     OpenBlocks,
     PackedKVConfig,
     PageFormat,
+    check_layer,
     pack_complete,
     page_bytes_view,
     paged_attention,
@@ -78,6 +79,25 @@ def test_bad_settings_are_refused_in_one_line(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match) as err:
         PageFormat(**args)
+    assert "\n" not in str(err.value) and str(err.value).startswith("kvcompress packed KV")
+
+
+@pytest.mark.parametrize(
+    ("layer", "match"),
+    [
+        (("MLAAttentionSpec", None, "NONE", 576, 576), "MLA layers"),
+        (("SlidingWindowSpec", 4096, "NONE", 128, 128), "sliding-window"),
+        (("FullAttentionSpec", 4096, "NONE", 128, 128), "sliding-window"),
+        (("ChunkedLocalAttentionSpec", None, "NONE", 128, 128), "chunked-local"),
+        (("CrossAttentionSpec", None, "NONE", 128, 128), "only FullAttentionSpec"),
+        (("FullAttentionSpec", None, "FP8_PER_TENSOR", 128, 128), "quantized KV cache"),
+        (("FullAttentionSpec", None, "NONE", 192, 128), "key/value head sizes"),
+    ],
+)
+def test_unsupported_layers_are_refused_in_one_line(layer, match):
+    check_layer("FullAttentionSpec", None, "NONE", 128, 128)  # the supported layer
+    with pytest.raises(ValueError, match=match) as err:
+        check_layer(*layer)
     assert "\n" not in str(err.value) and str(err.value).startswith("kvcompress packed KV")
 
 

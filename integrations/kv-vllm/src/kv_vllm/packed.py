@@ -87,6 +87,26 @@ class PackedKVConfig:
         return cls(bits=bits, group_size=group)
 
 
+def check_layer(kind: str, sliding_window: int | None, kv_quant: str, head_size: int, head_size_v: int) -> None:
+    """Refuse (ValueError, one line) a layer the packed pages cannot hold: ``kind`` is vLLM's spec class name
+    (only ``FullAttentionSpec``), ``kv_quant`` its ``kv_quant_mode`` name (only ``NONE``)."""
+    prefix = f"kvcompress packed KV ({ENV_BITS}):"
+    if "MLA" in kind:
+        raise ValueError(f"{prefix} MLA layers ({kind}) are not supported; only full-attention MHA/GQA decoder layers")
+    if sliding_window is not None or "SlidingWindow" in kind or "Chunked" in kind:
+        raise ValueError(
+            f"{prefix} sliding-window / chunked-local layers ({kind}) are not supported; only full attention"
+        )
+    if kind != "FullAttentionSpec":
+        raise ValueError(f"{prefix} {kind} layers are not supported; only FullAttentionSpec decoder layers")
+    if kv_quant != "NONE":
+        raise ValueError(
+            f"{prefix} a quantized KV cache ({kv_quant}) cannot be packed again; use --kv-cache-dtype auto"
+        )
+    if head_size_v != head_size:
+        raise ValueError(f"{prefix} different key/value head sizes ({head_size}/{head_size_v}) are not supported")
+
+
 def _nbytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 

@@ -38,6 +38,7 @@ from .packed import (
     OpenBlocks,
     PackedKVConfig,
     PageFormat,
+    check_layer,
     pack_complete,
     page_bytes_view,
     paged_attention,
@@ -57,18 +58,14 @@ def refuse(message: str) -> None:
 
 
 def _check_spec(spec: AttentionSpec) -> None:
-    kind = type(spec).__name__
-    if "MLA" in kind:
-        refuse(f"MLA layers ({kind}) are not supported; only full-attention decoder layers (MHA/GQA)")
-    if getattr(spec, "sliding_window", None) is not None or "SlidingWindow" in kind or "Chunked" in kind:
-        refuse(f"sliding-window / chunked-local layers ({kind}) are not supported; only full attention")
-    if kind not in ("FullAttentionSpec",):
-        refuse(f"{kind} layers are not supported; only FullAttentionSpec decoder layers")
     mode = getattr(spec, "kv_quant_mode", None)
-    if mode is not None and getattr(mode, "name", "NONE") != "NONE":
-        refuse(f"quantized KV cache ({mode.name}) cannot be packed again; use --kv-cache-dtype auto")
-    if spec.head_size_v != spec.head_size:
-        refuse(f"different key/value head sizes ({spec.head_size}/{spec.head_size_v}) are not supported")
+    check_layer(
+        type(spec).__name__,
+        getattr(spec, "sliding_window", None),
+        getattr(mode, "name", "NONE") if mode is not None else "NONE",
+        spec.head_size,
+        spec.head_size_v,
+    )
 
 
 def page_format(spec: AttentionSpec, config: PackedKVConfig | None = None) -> PageFormat:
