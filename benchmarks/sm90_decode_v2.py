@@ -64,7 +64,7 @@ def main() -> None:
         variants = [("v1 decode layout (aligned path)", 8, 32, lambda: decode_attention_triton(
             store._dec, q, 0.1, tensor_cores=True))]  # fmt: skip
         for warps in (4, 8):
-            for bt in (32, 16):
+            for bt in (32,):
                 for split in (True, False):
                     name = "v2 folded" + ("" if split else ", one-part q'")
                     variants.append((name, warps, bt, lambda w=warps, b=bt, s=split: kivi_decode_v2_triton(

@@ -92,6 +92,40 @@ def code_halves(byte, BITS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def code_rows(byte, BITS: tl.constexpr, ASM: tl.constexpr):
+    """float16 ``[P * L, N]`` codes of token-inner bytes ``uint8 [P, N]``: the lanes of :func:`code_halves` joined into
+    one operand, row ``d' = p * L + i`` holding channel :func:`lane_channel` ``(d')`` (lane ``bitrev(i)``: the order
+    the joins leave them in, kept as it is -- the products take any channel order the query and the outputs share)."""
+    h = code_halves(byte, BITS, ASM)
+    P: tl.constexpr = byte.shape[0]
+    N: tl.constexpr = byte.shape[1]
+    if BITS == 8:
+        return h[0]
+    elif BITS == 4:
+        return tl.reshape(tl.permute(tl.join(h[0], h[1]), (0, 2, 1)), (P * 2, N))
+    elif BITS == 2:
+        x = tl.join(tl.join(h[0], h[1]), tl.join(h[2], h[3]))
+        return tl.reshape(tl.permute(x, (0, 2, 3, 1)), (P * 4, N))
+    else:
+        x = tl.join(
+            tl.join(tl.join(h[0], h[1]), tl.join(h[2], h[3])), tl.join(tl.join(h[4], h[5]), tl.join(h[6], h[7]))
+        )
+        return tl.reshape(tl.permute(x, (0, 2, 3, 4, 1)), (P * 8, N))
+
+
+@triton.jit
+def lane_channel(dp, BITS: tl.constexpr):
+    """The channel of row ``dp`` of :func:`code_rows`: ``(dp // L) * L + bitrev_L(dp % L)``."""
+    L: tl.constexpr = 8 // BITS
+    i = dp % L
+    if L == 4:
+        i = ((i & 1) << 1) | (i >> 1)
+    elif L == 8:
+        i = ((i & 1) << 2) | (i & 2) | (i >> 2)
+    return dp - dp % L + i
+
+
+@triton.jit
 def _hdot(a, b, HALF: tl.constexpr):
     """``a · b`` in float32 of float16 operands: the matrix units (``HALF``) or IEEE float32 of the same values."""
     if HALF:
@@ -101,64 +135,71 @@ def _hdot(a, b, HALF: tl.constexpr):
 
 
 @triton.jit
+def _rows(x, CR: tl.constexpr):
+    """``x [MB, ...]`` repeated ``CR`` times along a new leading axis and flattened into it: ``[CR * MB, ...]`` (row
+    ``c * MB + m`` is ``x[m]``), the query rows' values spread over the channel groups' copies, not recomputed."""
+    if len(x.shape) == 1:
+        return tl.reshape(tl.broadcast_to(x[None, :], (CR, x.shape[0])), (CR * x.shape[0],))
+    else:
+        return tl.reshape(tl.broadcast_to(x[None, :, :], (CR, x.shape[0], x.shape[1])), (CR * x.shape[0], x.shape[1]))
+
+
+@triton.jit
 def _key_logits(
-    qk, kc_ptr, ks_ptr, kz_ptr, base_c, base_p, kp, t, g, live, s_kcp, s_kpc, scale,
-    ROWS: tl.constexpr, BLOCK_T: tl.constexpr, KBITS: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr,
+    qk, kc_ptr, ks_ptr, kz_ptr, base_c, base_p, kp, ch, t, g, live, s_kcp, s_kpc, scale,
+    CR: tl.constexpr, BLOCK_T: tl.constexpr, KBITS: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr,
     KSPLIT: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
-    """float32 ``[ROWS, BLOCK_T]`` scaled logits of entries ``t`` (one key group ``g``) from their raw codes: per lane
-    ``j``, ``round16(q ⊙ s_g · scale) · code`` (two float16 parts where ``KSPLIT``) plus the bias ``q · z_g · scale``.
-    ``MASKED``: only the entries where ``live [BLOCK_T]`` are read (the others' logits are garbage; callers select)."""
-    KL: tl.constexpr = 8 // KBITS
+    """float32 ``[CR * MB, BLOCK_T]`` scaled logits of entries ``t`` (one key group ``g``) from their raw codes:
+    ``round16(q ⊙ s_g · scale) · code`` (two float16 parts where ``KSPLIT``) plus the bias ``q · z_g · scale``; ``qk``
+    the query ``[MB, D]`` over channels ``ch`` (:func:`lane_channel`), ``kp`` the code bytes. ``MASKED``: only the
+    entries where ``live [BLOCK_T]`` are read (the others' logits are garbage; callers select)."""
     ptrs = kc_ptr + base_c + kp[:, None] * s_kcp + t[None, :]
     byte = tl.load(ptrs, mask=live[None, :], other=0) if MASKED else tl.load(ptrs)
-    kh = code_halves(byte, KBITS, ASM)
-    pmask = (kp * 0 + tl.sum(live.to(tl.int32), 0)) > 0  # a tile without a quantized key reads no parameter
-    logits = tl.zeros([ROWS, BLOCK_T], tl.float32)
-    bias = tl.zeros([ROWS], tl.float32)
-    for j in tl.static_range(KL):
-        par = base_p + (kp * KL + j) * s_kpc + g
-        if MASKED:
-            sc = tl.load(ks_ptr + par, mask=pmask, other=0.0).to(tl.float32) * scale
-            zr = tl.load(kz_ptr + par, mask=pmask, other=0.0).to(tl.float32) * scale
-        else:
-            sc = tl.load(ks_ptr + par).to(tl.float32) * scale
-            zr = tl.load(kz_ptr + par).to(tl.float32) * scale
-        qf = qk[j] * sc[None, :]
-        qh = qf.to(tl.float16)
-        bias += tl.sum(qk[j] * zr[None, :], 1)
-        logits += _hdot(qh, kh[j], HALF)
-        if KSPLIT:  # q' as two float16 parts (~2^-22 of it): float16's own 2^-11 moves lse by ~1e-3
-            logits += _hdot((qf - qh.to(tl.float32)).to(tl.float16), kh[j], HALF)
-    return logits + bias[:, None]
+    kh = code_rows(byte, KBITS, ASM)
+    par = base_p + ch * s_kpc + g
+    if MASKED:
+        pmask = (ch * 0 + tl.sum(live.to(tl.int32), 0)) > 0  # a tile without a quantized key reads no parameter
+        sc = tl.load(ks_ptr + par, mask=pmask, other=0.0).to(tl.float32) * scale
+        zr = tl.load(kz_ptr + par, mask=pmask, other=0.0).to(tl.float32) * scale
+    else:
+        sc = tl.load(ks_ptr + par).to(tl.float32) * scale
+        zr = tl.load(kz_ptr + par).to(tl.float32) * scale
+    # the fold runs once per query row ([MB, D]) and is then spread over the ROWS = CR * MB matrix rows
+    qf = qk * sc[None, :]
+    qh = qf.to(tl.float16)
+    logits = _hdot(_rows(qh, CR), kh, HALF)
+    if KSPLIT:  # q' as two float16 parts (~2^-22 of it): float16's own 2^-11 moves lse by ~1e-3
+        logits += _hdot(_rows((qf - qh.to(tl.float32)).to(tl.float16), CR), kh, HALF)
+    return logits + _rows(tl.sum(qk * zr[None, :], 1), CR)[:, None]
 
 
 @triton.jit
 def _value_step(
-    acc, zs, alpha, p, vc_ptr, vs_ptr, vz_ptr, base_c, base_p, vp, crow, t, live, s_vcp, s_vpc,
-    C: tl.constexpr, VBITS: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr,
+    acc, zs, alpha, p, vc_ptr, vs_ptr, vz_ptr, base_c, base_p, vp, t, live, s_vcp, s_vpc,
+    C: tl.constexpr, CR: tl.constexpr, MB: tl.constexpr, VBITS: tl.constexpr, HALF: tl.constexpr,
+    ASM: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
-    """The accumulators ``acc`` (per lane, ``[ROWS, VP]``) and ``zs [ROWS]`` rescaled by ``alpha`` and advanced by the
-    quantized values of entries ``t`` (where ``live`` if ``MASKED``) under probabilities ``p [ROWS, BLOCK_T]``: row
-    ``(c, m)`` adds ``round16(p ⊙ s_c) · code`` (every channel; the epilogue keeps group ``c``'s) and ``p · z_c``."""
-    VL: tl.constexpr = 8 // VBITS
-    par = base_p + crow[:, None] * s_vpc + t[None, :]
+    """The accumulators ``acc [ROWS, D]`` (channels in :func:`code_rows` order) and ``zs [ROWS]`` rescaled by ``alpha``
+    and advanced by the quantized values of entries ``t`` (where ``live`` if ``MASKED``) under probabilities ``p
+    [ROWS, BLOCK_T]``: row ``(c, m)`` adds ``round16(p ⊙ s_c) · code`` (every channel; the epilogue keeps group
+    ``c``'s) and ``p · z_c``."""
+    cg = tl.arange(0, CR)  # channel group of each copy of the query rows (CR >= C; the copies past C read nothing)
+    par = base_p + cg[:, None] * s_vpc + t[None, :]
     ptrs = vc_ptr + base_c + vp[:, None] * s_vcp + t[None, :]
     if MASKED:
-        ok = (crow < C)[:, None] & live[None, :]
+        ok = (cg < C)[:, None] & live[None, :]
         byte = tl.load(ptrs, mask=live[None, :], other=0)
     else:
-        ok = (crow < C)[:, None]
+        ok = (cg < C)[:, None]
         byte = tl.load(ptrs)
-    vsr = tl.load(vs_ptr + par, mask=ok, other=0.0).to(tl.float32)
+    vsr = tl.load(vs_ptr + par, mask=ok, other=0.0).to(tl.float32)  # [CR, BLOCK_T], spread over the MB query rows
     vzr = tl.load(vz_ptr + par, mask=ok, other=0.0).to(tl.float32)
+    vsr = tl.reshape(tl.broadcast_to(vsr[:, None, :], (CR, MB, vsr.shape[1])), (CR * MB, vsr.shape[1]))
+    vzr = tl.reshape(tl.broadcast_to(vzr[:, None, :], (CR, MB, vzr.shape[1])), (CR * MB, vzr.shape[1]))
     ph = (p * vsr).to(tl.float16)
     zs = zs * alpha + tl.sum(p * vzr, 1)
-    vh = code_halves(byte, VBITS, ASM)
-    new = ()
-    for j in tl.static_range(VL):
-        new = new + (acc[j] * alpha[:, None] + _hdot(ph, tl.trans(vh[j]), HALF),)
-    return new, zs
+    return acc * alpha[:, None] + _hdot(ph, tl.trans(code_rows(byte, VBITS, ASM)), HALF), zs
 
 
 _RUNTIME = ["tk", "nr", "tv", "nv", "head", "s_kcs", "s_kcp", "s_kps", "s_kpc", "s_vcs", "s_vcp", "s_vps", "s_vpc"]
@@ -188,15 +229,16 @@ def _decode_v2_kernel(
     qok = mrow < M
     kp = tl.arange(0, KP)
     vp = tl.arange(0, VP)
+    dd = tl.arange(0, D)
+    kch = lane_channel(dd, KBITS)  # the channel of each row of the key operand (code_rows order)
+    vch = lane_channel(dd, VBITS)
     tt = tl.arange(0, BLOCK_T)
-    # the query by key lane: channels kp * KL + j, float32 [ROWS, KP] (the softmax scale goes with the parameters)
-    qk = ()
-    for j in tl.static_range(KL):
-        x = tl.load(q_ptr + (s64 * M + mrow)[:, None] * D + (kp * KL + j)[None, :], mask=qok[:, None], other=0.0)
-        qk = qk + (x.to(tl.float32),)
-    acc = ()
-    for _ in tl.static_range(VL):
-        acc = acc + (tl.zeros([ROWS, VP], tl.float32),)
+    # the query [ROWS, D] over the key operand's channels, float32 (the softmax scale goes with the parameters)
+    CR: tl.constexpr = ROWS // MB
+    mq = tl.arange(0, MB)
+    qk = tl.load(q_ptr + (s64 * M + mq)[:, None] * D + kch[None, :], mask=(mq < M)[:, None], other=0.0)
+    qk = qk.to(tl.float32)
+    acc = tl.zeros([ROWS, D], tl.float32)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     zs = tl.zeros([ROWS], tl.float32)  # Σ p z_c: the value zeros, one correction per row (c, m)
@@ -212,46 +254,36 @@ def _decode_v2_kernel(
         t = t0 + tt
         g = t0 // G
         if t0 + BLOCK_T <= qend:  # every entry quantized on both sides: the folded path, no mask
-            logits = _key_logits(qk, kc_ptr, ks_ptr, kz_ptr, base_kc, base_kp, kp, t, g, tt >= 0, s_kcp, s_kpc,
-                                 scale, ROWS, BLOCK_T, KBITS, HALF, ASM, KSPLIT, False)  # fmt: skip
+            logits = _key_logits(qk, kc_ptr, ks_ptr, kz_ptr, base_kc, base_kp, kp, kch, t, g, tt >= 0, s_kcp, s_kpc,
+                                 scale, CR, BLOCK_T, KBITS, HALF, ASM, KSPLIT, False)  # fmt: skip
             m_new, l_i, alpha, p = _weights(m_i, l_i, logits)
-            acc, zs = _value_step(acc, zs, alpha, p, vc_ptr, vs_ptr, vz_ptr, base_vc, base_vp, vp, crow, t, tt >= 0,
-                                  s_vcp, s_vpc, C, VBITS, HALF, ASM, False)  # fmt: skip
+            acc, zs = _value_step(acc, zs, alpha, p, vc_ptr, vs_ptr, vz_ptr, base_vc, base_vp, vp, t, tt >= 0,
+                                  s_vcp, s_vpc, C, CR, MB, VBITS, HALF, ASM, False)  # fmt: skip
             m_i = m_new
         else:  # next to the residual: the same folded products, masked, and the full-precision rows
             tmask = t < T
             kq = tmask & (t < tk)
             kres = tmask & (t >= tk)
-            logits = _key_logits(qk, kc_ptr, ks_ptr, kz_ptr, base_kc, base_kp, kp, t, g, kq, s_kcp, s_kpc,
-                                 scale, ROWS, BLOCK_T, KBITS, HALF, ASM, KSPLIT, True)  # fmt: skip
+            logits = _key_logits(qk, kc_ptr, ks_ptr, kz_ptr, base_kc, base_kp, kp, kch, t, g, kq, s_kcp, s_kpc,
+                                 scale, CR, BLOCK_T, KBITS, HALF, ASM, KSPLIT, True)  # fmt: skip
             rr = tl.maximum(t - tk, 0)
-            lres = tl.zeros([ROWS, BLOCK_T], tl.float32)
-            for j in tl.static_range(KL):
-                d = kp * KL + j
-                kt = tl.load(kr_ptr + s64 * s_krs + rr[None, :] * D + d[:, None], mask=kres[None, :], other=0.0)
-                lres += qk_dot(as_dot(qk[j], DOT), tl.trans(kt.to(tl.float32)), DOT)
+            kt = tl.load(kr_ptr + s64 * s_krs + rr[None, :] * D + kch[:, None], mask=kres[None, :], other=0.0)
+            lres = qk_dot(as_dot(_rows(qk, CR), DOT), tl.trans(kt.to(tl.float32)), DOT)
             logits = tl.where(kq[None, :], logits, tl.where(kres[None, :], lres * scale, float("-inf")))
             m_new, l_i, alpha, p = _weights(m_i, l_i, logits)
             vq = tmask & (t < tv)
             vres = tmask & (t >= tv)
-            acc, zs = _value_step(acc, zs, alpha, p, vc_ptr, vs_ptr, vz_ptr, base_vc, base_vp, vp, crow, t, vq,
-                                  s_vcp, s_vpc, C, VBITS, HALF, ASM, True)  # fmt: skip
+            acc, zs = _value_step(acc, zs, alpha, p, vc_ptr, vs_ptr, vz_ptr, base_vc, base_vp, vp, t, vq,
+                                  s_vcp, s_vpc, C, CR, MB, VBITS, HALF, ASM, True)  # fmt: skip
             slot = (tl.maximum(t - tv, 0) + head) % ring
-            pr = tl.where(vres[None, :], p, 0.0)
-            new = ()
-            for j in tl.static_range(VL):
-                d = vp * VL + j
-                vt = tl.load(ring_ptr + s64 * s_rgs + slot[None, :] * D + d[:, None], mask=vres[None, :], other=0.0)
-                new = new + (acc[j] + pv_dot(pr, tl.trans(vt.to(tl.float32)), DOT),)
-            acc = new
+            vt = tl.load(ring_ptr + s64 * s_rgs + slot[None, :] * D + vch[:, None], mask=vres[None, :], other=0.0)
+            acc += pv_dot(tl.where(vres[None, :], p, 0.0), tl.trans(vt.to(tl.float32)), DOT)
             m_i = m_new
     seen = l_i > 0
     inv = 1.0 / tl.where(seen, l_i, 1.0)
     row = (s64 * tl.num_programs(1) + sp) * M + mrow
-    for j in tl.static_range(VL):
-        d = vp * VL + j
-        keep = qok[:, None] & (crow[:, None] == (d // GV)[None, :])  # row (c, m) holds channel group c's outputs
-        tl.store(outp_ptr + row[:, None] * D + d[None, :], (acc[j] + zs[:, None]) * inv[:, None], mask=keep)
+    keep = qok[:, None] & (crow[:, None] == (vch // GV)[None, :])  # row (c, m) holds channel group c's outputs
+    tl.store(outp_ptr + row[:, None] * D + vch[None, :], (acc + zs[:, None]) * inv[:, None], mask=keep)
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
     tl.store(lsep_ptr + row, lse, mask=qok & (crow == 0))
 
