@@ -229,3 +229,20 @@ def test_help_runs(capsys):
         cli.main(["tune", "--help"])
     assert "--budget-minutes" in capsys.readouterr().out
     assert torch.__version__
+
+
+def test_a_target_under_the_sliding_window_layers_is_refused_before_the_search(tmp_path, capsys, monkeypatch):
+    from kv_hf.support import text_config
+    from kvbench.tune.grid import window_fraction
+
+    gemma = tiny_model("gemma3", sliding_window=16)  # every other layer keeps its last 15 tokens
+    assert window_fraction(text_config(gemma), 60, 4) == pytest.approx(0.5 * 15 / 60 * 2)
+    assert window_fraction(text_config(tiny_model()), 60, 2) == 0.0
+
+    def no_search(*a, **k):
+        raise AssertionError("the search must not start")
+
+    monkeypatch.setattr(ModelSource, "load", lambda self, dtype, device: (gemma, _tokenizer()))
+    monkeypatch.setattr("kvbench.tune.grid.measure_costs", no_search)
+    argv = ["--text", str(_text(tmp_path / "t.txt")), "--windows", "2", "--context", "60", "--continuation", "4"]
+    _one_line_error(capsys, [*argv, "--target", "0.2", "--methods", "snapkv"], "sliding-window layers")

@@ -37,8 +37,9 @@ windows cut from --text: teacher-forced continuation KL against the full cache, 
 on the built-in tasks with --tasks). The frontier table (95% CIs, ties with the winner marked), a plot, and the
 winner as a line of Python and a registry spec are printed and written to --out.
 
-Goal (one of): --target F, a fraction of the full fp16 cache's bytes; --target-bytes N, bytes held per context
-token; --max-kl X, the smallest cache whose KL upper 95% bound stays within X nats.
+Goal (one of): --target F, a fraction of the full cache's bytes in fp16 (what a bf16 / fp16 model holds; a float32
+run's cache holds twice that: --dtype bfloat16 tunes for a bf16 deployment); --target-bytes N, bytes held per
+context token; --max-kl X, the smallest cache whose KL upper 95% bound stays within X nats.
 
 The search is estimated (timings measured on the first window) before it starts; --budget-minutes drops the most
 expensive cells until it fits. Finished cells are kept in --out/cells: an interrupted run continues where it stopped.
@@ -250,6 +251,15 @@ def _run(args, argv, registry, names, tasks, source, text) -> int:
         except UsageError as exc:
             return _fail(exc)
     target_bpt = args.target * fp16 if args.target is not None else args.target_bytes
+    from kv_hf.support import text_config
+
+    held = grid.window_fraction(text_config(model), args.context, torch.finfo(model.dtype).bits / 8)
+    if target_bpt is not None and target_bpt < held * fp16 * (1.0 + args.tolerance):
+        return _fail(
+            f"--target: {target_bpt / fp16:.3g} of the fp16 cache is below what this model's sliding-window layers "
+            f"alone hold on {args.context}-token windows in {dtype} ({held:.3g}: kv_hf keeps their window whatever "
+            "the method); raise the target, lengthen --context, or use --dtype bfloat16"
+        )
     levels = list(args.levels or ([] if args.max_kl is None else DEFAULT_LADDER))
     level_bpt = ([target_bpt] if target_bpt is not None else []) + [f * fp16 for f in levels]
     items = grid.grid(registry, names, list(dict.fromkeys(level_bpt)))

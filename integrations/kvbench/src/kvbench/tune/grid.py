@@ -26,7 +26,7 @@ from kvbench.methods import GridItem, MethodSpec, plan_grid
 from kvcore import Budget
 from kvcore.registry import Method
 
-__all__ = ["Costs", "candidates", "estimate", "floor_fraction", "grid", "measure_costs", "trim"]
+__all__ = ["Costs", "candidates", "estimate", "floor_fraction", "grid", "measure_costs", "trim", "window_fraction"]
 
 SKIPPED_WORDS = ("ablation", "control")
 """Words of a registered method's description that keep it out of the default candidates (paper-table variants)."""
@@ -93,6 +93,28 @@ def floor_fraction(method: Method, context_tokens: int) -> float:
     except (ValueError, LookupError, TypeError):
         kept = 1
     return max(1, min(kept, context_tokens)) / context_tokens / 16.0
+
+
+def window_fraction(config, context_tokens: int, bytes_per_entry: float = 2.0) -> float:
+    """The fraction of an fp16 cache a model's sliding-window layers hold whatever the method (kv_hf keeps them as
+    transformers does: their last ``sliding_window - 1`` tokens), on ``context_tokens``-token windows, with
+    ``bytes_per_entry`` the model dtype's size (4 for float32: twice the fp16 bytes). 0 for a model without them.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+        The (text) config.
+    context_tokens : int
+    bytes_per_entry : float
+    """
+    from kv_hf.support import layer_kinds
+
+    kinds = layer_kinds(config)
+    windows = kinds.count("window")
+    if not windows:
+        return 0.0
+    held = min(max(1, int(config.sliding_window) - 1), context_tokens) / context_tokens
+    return windows / len(kinds) * held * bytes_per_entry / 2.0
 
 
 @dataclass
