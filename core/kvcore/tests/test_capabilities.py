@@ -169,3 +169,21 @@ def test_exported():
         assert name in kvcore.__all__
     scores = Scores(torch.randn(1, 1, 8))
     assert TieredSelector(tiers=(4, 0), shares={4: 0.5, 0: 0.5}).select(scores, Budget()).key_bits.shape == (1, 1, 8)
+
+
+def test_compressor_refuses_a_declared_capability_without_its_method():
+    from kvcore_toys import KeyNorm
+
+    with pytest.raises(TypeError, match="resolve_shares"):
+        kvcore.Compressor(KeyNorm(), DeclaresTiersWithout(), DenseStore())
+    with pytest.raises(TypeError, match="can_attend = True"):
+        kvcore.Compressor(KeyNorm(), TopKSelector(), DeclaresAttendWithout())
+
+    @dataclasses.dataclass(frozen=True)
+    class Undeclared:  # no plan_bits: the Compressor builds no store at construction
+        def select(self, scores, budget, protected=None, valid=None) -> Plan:
+            return TopKSelector().select(scores, budget, protected, valid)
+
+    factory = kvcore.Compressor(KeyNorm(), Undeclared(), DeclaresAttendWithout)  # a factory: checked per store
+    with pytest.raises(TypeError, match="can_attend = True"):
+        factory.new_store()

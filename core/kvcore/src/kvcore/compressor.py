@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcore.attending import attends
 from kvcore.budget import Budget
 from kvcore.checks import check_int
 from kvcore.context import ScoringContext
@@ -17,6 +18,7 @@ from kvcore.plan import EVICT, FULL, TIERS, Plan
 from kvcore.protection import Protection
 from kvcore.protocols import PlanBits, Scorer, Selector, Store, TierPolicy
 from kvcore.scores import Scores
+from kvcore.tier_shares import tier_shares
 
 
 @dataclass
@@ -101,6 +103,9 @@ class Compressor:
         check_int("replan_every", self.replan_every, low=1, optional="no re-planning while decoding")
         if self.replanner is not None and not callable(self.replanner):
             raise TypeError(f"replanner must be callable or None, got {type(self.replanner).__name__}")
+        tier_shares(self.selector)  # a declared capability without its method is refused now, not at first use
+        if isinstance(self.store, Store) and not isinstance(self.store, type):
+            attends(self.store)
         if isinstance(self.selector, PlanBits):
             bits = self.selector.plan_bits
             if not isinstance(bits, frozenset) or not bits or not all(type(b) is int and b in TIERS for b in bits):
@@ -156,6 +161,7 @@ class Compressor:
         store = copy.deepcopy(self.store) if is_prototype else self.store()
         if not isinstance(store, Store):
             raise TypeError(f"the store factory returned {type(store).__name__}, not a kvcore.Store")
+        attends(store)  # TypeError: can_attend = True without attend()
         return store
 
     def missing_inputs(self, ctx: ScoringContext) -> list[str]:
