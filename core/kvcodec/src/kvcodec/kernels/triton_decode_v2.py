@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcodec.kernels.alignment import rows_aligned
 from kvcodec.kernels.triton_attention import merge_splits, split_plan
 from kvcodec.kernels.triton_dot import _weights, as_dot, dot_mode, pv_dot, qk_dot
 
@@ -213,11 +214,18 @@ def _decode_v2_kernel(
     M, tk, nr, tv, nv, head, scale,
     D: tl.constexpr, G: tl.constexpr, GV: tl.constexpr, MB: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_T: tl.constexpr, TILES: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-    DOT: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr, KSPLIT: tl.constexpr,
+    DOT: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr, KSPLIT: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
     s = tl.program_id(0)
     sp = tl.program_id(1)
     s64 = s.to(tl.int64)
+    if ALIGNED:  # the host checked these are multiples of 16 (kvcodec.kernels.alignment): code and value-parameter
+        s_kcs = s_kcs // 16 * 16  # rows then load as vectors
+        s_kcp = s_kcp // 16 * 16
+        s_vcs = s_vcs // 16 * 16
+        s_vcp = s_vcp // 16 * 16
+        s_vps = s_vps // 16 * 16
+        s_vpc = s_vpc // 16 * 16
     KL: tl.constexpr = 8 // KBITS
     KP: tl.constexpr = D // KL
     VL: tl.constexpr = 8 // VBITS
@@ -375,6 +383,7 @@ def kivi_decode_v2_triton(
         M, cache.tk, cache.nr, cache.tv, cache.nv, cache.head, float(scale),
         D=D, G=G, GV=cache.vgroup, MB=MB, ROWS=rows, BLOCK_T=bt, TILES=tiles, KBITS=cache.kbits,
         VBITS=cache.vbits, DOT=dot, HALF=half, ASM=asm, KSPLIT=key_split,
+        ALIGNED=rows_aligned((kc, vc, vs, vz), dims=(0, 1)),
         num_warps=num_warps,
     )  # fmt: skip
     out, lse = merge_splits(outp, lsep, num_warps)
