@@ -79,6 +79,25 @@ def test_packed_pool_holds_more_blocks_with_bounded_drift(runs, bits, ratio):
     assert drift(ours["again"][0]["logprobs"], stock["again"][0]["logprobs"], 1) > 0
 
 
+def test_capacity_at_a_fixed_kv_budget(runs):
+    """16 requests of 5 blocks each at a budget of 24 stock blocks: stock vLLM runs at most 5 at once and preempts;
+    the 4-bit pool holds 128 blocks and runs all 16 together without preemption. At 16 bits the schedule, the
+    preemptions (recomputed requests reuse freed block ids) and the greedy tokens are stock's."""
+    stock, raw, packed = runs("capacity-stock"), runs("capacity-16"), runs("capacity-4")
+    assert stock["budget_bytes"] == raw["budget_bytes"] == packed["budget_bytes"]
+    assert stock["num_blocks"] == raw["num_blocks"] == 24
+    assert packed["num_blocks"] == int(24 * 16 / 3)
+    assert stock["finished"] == raw["finished"] == packed["finished"] == 16
+    assert stock["preempted"] > 0 and stock["peak_running"] < 16
+    assert (raw["peak_running"], raw["preempted"], raw["steps"]) == (
+        stock["peak_running"],
+        stock["preempted"],
+        stock["steps"],
+    )
+    assert raw["tokens"] == stock["tokens"]
+    assert packed["peak_running"] == 16 and packed["preempted"] == 0
+
+
 def test_cpu_platform_ignores_custom_without_the_cpu_attn_override(runs):
     """--attention-backend CUSTOM with CUSTOM registered: vLLM's CPU platform still runs CPU_ATTN
     (CpuPlatform.get_attn_backend_cls), which is why the plugin overrides CPU_ATTN's path."""
@@ -91,5 +110,6 @@ def test_bad_settings_are_refused_at_start_up(runs):
     assert r["bits"].startswith("kvcompress packed KV: cannot pack 3-bit codes")
     assert "value group size 48" in r["group"]
     assert "--kv-cache-dtype fp8 cannot be packed" in r["fp8"]
+    assert "sliding-window" in r["window"]
     assert "KV connector cannot run on packed pages" in r["connector"]
     assert all("\n" not in m and m.startswith("kvcompress packed KV") for m in r.values())

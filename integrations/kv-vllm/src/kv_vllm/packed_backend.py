@@ -106,11 +106,7 @@ class PackedAttentionBackend(AttentionBackend):
         if spec.state_content_bytes is not None:
             refuse(f"the layer's page was already customized ({spec.state_content_bytes} bytes per token)")
         _check_spec(spec)
-        try:
-            fmt = page_format(spec)
-        except ValueError as exc:
-            raise ValueError(str(exc)) from None
-        return replace(spec, state_content_bytes=fmt.token_bytes)
+        return replace(spec, state_content_bytes=page_format(spec).token_bytes)
 
     @staticmethod
     def get_impl_cls() -> type[PackedAttentionImpl]:

@@ -5,8 +5,12 @@ Usage: python packed.py SCENARIO WORKDIR [DTYPE]  (DTYPE: float32, the default, 
   bits-B     KVCOMPRESS_KV_BITS=B (2, 4, 8, 16) through kv_vllm.plugin.register(): the same, plus which backend ran
   custom     register_backend(CUSTOM, PackedAttentionBackend) and --attention-backend CUSTOM, no flag: which
              backend the CPU platform runs
+  capacity-B B in stock, 16, 4, 2: 16 requests (3 blocks + 7 prompt tokens, 40 generated: 5 blocks each) at a
+             fixed KV budget of 24 stock blocks (kv_cache_memory_bytes): blocks allocated, peak requests running
+             at once, preemptions
   refusals   start-up refusals, one after another in one process: bits (3-bit), group (group size 48 with head
-             size 64), fp8 (--kv-cache-dtype fp8), connector (a KV connector on the same engine)
+             size 64), fp8 (--kv-cache-dtype fp8), window (a sliding-window Mistral), connector (a KV connector on
+             the same engine)
 
 Every run uses the same fixed KV memory (VLLM_CPU_KVCACHE_SPACE, set by the caller) and float32, so block counts
 compare at equal memory and stock vs 16-bit compares exactly.
@@ -134,6 +138,72 @@ def refuse(fn) -> str:
     return "not refused"
 
 
+CAPACITY_STOCK_BLOCKS = 24
+
+
+def run_capacity(model: Path) -> dict:
+    """Blocks, peak concurrency and preemptions at a fixed KV byte budget (the scheduler is wrapped in-process)."""
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes (CpuPlatform)
+    e = 4 if DTYPE == "float32" else 2
+    stock_block = 2 * 2 * BLOCK * 2 * 64 * e  # 2 layers x 2 KV heads x 32 tokens x (K + V) x 64
+    budget = CAPACITY_STOCK_BLOCKS * stock_block
+    llm = make_llm(model, kv_cache_memory_bytes=budget, max_num_seqs=16, enable_prefix_caching=False)
+    core = llm.llm_engine.engine_core.engine_core
+    sched = core.scheduler
+    seen = {"peak_running": 0, "preempted": 0, "steps": 0}
+    inner = sched.schedule
+
+    def schedule(*a, **kw):
+        out = inner(*a, **kw)
+        seen["steps"] += 1
+        seen["peak_running"] = max(seen["peak_running"], len(sched.running))
+        seen["preempted"] += len(getattr(out, "preempted_req_ids", None) or ())
+        return out
+
+    sched.schedule = schedule
+    batch = [[(5 * i + 11 * k + 1) % (VOCAB - 10) + 10 for i in range(3 * BLOCK + 7)] for k in range(16)]
+    import time
+
+    t0 = time.perf_counter()
+    outs = generate(llm, batch)
+    seen["seconds"] = round(time.perf_counter() - t0, 1)
+    cfg = llm.llm_engine.vllm_config.cache_config
+    return {
+        "budget_bytes": budget,
+        "num_blocks": cfg.num_gpu_blocks,
+        "backends": backend_names(llm),
+        "finished": sum(len(o["tokens"]) == MAX_TOKENS for o in outs),
+        "tokens": [o["tokens"] for o in outs],
+        **seen,
+    }
+
+
+def save_tiny_mistral(path: Path) -> Path:
+    """The tiny Llama's shapes as a Mistral with a 64-token sliding window (vLLM gives its layers a window)."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+        sliding_window=64,
+        torch_dtype="float32",
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    MistralForCausalLM(config).save_pretrained(path)
+    return path
+
+
 def refusal(what: str, model: Path, plugin) -> str:
     """The start-up message for one bad setting (each leaves the flag and group unset for the next)."""
     os.environ.pop("KVCOMPRESS_KV_GROUP", None)
@@ -149,6 +219,8 @@ def refusal(what: str, model: Path, plugin) -> str:
         return message
     if what == "fp8":
         return refuse(lambda: make_llm(model, kv_cache_dtype="fp8"))
+    if what == "window":
+        return refuse(lambda: make_llm(save_tiny_mistral(model.parent / "tiny-mistral-swa")))
     from vllm.config import KVTransferConfig
 
     ktc = KVTransferConfig(
@@ -177,8 +249,14 @@ def main() -> None:
         register_backend(AttentionBackendEnum.CUSTOM, "kv_vllm.packed_backend.PackedAttentionBackend")
         llm = make_llm(model, attention_config={"backend": "CUSTOM"})
         result = {"backends": backend_names(llm), "num_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks}
+    elif scenario.startswith("capacity-"):
+        bits = scenario.split("-", 1)[1]
+        if bits != "stock":
+            os.environ["KVCOMPRESS_KV_BITS"] = bits
+            plugin.register()
+        result = run_capacity(model)
     elif scenario == "refusals":
-        result = {what: refusal(what, model, plugin) for what in ("bits", "group", "fp8", "connector")}
+        result = {what: refusal(what, model, plugin) for what in ("bits", "group", "fp8", "window", "connector")}
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     print(json.dumps(result))
