@@ -210,6 +210,11 @@ def _fail(exc: Exception | str) -> int:
     return 2
 
 
+def _span(seconds) -> str:
+    done = [x for x in seconds if x is not None]
+    return f"{min(done):.2f}-{max(done):.2f} s" if done else "refused"
+
+
 def _left(registry, items, work, cache) -> dict[int, tuple[float, bool]]:
     """:data:`kvbench.tune.grid.Left` of ``items``: the share of each one's units not in ``cache`` yet, and whether its
     budget search is still to do."""
@@ -276,7 +281,9 @@ def _run(args, argv, registry, names, tasks, source, text) -> int:
     full_s = grid.estimate(items, costs, n_w, n_s, left)
     print(
         f"kvbench tune: {len(items)} cells ({len(names)} methods at {len(level_bpt)} byte level(s)), estimated "
-        f"{full_s / 60:.1f} min (what {args.out}/cells already holds is not counted)",
+        f"{full_s / 60:.1f} min (what {args.out}/cells already holds is not counted; measured on one window: forward "
+        f"{costs.forward_s:.2f} s, continuation {costs.continuation_s:.2f} s, decode step {costs.step_s:.3f} s, "
+        f"compression {_span(costs.compress_s.values())})",
         file=sys.stderr,
     )
     dropped: list = []
