@@ -45,7 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="16384,32768,65536")
     ap.add_argument("--batch", default="1,8")
-    ap.add_argument("--bits", default="2,4")
+    ap.add_argument("--bits", default="4,2")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type != "cuda":

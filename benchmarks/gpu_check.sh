@@ -29,7 +29,7 @@ step() {  # step NAME SECONDS CMD...: run CMD with a time limit, log to $OUT/NAM
 # (fp16 SDPA, the v1 decode-layout kernel, v2; B 1 and 8, T 16k-64k, 2 and 4 bits)
 has v2 && TAIL=12 step decode_v2_tests 150 python3 -m pytest -p no:cacheprovider -q --tb=short -m "not hypothesis" \
     core/kvcodec/tests/test_decode_v2.py packages/kv-baselines/tests/quant/test_kivi_decode_v2.py
-has v2 && TAIL=16 step bench_decode_v2 ${V2_LIMIT:-200} python3 benchmarks/bench_decode_v2.py
+has v2 && TAIL=16 step bench_decode_v2 ${V2_LIMIT:-300} python3 benchmarks/bench_decode_v2.py
 has attend && step bench_fused_attend 90 python3 benchmarks/bench_fused_attend.py
 has hubkv && step bench_hubkv 60 python3 benchmarks/bench_hubkv.py --min-run-time 0.1
 if has tests; then

@@ -88,7 +88,7 @@ def check_contract(out, lse, q, cache, scale):
     return e
 
 
-@settings(max_examples=8, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))  # no shrinking
+@settings(max_examples=16, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))  # no shrinking
 @given(
     seed=st.integers(0, 10_000),
     bits=st.sampled_from([(2, 2), (4, 4), (4, 2), (8, 8)]),
