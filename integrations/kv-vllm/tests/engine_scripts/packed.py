@@ -49,7 +49,7 @@ def make_llm(model: Path, **kw):
         block_size=BLOCK,
         max_model_len=512,
         max_num_seqs=4,
-        enforce_eager=True,
+        enforce_eager=os.environ.get("KVCOMPRESS_TEST_EAGER", "1") == "1",  # 0: vLLM's default compilation
         enable_prefix_caching=True,
         seed=0,
     )
