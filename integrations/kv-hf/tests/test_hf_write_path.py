@@ -188,7 +188,7 @@ def test_provider_table_refuses_unknown_extras_and_options():
     with pytest.raises(ValueError, match=r"\['hidden_states'\].*kvzip_scores"):
         kv_hf.compressed_cache(model, make(NeedsSurprisal()))
     cache = kv_hf.compressed_cache(model, make(KnormScorer()))
-    with pytest.raises(TypeError, match=r"unknown prefill options \['kvzipp'\].*\['kvzip', 'surprisal'\]"):
+    with pytest.raises(TypeError, match=r"unknown prefill options \['kvzipp'\].*'kvzip'.*'surprisal'"):
         kv_hf.prefill(model, cache, prompt(8), kvzipp=None)
     with pytest.raises(TypeError, match="KVzipConfig"):
         kv_hf.prefill(

@@ -233,9 +233,11 @@ def test_decoding_schedule():
     kept = torch.cat([torch.arange(10) * 30, torch.arange(370, 400)])[None]  # 10 survivors + the last 30 tokens
     ctx = _ctx(B=1, T=40, budget=DecodingSchedule(target_length=10).budget(), positions=kept)
     assert HubKV(WindowAttention())._ratios(ctx) == [DecodingSchedule(target_length=10).ratio(400)]
-    for bad in [dict(target_length=0), dict(target_length=8, interval=0), dict(target_length=2.5)]:
-        with pytest.raises(ValueError):
+    for bad, err in [(dict(target_length=0), ValueError), (dict(target_length=8, interval=0), ValueError)]:
+        with pytest.raises(err, match=next(reversed(bad))):
             DecodingSchedule(**bad)
+    with pytest.raises(TypeError, match="target_length must be an int"):
+        DecodingSchedule(target_length=2.5)
     with pytest.raises(ValueError, match="granularity"):
         DecodingSchedule(target_length=8, granularity="token")
     with pytest.raises(TypeError):
