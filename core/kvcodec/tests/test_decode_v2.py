@@ -123,10 +123,14 @@ def test_contract_at_fixed_cases(bits, dtype):
     check_contract(*kivi_decode_v2_triton(q, cache, 0.2, block_t=16, tiles=2), q, cache, 0.2)
 
 
+@pytest.mark.parametrize("asm", [False, True])
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
-def test_code_conversion_is_exact(bits):
+def test_code_conversion_is_exact(bits, asm):
     """Every lane of every byte becomes its code as float16 exactly (1024.0's mantissa OR-ed with the lane's bits in
-    place, then one multiply-add): the plain-Triton twin under the interpreter, the inline PTX on a GPU."""
+    place, then one multiply-add): the plain-Triton twin, and on a GPU the inline PTX (the interpreter cannot run
+    PTX)."""
+    if asm and DEVICE.type != "cuda":
+        pytest.skip("inline PTX needs a GPU")
     L = 8 // bits
 
     @triton.jit
@@ -138,10 +142,21 @@ def test_code_conversion_is_exact(bits):
 
     b = torch.arange(256, dtype=torch.uint8, device=DEVICE)
     out = torch.empty(L, 256, dtype=torch.float16, device=DEVICE)
-    kernel[(1,)](b, out, BITS=bits, ASM=DEVICE.type == "cuda")
+    kernel[(1,)](b, out, BITS=bits, ASM=asm)
     lane = torch.arange(L, device=DEVICE)[:, None]
     code = (b.long()[None, :] >> (bits * lane)) & ((1 << bits) - 1)
     assert torch.equal(out.double(), code.double())
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="inline PTX needs a GPU")
+@pytest.mark.parametrize("bits", [(2, 2), (4, 4), (8, 8)])
+def test_inline_ptx_and_its_twin_give_the_same_attention(bits):
+    # the same arithmetic: identical float16 operands, so identical products
+    cache, gen = make_cache(9, 2, 128, *bits, 32, 32, 6, 7, 20, 3, torch.float16)
+    q = torch.randn(2, 4, 128, generator=gen).to(DEVICE, torch.float16)
+    a = kivi_decode_v2_triton(q, cache, 0.1, asm=True)
+    b = kivi_decode_v2_triton(q, cache, 0.1, asm=False)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 @pytest.mark.parametrize("steps", [0, 3, 9])
