@@ -15,7 +15,7 @@ A cache is described by :class:`PackedKIVI`, the buffers of KIVI's decode layout
 The folded formulation (as the KIVI, QServe and Marlin kernels compute), for the quantized entries:
 
 * **keys**: ``q · k_t = Σ_d (q_d s_dg) c_td + Σ_d q_d z_dg`` for ``t`` in group ``g``: the group's scales are folded
-  into the query (``q ⊙ s_g``, rounded to float16: the matrix-unit operand) and its zeros into one bias per group
+  into the query (``q ⊙ s_g``, as two float16 parts: the matrix-unit operands) and its zeros into one bias per group
   (``q · z_g``), so the inner product multiplies raw codes;
 * **values**: ``Σ_t p_t v_td = Σ_t (p_t s_tc) c_td + Σ_t p_t z_tc`` for channel ``d`` in group ``c``: each token's
   scale is folded into its probability (``p ⊙ s_c``, rounded to float16) and the zeros into one correction per

@@ -12,16 +12,19 @@ nothing is dequantized:
   the 1024 in the operand and subtracting ``1024 Σ q'`` from the float32 result instead costs one instruction per
   two codes less, but the large offset's float32 accumulation error moved lse by ~2e-3 at logits of a few units.) On
   CUDA both steps are inline PTX (:func:`code_halves` with ``ASM``); the interpreter, which cannot run PTX, runs the
-  *twin*: the same masks, ORs, bitcast and multiply-add in plain Triton (``test_code_conversion_is_exact``);
+  *twin*: the same masks, ORs, bitcast and multiply-add in plain Triton (``test_code_conversion_is_exact``). The
+  lanes are joined into one operand per side (:func:`code_rows`), channels in the order the joins leave them
+  (bit-reversed within a byte, :func:`lane_channel`), which the query, the parameters, the full-precision rows and
+  the outputs follow: one matrix product per side (and query part);
 * **keys** (per channel within groups of ``G`` tokens, ``BLOCK_T`` dividing ``G``: one group per tile): the group's
-  scales and the softmax scale are folded into the query, ``q'_j = q ⊙ s_g`` over lane ``j``'s channels, as two
-  float16 parts (hi + lo: float16's own 2^-11 moved lse by ~1e-3), and its zeros into one bias per query row,
-  ``q · z_g``: the logits are ``Σ_j q'_j · code_j + bias``, matrix products over the raw codes;
+  scales and the softmax scale are folded into the query, ``q' = q ⊙ s_g`` (once per query row, then spread over
+  the matrix rows), as two float16 parts (hi + lo: one part alone moved lse by up to ~1e-2), and its zeros into one
+  bias per query row, ``q · z_g``: the logits are ``q'_hi · code + q'_lo · code + bias`` over the raw codes;
 * **values** (per token in channel groups of ``GV``): each token's scale is folded into its probability per channel
   group, ``p'_c = round16(p ⊙ s_c)``, and its zeros into one correction per (query row, channel group),
   ``Σ_t p z_c``. The ``M`` query rows of the KV head are replicated once per channel group as the matrix product's
   rows (``ROWS = max(16, C · next_pow2(M))``, row ``c · MB + m``): a GQA group of 4 query heads at 4 channel groups
-  fills exactly the 16 rows the matrix units pad ``M`` to anyway. Row ``(c, m)`` accumulates ``p'_c · code_j`` for
+  fills exactly the 16 rows the matrix units pad ``M`` to anyway. Row ``(c, m)`` accumulates ``p'_c · code`` for
   every channel and the epilogue keeps the channels of group ``c`` only (a masked store).
 
 Tiles that reach the residual take the same folded products under masks plus the full-precision rows (key
@@ -34,7 +37,9 @@ by log-sum-exp (:func:`kvcodec.kernels.triton_attention.merge_splits`).
 Products: float16 operands on the matrix units (``HALF``, CUDA) whatever the cache dtype (codes up to 8 bits are
 exact in float16; the folded ``q ⊙ s`` and ``p ⊙ s`` are rounded to it -- the tolerance's main term); the
 interpreter casts the same float16 values to float32 (its float16/bfloat16 ``tl.dot`` is not trustworthy), which
-the GPU's exact float16 products with float32 accumulation also compute. This module needs ``triton``.
+the GPU's exact float16 products with float32 accumulation also compute. sm_90 machine code at Llama-3-8B's
+shape: ~83 / 80 warp instructions per entry at 2 / 4 bits (v1: 140; ``benchmarks/sm90_decode_v2.py``,
+``docs/results/2026-11-28-gpu-decode-v2.md``). This module needs ``triton``.
 """
 
 from __future__ import annotations
