@@ -15,6 +15,7 @@ import kv_baselines as kb
 from kv_baselines.quant import KIVIStore, KIVITierSelector, UniformQuantizer
 from kv_baselines.registry import METHODS
 from kv_baselines.scorers import ROPE_EXTRA
+from kv_baselines.scorers.fastkvzip import ShippedGate, UntrainedGates
 from kv_baselines.scorers.kvzip import KVZIP_EXTRA
 from kv_baselines.sentence import SENTENCE_EXTRA
 from kvcore import Budget, Compressor, registry
@@ -96,6 +97,13 @@ def rope_extras(shapes):
     """RoPE inverse frequencies for ``ExpectedAttentionScorer`` (base 10000 over the drawn head dim)."""
     D = shapes["D"]
     return {ROPE_EXTRA: 1.0 / (10000.0 ** (torch.arange(0, D - 1, 2, dtype=torch.float32) / D))}
+
+
+class TestFastKVzipScorer(ScorerSuite):
+    """FastKVzip's gate reads the held keys and values only (no extras); an untrained gate of each drawn shape, and the
+    gate shipped for SmolLM2-135M is run by the registered method's suite below."""
+
+    cases = objects(fastkvzip=lambda: kb.FastKVzipScorer(UntrainedGates(seed=3)))
 
 
 class TestExpectedAttentionScorer(ScorerSuite):
@@ -218,6 +226,17 @@ class TestKVzipMethod(RegisteredSuite):
 
     def make_extras(self, shapes):
         return kvzip_extras(shapes)
+
+
+class TestFastKVzipMethod(RegisteredSuite):
+    """The registered ``fastkvzip`` with the gate shipped for SmolLM2-135M: layers of that model's shapes."""
+
+    methods = ("fastkvzip",)
+    budget = Budget(ratio=0.5)
+
+    def layer_shapes(self, c):
+        gate = ShippedGate().resolve(0, 0, 0)
+        return {"kv_heads": (gate.num_kv_heads,) * 2, "head_dims": (gate.head_dim,), "groups": (3,)}
 
 
 class TestExpectedAttentionMethod(RegisteredSuite):

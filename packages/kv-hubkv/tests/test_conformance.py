@@ -1,14 +1,15 @@
 """Every object kv-hubkv's registered methods are made of goes through its kvcore conformance suite.
 
-HubKV is a scorer wrapper over a base method that another package registers (kv-baselines' SnapKV, H2O and KVzip),
-so the scorers here are the registered methods' own ``HubKV`` scorers, taken from ``kvcore.registry`` builds (method
-packages never import each other); the compressors are the registered methods themselves. The selector and store
-are the base's (kvcore's ``TopKSelector`` / ``DenseStore``, covered by kvcore's suites); the base scorers are covered
-by kv-baselines' suites. HubKV over toy bases (a shifted negative base, declared extras) is in
+HubKV is a scorer wrapper over a base method that another package registers (kv-baselines' SnapKV, H2O, KVzip and
+FastKVzip), so the scorers here are the registered methods' own ``HubKV`` scorers, taken from ``kvcore.registry``
+builds (method packages never import each other); the compressors are the registered methods themselves. The
+selector and store are the base's (kvcore's ``TopKSelector`` / ``DenseStore``, covered by kvcore's suites); the base
+scorers are covered by kv-baselines' suites. HubKV over toy bases (a shifted negative base, declared extras) is in
 test_hubkv_scorer.py. The coverage test at the end compares all this with what the registered methods use.
 """
 
 import dataclasses
+import sys
 
 import torch
 
@@ -59,6 +60,17 @@ class TestHubKVOverKVzip(ScorerSuite):
         return kvzip_extras(shapes)
 
 
+def untrained_fastkvzip(scorer: HubKV) -> HubKV:
+    """HubKV over FastKVzip with untrained gates built for the drawn shapes (the registered method's shipped gate
+    takes SmolLM2-135M's shapes only); the gate source is taken from the base's own module, not imported."""
+    untrained = sys.modules[type(scorer.base).__module__].UntrainedGates(seed=3)
+    return dataclasses.replace(scorer, base=dataclasses.replace(scorer.base, gate=untrained))
+
+
+class TestHubKVOverFastKVzip(ScorerSuite):
+    cases = objects(fastkvzip=lambda: untrained_fastkvzip(registered_scorer("hubkv-fastkvzip")))
+
+
 # -- the registered methods -------------------------------------------------------------------------------------
 class TestHubKVMethods(RegisteredSuite):
     methods = ("hubkv", "hubkv-snapkv", "hubkv-h2o")
@@ -73,6 +85,17 @@ class TestHubKVOverKVzipMethod(RegisteredSuite):
 
     def make_extras(self, shapes):
         return kvzip_extras(shapes)
+
+
+class TestHubKVOverFastKVzipMethod(RegisteredSuite):
+    """The registered ``hubkv-fastkvzip`` with the gate shipped for SmolLM2-135M: layers of that model's shapes."""
+
+    methods = ("hubkv-fastkvzip",)
+    budget = Budget(ratio=0.5)
+
+    def layer_shapes(self, c):
+        gate = c.scorer.base.gate.resolve(0, 0, 0)
+        return {"kv_heads": (gate.num_kv_heads,) * 2, "head_dims": (gate.head_dim,), "groups": (3,)}
 
 
 # -- coverage ---------------------------------------------------------------------------------------------------

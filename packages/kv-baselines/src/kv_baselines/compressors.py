@@ -216,3 +216,29 @@ def kvzip(ratio: float = 0.5, granularity: str = "global", store=DenseStore) -> 
         budget=Budget(ratio=ratio, granularity=granularity),
         name="kvzip",
     )
+
+
+def fastkvzip(ratio: float = 0.5, granularity: str = "global", store=DenseStore, gate=None) -> Compressor:
+    """A ready-made FastKVzip compressor: :class:`FastKVzipScorer` + KVzip's selection (top-k without per-head floor,
+    global by default) + a dense store (Fast KVzip, Kim et al. 2026a; the HubKV paper's base scorer).
+
+    Parameters
+    ----------
+    ratio : float
+        Fraction of the context entries removed.
+    granularity : {"global", "layer", "head"}
+        As :func:`kvzip`.
+    store : Store or callable
+        Per-layer store factory or prototype.
+    gate : FastKVzipGate or gate source, optional
+        Default: the gate shipped for SmolLM2-135M.
+    """
+    from kv_baselines.scorers.fastkvzip import FastKVzipScorer
+
+    return Compressor(
+        scorer=FastKVzipScorer() if gate is None else FastKVzipScorer(gate),
+        selector=TopKSelector(head_floor=0.0),
+        store=store,
+        budget=Budget(ratio=ratio, granularity=granularity),
+        name="fastkvzip",
+    )

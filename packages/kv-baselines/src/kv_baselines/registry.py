@@ -80,4 +80,10 @@ METHODS: tuple[Method, ...] = (
         lambda budget: _at(c.kvzip(0.0), budget),
         "KVzip context-reconstruction scores, global top-k (Kim et al. 2025); the adapter supplies the scores",
     ),
+    Method(
+        "fastkvzip",
+        lambda budget: _at(c.fastkvzip(0.0), budget),
+        "a trained sink-attention gate predicting KVzip's scores from each entry's key and value, no "
+        "reconstruction pass, global top-k (Fast KVzip, Kim et al. 2026); the gate shipped for SmolLM2-135M",
+    ),
 )

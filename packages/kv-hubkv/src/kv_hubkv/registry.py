@@ -4,7 +4,8 @@ HubKV refines the scores of a base method (paper §3.3, App. A.1), so each ``hub
 in :mod:`kvcore.registry` when it is built (method packages never import each other): ``hubkv-snapkv`` at a budget
 is ``hubkv(<the registered "snapkv">.build(budget))``, keeping the base's selector, store, protection and
 granularity. A base that no installed package registers is refused with the list of what is registered.
-``"hubkv"`` is HubKV over SnapKV (the paper's KVzip base is ``hubkv-kvzip``, registered by kv-hf).
+``"hubkv"`` is HubKV over SnapKV; the paper's bases are ``hubkv-kvzip`` (KVzip's scores come from kv-hf's
+reconstruction pass) and ``hubkv-fastkvzip`` (FastKVzip's trained gate, kv-baselines' ``fastkvzip``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from .compressor import hubkv
 __all__ = ["METHODS", "over"]
 
 BASE_BUDGETS = frozenset({"ratio", "tokens"})
-"""Budget kinds of the registered bases (SnapKV, H2O, KVzip); a test checks they match the bases' own."""
+"""Budget kinds of the registered bases (SnapKV, H2O, KVzip, FastKVzip); a test checks they match the bases' own."""
 
 
 def over(base: str, name: str | None = None) -> Method:
@@ -27,7 +28,7 @@ def over(base: str, name: str | None = None) -> Method:
     Parameters
     ----------
     base : str
-        Registered name of the base method (``"snapkv"``, ``"h2o"``, ``"kvzip"``).
+        Registered name of the base method (``"snapkv"``, ``"h2o"``, ``"kvzip"``, ``"fastkvzip"``).
     name : str, optional
         Registry name; ``"hubkv-<base>"`` if omitted.
 
@@ -61,4 +62,5 @@ METHODS: tuple[Method, ...] = (
     over("snapkv"),
     over("h2o"),
     over("kvzip"),
+    over("fastkvzip"),
 )

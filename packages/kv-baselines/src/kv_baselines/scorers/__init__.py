@@ -2,6 +2,7 @@
 
 from kv_baselines.scorers.chunkkv import ChunkKVScorer
 from kv_baselines.scorers.expected_attention import ROPE_EXTRA, ExpectedAttentionScorer
+from kv_baselines.scorers.fastkvzip import FastKVzipConfig, FastKVzipGate, FastKVzipScorer
 from kv_baselines.scorers.h2o import H2OScorer
 from kv_baselines.scorers.kvzip import KVZIP_EXTRA, KVzipScorer
 from kv_baselines.scorers.simple import ConstantScorer, KnormScorer, RandomScorer, StreamingLLMScorer
@@ -13,6 +14,9 @@ __all__ = [
     "ChunkKVScorer",
     "ConstantScorer",
     "ExpectedAttentionScorer",
+    "FastKVzipConfig",
+    "FastKVzipGate",
+    "FastKVzipScorer",
     "H2OScorer",
     "KVzipScorer",
     "KnormScorer",
