@@ -9,7 +9,8 @@ every block, each layer holding more than ``L`` entries is re-scored and pruned 
 as token-by-token decoding with the same schedule (the tokens of a block see each other and the cache as it was at
 the block's start). Per window: the mean KL(full || method) over the continuation's tokens, over its tokens after
 the first re-compression, and the NLL; each HubKV variant is paired with its base on the same windows
-(``kvbench.stats.paired_difference``, seeded bootstrap 95 % CI).
+(``kvbench.stats.paired_difference``, seeded bootstrap 95 % CI). The target is per head (``--granularity``):
+re-compression runs layer by layer, so a base with a global budget (KVzip, FastKVzip) is re-compressed per head.
 
 Usage::
 
@@ -81,6 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per window")
     ap.add_argument("--continuation", type=int, default=1536, help="teacher-forced tokens per window")
     ap.add_argument("--windows", type=int, default=12)
+    ap.add_argument(
+        "--granularity",
+        choices=("head", "layer"),
+        default="head",
+        help="where the target length is exact (periodic re-compression runs per layer: a global base such as "
+        "KVzip / FastKVzip keeps its scores and selector but its target is per head; default: %(default)s)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="JSON with per-window results")
     args = ap.parse_args(argv)
@@ -110,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         ref = decode_logprobs(model, tok, compressed_cache(model, kvregistry.get("full").build()), ctx, cont, 10**9)
         for L in args.targets:
             for name, method in methods.items():
-                comp = method.build(Budget(tokens=L))
+                comp = method.build(Budget(tokens=L)).with_budget(granularity=args.granularity)
                 cache = compressed_cache(model, comp, recompress_every=args.interval, target_length=L)
                 lp = decode_logprobs(model, tok, cache, ctx, cont, args.interval)
                 kl = (ref.exp() * (ref - lp)).sum(-1)
