@@ -249,7 +249,7 @@ def test_decoding_schedule():
 
 def test_registry_entries_and_lookup_errors():
     names = [m.name for m in registry.METHODS]
-    assert names == ["hubkv", "hubkv-snapkv", "hubkv-h2o", "hubkv-kvzip"]
+    assert names == ["hubkv", "hubkv-snapkv", "hubkv-h2o", "hubkv-kvzip", "hubkv-fastkvzip"]
     assert all(isinstance(m, Method) and m.budgets == {"ratio", "tokens"} for m in registry.METHODS)
     missing = registry.over("no_such_method")
     assert missing.name == "hubkv-no_such_method"
