@@ -9,7 +9,9 @@ from kvcore import registry as kvregistry
 
 
 def test_sekv_is_registered_and_builds_by_ratio():
-    method, short, *ablations = METHODS
+    method, short, *ablations, unbounded = METHODS
+    assert unbounded.name == "sekv-unbounded-spans" and unbounded.build().selector.config.max_span is None
+    assert method.build().selector.config.max_span == 64
     assert method.name == "sekv" and method.budgets == {"ratio"}
     assert short.name == "sekv-short-spans" and short.build().selector.config.max_span == "auto"
     assert [a.name for a in ablations] == [

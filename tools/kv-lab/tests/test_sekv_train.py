@@ -145,3 +145,23 @@ def test_early_stopping_keeps_the_best_monitored_step(monitor):
     assert evaluate(model, router, seqs[3:], tc)[monitor] == pytest.approx(min(values), rel=1e-5)
     with pytest.raises(ValueError, match="monitor"):
         TrainConfig(monitor="zoom")
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.3])
+def test_calibrate_tau_sets_the_open_rate(rate):
+    """``calibrate_tau``: each (layer, head) then opens its gate on about ``rate`` of the calibration pairs."""
+    from kv_lab.sekv.loop import calibrate_tau
+
+    model, router = tiny_llama(), SEKVRouter.untrained(2, 4, 2, 8, CONFIG, gate_bias=0.0)
+    seqs, tc = _seqs(n=2, T=64), TrainConfig(local_window=4)
+    tau = calibrate_tau(model, router, seqs, tc, rate)
+    assert tau.shape == (2, 4) and torch.equal(router.tau.detach(), tau)
+    gates: dict = {}
+    with torch.no_grad():
+        for i in range(2):
+            losses(model, router, seqs[i : i + 1], tc, 0.1, gates=gates)
+    for layer, parts in gates.items():
+        opened = (torch.cat(parts, 1) > tau[layer][:, None]).float().mean(1)
+        assert float((opened - rate).abs().max()) < 0.05
+    with pytest.raises(ValueError, match="rate must lie"):
+        calibrate_tau(model, router, seqs, tc, 1.0)

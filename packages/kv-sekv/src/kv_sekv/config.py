@@ -12,7 +12,11 @@ from dataclasses import dataclass
 
 from kvcore.checks import check_int, check_number
 
-__all__ = ["SEKVConfig"]
+__all__ = ["DEFAULT_MAX_SPAN", "SEKVConfig"]
+
+DEFAULT_MAX_SPAN = 64
+"""Longest span by default (our addition, see :class:`SEKVConfig`): 4 · L_min, above the 16–48 tokens of the paper's
+α = 1 on SmolLM2-135M and within a layer's zoom reserve at 10 % of 1k tokens (3 KV heads · ~25 tokens)."""
 
 
 @dataclass(frozen=True)
@@ -52,13 +56,17 @@ class SEKVConfig:
         ``w+`` of the weighted zoom BCE (Eq. 13). > 0.
     rho : float, default 0.9
         Teacher-mass coverage defining the zoom targets ``C_ρ`` (Eq. 12). In (0, 1].
-    max_span : int, "auto" or None, default None
+    max_span : int, "auto" or None, default 64
         Our addition (the paper has no such limit): spans longer than this are cut into near-equal consecutive
-        pieces, so that a span can be reconstructed within the share of the budget kept for zoom-in. ``None``: the
-        paper's maximal runs between anchors. ``"auto"``: the zoom share of the budget (``⌊zoom_share · budget
-        tokens⌋``, at least ``min_span``), doubled until the persistent part fits. An int must be >= ``min_span``.
+        pieces (each at least ``max_span / 2`` long), so that spans stay in the size range the paper's α gives and a
+        span can be reconstructed within the share of the budget kept for zoom-in. With ``strict=False`` it is
+        doubled only when no α fits the budget with it. ``None``: the paper's maximal runs between anchors.
+        ``"auto"``: the zoom share of the budget (``⌊zoom_share · budget tokens⌋``, at least ``min_span``), doubled
+        until the persistent part fits. An int must be >= ``min_span`` (left at the default with ``min_span > 64``,
+        it becomes ``4 · min_span``).
         Why: with the budget rule raising α, the runs between anchors get far longer than what the zoom share can
-        hold, and the cap then never lets a span be expanded (measured on SmolLM2-135M, docs/methods/sekv.md).
+        hold (~300–400 tokens at 1k–4k on SmolLM2-135M), and the cap then never lets a span be expanded; the paper's
+        α = 1 gives spans of 16–48 tokens on that model (docs/methods/sekv.md).
 
     Raises
     ------
@@ -84,11 +92,13 @@ class SEKVConfig:
     beta: float = 0.1
     pos_weight: float = 10.0
     rho: float = 0.9
-    max_span: int | str | None = None
+    max_span: int | str | None = DEFAULT_MAX_SPAN
 
     def __post_init__(self) -> None:
         for name, low in (("min_span", 1), ("max_rank", 1), ("proj_dim", 1), ("window", 0)):
             object.__setattr__(self, name, check_int(name, getattr(self, name), low=low))
+        if self.max_span == DEFAULT_MAX_SPAN and self.min_span > DEFAULT_MAX_SPAN:
+            object.__setattr__(self, "max_span", 4 * self.min_span)
         if self.max_span is not None and self.max_span != "auto":
             if isinstance(self.max_span, str):
                 raise ValueError(f"max_span must be an int >= min_span, 'auto' or None, got {self.max_span!r}")

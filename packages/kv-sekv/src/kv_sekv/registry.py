@@ -6,7 +6,8 @@ what the zoom share of the budget can reconstruct (``SEKVConfig(max_span="auto")
 ablations
 (:mod:`kv_sekv.ablations`) are ``sekv-untrained`` (no trained zoom-in), ``sekv-no-svd`` (no SVD reconstruction),
 ``sekv-fixed-spans`` (no entropy-guided segmentation), ``sekv-global-tau`` (one global threshold) and
-``sekv-mean-pool`` (mean-pooling summaries).
+``sekv-mean-pool`` (mean-pooling summaries); ``sekv-unbounded-spans`` keeps the paper's maximal runs between anchors as
+spans (``max_span=None``, the default before issue 40; ``sekv`` cuts them at 64 tokens).
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ def _sekv(budget: Budget) -> Compressor:
 
 def _sekv_short_spans(budget: Budget) -> Compressor:
     return sekv(budget=1.0 - budget.ratio, config=SEKVConfig(max_span="auto"), name="sekv-short-spans")
+
+
+def _sekv_unbounded_spans(budget: Budget) -> Compressor:
+    return sekv(budget=1.0 - budget.ratio, config=SEKVConfig(max_span=None), name="sekv-unbounded-spans")
 
 
 def _ablation(build):
@@ -69,5 +74,12 @@ METHODS: tuple[Method, ...] = (
             default=Budget(ratio=0.9),
         )
         for name, build, what in _ABLATIONS
+    ),
+    Method(
+        "sekv-unbounded-spans",
+        _sekv_unbounded_spans,
+        "SEKV with the paper's maximal runs between anchors as spans (max_span=None; the default before issue 40)",
+        budgets=frozenset({"ratio"}),
+        default=Budget(ratio=0.9),
     ),
 )

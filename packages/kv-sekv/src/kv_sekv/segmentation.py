@@ -12,6 +12,13 @@ reports the budget actually used, while the default shrinks the window to ``wind
 α per sequence (a bisection over the surprisal values) until the persistent part fits in the budget less a
 ``zoom_share`` reserved for the spans reconstructed at a decoding step; when even no anchor but the first token does
 not fit, it raises ``ValueError``.
+
+Span length. Raising α drops anchors and so merges the runs between them: on SmolLM2-135M at 10 % of a 1k–4k
+context α rises to ~2.5–3 and the longest runs reach ~300–400 tokens, longer than the zoom reserve of a layer can
+rebuild, while the paper's own α (1.0; 2.0 is the coarsest of its Table 7 sweep) gives spans of 16–48 (16–150)
+tokens. So (our choice) runs are cut into near-equal pieces of at most ``max_span`` tokens (64 by default, see
+:class:`~kv_sekv.SEKVConfig`) *before* α is fitted: the budget then drops anchors, not span resolution, and a span
+stays small enough to be reconstructed. ``max_span`` is doubled only when no α fits with it.
 """
 
 from __future__ import annotations
@@ -191,25 +198,55 @@ def fit_segmentation(
     forced : Tensor, optional
         ``[n]`` bool tokens that are always anchors (protected tokens).
     max_span : int, "auto" or None
-        Longest span (:class:`~kv_sekv.SEKVConfig`); ``"auto"``: ``max(min_span, ⌊zoom_share · capacity⌋)``, doubled
-        (with ``strict=False``) until the persistent part fits, unbounded as the last resort.
+        Longest span (:class:`~kv_sekv.SEKVConfig`; 64 by default there). An int is doubled (with ``strict=False``)
+        only when no α fits with it, unbounded as the last resort; ``"auto"``: ``max(min_span, ⌊zoom_share ·
+        capacity⌋)``, doubled the same way; ``None``: the paper's maximal runs between anchors.
 
     Raises
     ------
     ValueError
         With ``strict=False``, when no α fits: the message gives the budget and the smallest persistent part.
     """
-    if max_span == "auto":
-        room = max(min_span, math.floor(zoom_share * capacity))
+    if max_span == "auto" or (isinstance(max_span, int) and not strict):
+        room = max(min_span, math.floor(zoom_share * capacity)) if max_span == "auto" else max_span
         tries = [room * 2**k for k in range(32) if room * 2**k < h.numel()] + [None]
         opts = dict(alpha=alpha, min_span=min_span, window=window, capacity=capacity, summary_cost=summary_cost)
         opts.update(strict=strict, window_share=window_share, zoom_share=zoom_share, forced=forced)
         for i, cap_len in enumerate(tries):
             try:
-                return fit_segmentation(h, **opts, max_span=cap_len)
+                return _fit(h, **opts, max_span=cap_len)
             except ValueError:
                 if i == len(tries) - 1:
                     raise
+    return _fit(
+        h,
+        alpha=alpha,
+        min_span=min_span,
+        window=window,
+        capacity=capacity,
+        summary_cost=summary_cost,
+        strict=strict,
+        window_share=window_share,
+        zoom_share=zoom_share,
+        forced=forced,
+        max_span=None if max_span == "auto" else max_span,
+    )
+
+
+def _fit(
+    h: torch.Tensor,
+    *,
+    alpha: float,
+    min_span: int,
+    window: int,
+    capacity: int,
+    summary_cost: float,
+    strict: bool,
+    window_share: float,
+    zoom_share: float,
+    forced: torch.Tensor | None,
+    max_span: int | None,
+) -> Segmentation:
     h = h.float()
     n = h.numel()
     mu, sigma = _stats(h)

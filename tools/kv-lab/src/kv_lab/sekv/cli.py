@@ -198,6 +198,23 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def cmd_calibrate(args: argparse.Namespace) -> dict[str, Any]:
+    from kv_sekv.router import SEKVRouter
+
+    from .loop import calibrate_tau
+
+    device = pick_device(args.device)
+    model, tok, model_id = load_model(args.model)
+    model.to(device)
+    router = SEKVRouter.load(args.router)
+    router.check_config(model.config)
+    router.to(model.device)
+    train, _ = _data(args, tok)
+    tau = calibrate_tau(model, router, train[: args.eval_sequences, : args.seq_len], _train_config(args), args.rate)
+    router.save(args.out)
+    return {"model_id": model_id, "rate": args.rate, "tau_mean": float(tau.mean()), "out": args.out}
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kv-sekv", description="Train and check SEKV routers (SEKV §3.4).")
     sub = p.add_subparsers(dest="command", required=True)
@@ -205,6 +222,7 @@ def parser() -> argparse.ArgumentParser:
         ("mine", "tokenize, split and record surprisal statistics"),
         ("train", "train a router with the backbone frozen"),
         ("eval", "held-out KL and per-(layer, head) zoom rate of a router"),
+        ("calibrate", "set each tau to open the gate on --rate of the training (query, span) pairs (our addition)"),
     ):
         s = sub.add_parser(name, help=help_)
         s.add_argument("--model", default="smollm2", help="'smollm2' or a transformers model path / id")
@@ -245,6 +263,9 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--stop-after", type=int, default=None, help="stop after N steps (checkpointed)")
         else:
             s.add_argument("--router", required=True)
+        if name == "calibrate":
+            s.add_argument("--rate", type=float, default=0.05, help="target open rate per (layer, head)")
+            s.add_argument("--out", required=True, help="calibrated router file")
     return p
 
 
@@ -254,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--threads must be >= 0, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = {"mine": cmd_mine, "train": cmd_train, "eval": cmd_eval}[args.command](args)
+    commands = {"mine": cmd_mine, "train": cmd_train, "eval": cmd_eval, "calibrate": cmd_calibrate}
+    result = commands[args.command](args)
     json.dump(result, sys.stdout, indent=1, default=str)
     sys.stdout.write("\n")
     return 0

@@ -110,6 +110,8 @@ class SEKVTraining:
     )
     zoom_rate: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     """Per layer, per batch row: the fraction of (query, span) pairs zoomed per query head ``[Hq]`` (Fig. 5)."""
+    gates: dict[int, list[torch.Tensor]] | None = None
+    """When a dict: per layer, per batch row, the gate values ``[Hq, Qc · n_spans]`` (for :func:`calibrate_tau`)."""
 
 
 def prepare_training(
@@ -260,6 +262,8 @@ def _row(state: SEKVTraining, row: SpanRow, layer: int, qc, kc, vc, scale):
         rec["zoom"].append((-(pw * y * torch.log(ga) + (1 - y) * torch.log(1 - ga))).mean())  # Eq. 13
     rec["z"].append(z.mean())
     state.zoom_rate.setdefault(layer, []).append((diff > 0).float().mean((1, 2)).detach())
+    if state.gates is not None:
+        state.gates.setdefault(layer, []).append(gate.detach().reshape(Hq, -1))
     return out
 
 

@@ -26,7 +26,7 @@ from kvcore.checks import check_int
 from .forward import prepare_training, sekv_training
 from .teacher import TeacherRecord, teacher_recording
 
-__all__ = ["TrainConfig", "evaluate", "train_router"]
+__all__ = ["TrainConfig", "calibrate_tau", "evaluate", "train_router"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,7 @@ def _segment(router: SEKVRouter, model: Any, h: torch.Tensor, c: int) -> list:
             summary_cost=cost,
             window_share=cfg.window_share,
             zoom_share=cfg.zoom_share,
+            max_span=cfg.max_span,
         )
         for b in range(h.shape[0])
     ]
@@ -116,9 +117,10 @@ def losses(
     tc: TrainConfig,
     lambda_budget: float,
     zoom_rate: dict[int, list[torch.Tensor]] | None = None,
+    gates: dict[int, list[torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The loss terms of Eq. 10 for a batch ``ids`` ``[B, T]`` (``"total"`` included); the per-layer zoom rates are
-    added to ``zoom_rate`` when given.
+    added to ``zoom_rate`` when given, the gate values to ``gates`` (per layer, ``[Hq, pairs]``) when given.
 
     One teacher pass over the whole sequence without grad (full KV: the teacher logits, the prefix surprisal, the
     prefix keys and values, the zoom targets), then one student pass over the continuation ``[c, T)`` only, with the
@@ -140,6 +142,7 @@ def losses(
         teacher = model(ids, use_cache=False).logits.float()
     h = surprisal_from_logits(teacher, ids)
     state = prepare_training(router, record, _segment(router, model, h, c), h[:, :c], tc.local_window)
+    state.gates = gates
     del record
     pos = torch.arange(c, T, device=ids.device).expand(ids.shape[0], -1)
     with sekv_training(model, state):
@@ -179,6 +182,30 @@ def evaluate(
     if zoom_rate is not None:
         zoom_rate.update({layer: torch.stack(r).mean(0) for layer, r in sorted(rates.items())})
     return {k: v / seqs.shape[0] for k, v in sums.items()}
+
+
+@torch.no_grad()
+def calibrate_tau(model: Any, router: SEKVRouter, seqs: torch.Tensor, tc: TrainConfig, rate: float) -> torch.Tensor:
+    """Set every threshold ``τ^{(l,h)}`` so that the gate opens on a fraction ``rate`` of the (query, span) pairs of
+    ``seqs`` (one sequence at a time, as in training): ``τ = quantile(α̃, 1 − rate)`` per layer and query head.
+
+    Our addition (the paper learns τ through the straight-through budget term, Eq. 15). With the few hundred CPU
+    steps of the small recipe τ moves by at most ``lr`` per step (AdamW normalises the gradient), far too little to
+    reach the operating point of a 10 % budget, so the trained gate's *order* is kept and its operating point set to
+    the zoom share the budget allows. Returns the new ``τ`` ``[L, Hq]`` (also written into ``router.tau``).
+    """
+    if not 0.0 < rate < 1.0:
+        raise ValueError(f"rate must lie in (0, 1), got {rate}")
+    gates: dict[int, list[torch.Tensor]] = {}
+    for i in range(seqs.shape[0]):
+        losses(model, router, seqs[i : i + 1], tc, router.config.lambda_budget, gates=gates)
+    tau = router.tau.detach().clone()
+    for layer, parts in gates.items():
+        g = torch.cat(parts, 1).float()
+        if g.shape[1]:
+            tau[layer] = torch.quantile(g, 1.0 - rate, dim=1).clamp(0.0, 1.0 - 1e-6).to(tau.dtype)
+    router.tau.data.copy_(tau)
+    return tau
 
 
 def _schedule(tc: TrainConfig):
