@@ -106,3 +106,17 @@ def test_untrained_gates_follow_the_shapes_and_the_registered_method_builds():
     assert scorer.score(_ctx(heads=4, dim=16)).keys.shape == (1, 4, 5)
     c = kb.fastkvzip(0.75)
     assert c.name == "fastkvzip" and math.isclose(c.budget.ratio, 0.75) and c.budget.granularity == "global"
+
+
+def test_one_head_at_a_time_equals_the_whole_layer():
+    """A ragged cache is re-planned one KV head at a time (kvcore.replan passes the head in extras["kv_head"])."""
+    from kvcore.replan import HEAD_EXTRA
+
+    g = _gate()
+    k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    whole = kb.FastKVzipScorer(g).score(ScoringContext(keys=k, values=v, layer_idx=2)).keys
+    for h in range(2):
+        ctx = ScoringContext(keys=k[:, h : h + 1], values=v[:, h : h + 1], layer_idx=2, extras={HEAD_EXTRA: h})
+        torch.testing.assert_close(kb.FastKVzipScorer(g).score(ctx).keys, whole[:, h : h + 1])
+    with pytest.raises(ValueError, match="head must index"):
+        g(2, k, v, head=2)

@@ -35,6 +35,11 @@ from kvcore.view import KVView
 _BIG = torch.iinfo(torch.int64).max
 
 
+HEAD_EXTRA = "kv_head"
+"""``ScoringContext.extras`` key of a per-head re-plan (a ragged layout scored one KV head at a time, ``Hkv = 1``):
+the index of the head being scored, for scorers with per-head parameters (FastKVzip's gate); others ignore it."""
+
+
 def replan(
     store: Store,
     compressor: Compressor,
@@ -220,7 +225,13 @@ def _plan_per_head(compressor, keys, values, positions, queries, layer_idx, prot
         plan = _plan(
             compressor,
             _context(
-                keys[:, h : h + 1], values[:, h : h + 1], positions[:, h], head_queries, None, layer_idx, protect_before
+                keys[:, h : h + 1],
+                values[:, h : h + 1],
+                positions[:, h],
+                head_queries,
+                {HEAD_EXTRA: h},
+                layer_idx,
+                protect_before,
             ),
         )
         key_bits[:, h] = plan.key_bits[:, 0]

@@ -36,6 +36,7 @@ from torch import nn
 
 from kvcore import Scorer, Scores, ScoringContext
 from kvcore.checks import check_int
+from kvcore.replan import HEAD_EXTRA
 
 __all__ = [
     "FastKVzipConfig",
@@ -144,7 +145,7 @@ class FastKVzipGate(nn.Module):
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.config.eps) * w
 
-    def logits(self, layer: int | slice, x: torch.Tensor) -> torch.Tensor:
+    def logits(self, layer: int | slice, x: torch.Tensor, head: int | None = None) -> torch.Tensor:
         """``[B, H, T, G]`` pre-sigmoid gate logits of features ``x [B, H, T, F]`` at ``layer`` (the score is
         ``mean_G sigmoid(logit)``). With ``layer=slice(None)``, ``x`` is ``[L, H, T, F]`` and its first axis is the
         layer (training fits every layer in one pass)."""
@@ -152,6 +153,8 @@ class FastKVzipGate(nn.Module):
         one = not isinstance(layer, slice)
         p = [t[layer] for t in (self.q_weight, self.q_bias, self.k_weight, self.q_norm, self.k_norm)]
         p += [self.sink_keys[layer], self.bias[layer]]
+        if head is not None:  # one KV head's gate (x holds that head alone): per-head re-planning scores head by head
+            p = [t if i in (3, 4) else t[head : head + 1] for i, t in enumerate(p)]
         if one:
             p = [t.unsqueeze(0) for t in p]
         qw, qb, kw, qn, kn, sk, b = p  # leading axis: 1 (broadcast over the batch) or the layers
@@ -164,16 +167,20 @@ class FastKVzipGate(nn.Module):
         base = torch.einsum("bhsd,bhtgd->bhtgs", sk.expand(x.shape[0], *sk.shape[1:]), q) / math.sqrt(c.dim)
         return own - torch.logsumexp(base, -1)  # 1 / (1 + sum_s exp(base_s - own)) = sigmoid(own - lse(base))
 
-    def forward(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """``[B, H, T]`` float32 gate scores in (0, 1) of post-RoPE ``keys`` / ``values [B, H, T, D]``."""
-        self.check(layer, keys)
+    def forward(self, layer: int, keys: torch.Tensor, values: torch.Tensor, head: int | None = None) -> torch.Tensor:
+        """``[B, H, T]`` float32 gate scores in (0, 1) of post-RoPE ``keys`` / ``values [B, H, T, D]``; with ``head``,
+        ``keys`` hold that KV head alone (``H = 1``) and its gate is used."""
+        self.check(layer, keys, head)
         x = gate_features(keys, values, self.config.eps).to(self.q_weight.device)
-        return torch.sigmoid(self.logits(layer, x)).mean(-1)
+        return torch.sigmoid(self.logits(layer, x, head)).mean(-1)
 
-    def check(self, layer: int, keys: torch.Tensor) -> None:
+    def check(self, layer: int, keys: torch.Tensor, head: int | None = None) -> None:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"the FastKVzip gate has {self.num_layers} layers, got layer_idx={layer}")
-        if keys.shape[1] != self.num_kv_heads or keys.shape[-1] != self.head_dim:
+        if head is not None and not (isinstance(head, int) and 0 <= head < self.num_kv_heads and keys.shape[1] == 1):
+            raise ValueError(f"head must index one of the gate's {self.num_kv_heads} KV heads with keys of one head")
+        heads = 1 if head is not None else self.num_kv_heads
+        if keys.shape[1] != heads or keys.shape[-1] != self.head_dim:
             raise ValueError(
                 f"the FastKVzip gate{' for ' + self.model_id if self.model_id else ''} takes {self.num_kv_heads} KV "
                 f"heads of dim {self.head_dim}, got keys {tuple(keys.shape)}: train one for this model with "
@@ -249,7 +256,7 @@ class ShippedGate:
     def path(self) -> Path:
         return GATES_DIR / f"{self.name}.pt"
 
-    def resolve(self, num_kv_heads: int, head_dim: int, layer_idx: int) -> FastKVzipGate:
+    def resolve(self, num_kv_heads: int, head_dim: int, layer_idx: int, head: int | None = None) -> FastKVzipGate:
         if self._gate is None:
             if not self.path().is_file():
                 raise ValueError(
@@ -271,8 +278,8 @@ class UntrainedGates:
     layers: int = 64
     _made: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def resolve(self, num_kv_heads: int, head_dim: int, layer_idx: int) -> FastKVzipGate:
-        key = (num_kv_heads, head_dim)
+    def resolve(self, num_kv_heads: int, head_dim: int, layer_idx: int, head: int | None = None) -> FastKVzipGate:
+        key = (max(num_kv_heads, (head or 0) + 1), head_dim)
         if key not in self._made:
             self._made[key] = FastKVzipGate.untrained(self.layers, num_kv_heads, head_dim, seed=self.seed).eval()
         return self._made[key]
@@ -298,13 +305,14 @@ class FastKVzipScorer(Scorer):
         if not isinstance(g, FastKVzipGate):
             if not callable(getattr(g, "resolve", None)):
                 raise TypeError(f"gate must be a FastKVzipGate or have resolve(...), got {type(g).__name__}")
-            g = g.resolve(ctx.num_kv_heads, ctx.keys.shape[-1], ctx.layer_idx)
+            g = g.resolve(ctx.num_kv_heads, ctx.keys.shape[-1], ctx.layer_idx, ctx.extras.get(HEAD_EXTRA))
         return g
 
     def score(self, ctx: ScoringContext) -> Scores:
         gate = self._gate(ctx)
+        head = ctx.extras.get(HEAD_EXTRA)  # a per-head re-plan of a ragged cache scores one KV head at a time
         with torch.no_grad():
-            s = gate(ctx.layer_idx, ctx.keys, ctx.values).to(ctx.keys.device)
+            s = gate(ctx.layer_idx, ctx.keys, ctx.values, head).to(ctx.keys.device)
         return Scores(torch.nan_to_num(s, nan=0.0))
 
 
