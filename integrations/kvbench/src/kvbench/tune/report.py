@@ -154,6 +154,7 @@ def plot_frontier(
         ax.set(xlabel="KV bytes held per context token, % of an fp16 cache", ylabel=label)
         if metric == "kl":
             ax.set_yscale("symlog", linthresh=1e-3)
+            ax.set_ylim(bottom=0.0)  # a KL is never negative
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7, ncol=2)
     fig.suptitle((title + "\n" if title else "") + "★ winner, ○ ties (not distinguishable from it)", fontsize=9)
