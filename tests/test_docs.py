@@ -53,7 +53,7 @@ def kvbench_lines(cli: str = "kvbench") -> list[tuple[str, str]]:
     out = []
     for path in DOCS:
         for body in blocks(path, ("bash", "sh", "console", "shell")):
-            for line in body.splitlines():
+            for line in body.replace("\\\n", " ").splitlines():  # a continued line is one command, as in a shell
                 line = line.split("#", 1)[0].strip()
                 words = shlex.split(line) if line else []
                 if words[:2] == ["uv", "run"]:
