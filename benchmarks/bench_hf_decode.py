@@ -1,6 +1,7 @@
 """Decode-step throughput of the HF adapter vs an unmodified transformers ``DynamicCache``.
 
-One run, same model (SmolLM2-135M-Instruct, offline), same random prompt, same greedy steps:
+One run, same model (``--model``: a kvbench registry name, default SmolLM2-135M-Instruct; ``gemma3-270m`` for Gemma 3
+270M's hybrid sliding-window / global attention; offline), same random prompt, same greedy steps:
 
 * ``DynamicCache``  the anchor: transformers' own cache, attention over the raw K/V (``torch.cat`` per step);
 * ``kv_hf <method>`` our adapter over each method of ``--methods`` (registry names, ``name@budget`` for a budget
@@ -8,9 +9,11 @@ One run, same model (SmolLM2-135M-Instruct, offline), same random prompt, same g
   SnapKV after evicting half of every head, KIVI-2 decoding through its fused ``attend``. Stores that declare
   ``can_attend`` decode through ``Store.attend``.
 
-Printed: KV bytes after the prefill (ours: ``cache.nbytes()``, int32 positions included; DynamicCache: K+V in
-the model dtype), single-token decode steps per second (median over ``--rounds`` interleaved rounds, each ``--steps``
-steps after the prefill, the cache rolled back between rounds) and each contender's ratio to ``DynamicCache``.
+Printed: KV bytes after the prefill (ours: ``cache.nbytes()``, int32 positions and sliding-window layers included;
+DynamicCache: the storage its K+V tensors keep allocated after the prefill and one decode step — transformers'
+sliding-window layer keeps its window as a slice of the prompt-long tensor until its next update),
+single-token decode steps per second (median over ``--rounds`` interleaved rounds, each ``--steps`` steps after the
+prefill, the cache rolled back between rounds) and each contender's ratio to ``DynamicCache``.
 
 Usage::
 
@@ -18,6 +21,7 @@ Usage::
     python benchmarks/bench_hf_decode.py --tokens 4000 --device cuda
     python benchmarks/bench_hf_decode.py --tokens 2048 --steps 64 --methods kivi-2,kivi-4,hqekv-2,hqekv-3.2 --threads 1
     python benchmarks/bench_hf_decode.py --random-model --device cuda --tokens 8000   # a machine without the weights
+    python benchmarks/bench_hf_decode.py --model gemma3-270m --tokens 2048 --methods full,snapkv@0.5,kivi-2
 
 ``--random-model`` builds SmolLM2-135M's architecture with random weights (same shapes, so the same decode work;
 for timing only: its tokens mean nothing).
@@ -35,9 +39,9 @@ from transformers import DynamicCache
 
 import kv_hf
 from kvbench.budgets import parse_budget
-from kvbench.models import load_smollm2
+from kvbench.models import get_model
 from kvbench.run import decode_rate
-from kvcore import registry
+from kvcore import registry, storage_bytes
 
 
 def _sync(device: torch.device) -> None:
@@ -45,12 +49,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def held_bytes(cache: DynamicCache) -> int:
+    """Bytes of the storage a ``DynamicCache``'s K/V tensors keep allocated (every layer kind: full, sliding)."""
+    return storage_bytes([t for layer in cache.layers for t in (layer.keys, layer.values)])
+
+
 @torch.no_grad()
 def dynamic_rate(model, ids: torch.Tensor, steps: int, rounds: int) -> list[float]:
     """Steps/s over a fresh ``DynamicCache`` per round (prefill excluded from the timing)."""
     rates = []
     for _ in range(rounds):
-        cache = DynamicCache()
+        cache = DynamicCache(config=model.config)  # what generate() builds: sliding-window layers keep their window
         out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
         pos = torch.tensor([[ids.shape[1]]], device=ids.device)
@@ -107,7 +116,7 @@ def model_and_prompt(args) -> tuple:
     if args.random_model:
         model = random_smollm2(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     else:
-        model, _ = load_smollm2(device=device)
+        model, _ = get_model(args.model).load(device=device)
     ids = torch.randint(100, 10_000, (1, args.tokens), generator=torch.Generator().manual_seed(0)).to(device)
     return model, ids
 
@@ -123,7 +132,11 @@ def main(argv: list[str] | None = None) -> None:
         "--methods", default="full,snapkv@0.5,kivi-2", help="registry names, name@budget (default: %(default)s)"
     )
     p.add_argument("--random-model", action="store_true", help="SmolLM2's shapes with random weights (no download)")
+    p.add_argument("--model", default="smollm2-135m", help="kvbench model registry name (default: %(default)s)")
     args = p.parse_args(argv)
+    if args.random_model and args.model != "smollm2-135m":
+        p.error("--random-model builds SmolLM2's shapes; it cannot be combined with --model")
+    get_model(args.model)  # an unknown name fails before any model loads
     makers = contenders(args.methods)
     model, ids = model_and_prompt(args)
     device = ids.device
@@ -140,21 +153,17 @@ def main(argv: list[str] | None = None) -> None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU"
     print(
         f"device: {where}, {torch.get_num_threads()} torch threads; torch {torch.__version__}; "
-        f"prompt {args.tokens} tokens; {args.steps} steps x {args.rounds} rounds (median)"
+        f"model {args.model}; prompt {args.tokens} tokens; {args.steps} steps x {args.rounds} rounds (median)"
         + ("; random weights" if args.random_model else "")
     )
     base = statistics.median(rates["DynamicCache"])
     print("| cache | KV MB | steps/s | vs DynamicCache |")
     print("|---|---|---|---|")
-    full_mb = (
-        2
-        * model.config.num_hidden_layers
-        * model.config.num_key_value_heads
-        * (model.config.hidden_size // model.config.num_attention_heads)
-        * args.tokens
-        * next(model.parameters()).element_size()
-        / 2**20
-    )
+    anchor = DynamicCache(config=model.config)
+    with torch.no_grad():  # after the prefill and one decode step: a sliding layer frees the prompt at its next update
+        model(ids, past_key_values=anchor, use_cache=True, logits_to_keep=1)
+        model(ids[:, -1:], past_key_values=anchor, position_ids=torch.tensor([[ids.shape[1]]], device=device))
+    full_mb = held_bytes(anchor) / 2**20
     for name, r in rates.items():
         mb = full_mb if name == "DynamicCache" else caches[name][2] / 2**20
         med = statistics.median(r)

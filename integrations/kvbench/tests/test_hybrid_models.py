@@ -22,6 +22,8 @@ T, W = 200, 8
 # SEKV's registered methods carry the router trained for SmolLM2 (other heads and layers): they are checked below
 # with a router built for the tiny model
 SEKV = sorted(name for name in REGISTRY if name.startswith("sekv"))
+# FastKVzip's registered methods carry the gate trained for SmolLM2: checked below with seeded gates for the model
+FASTKVZIP = ("fastkvzip", "hubkv-fastkvzip")
 
 
 class CharTokenizer:
@@ -62,12 +64,23 @@ def _sekv_for(model):
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("name", sorted(set(REGISTRY) - set(SEKV)) + ["sekv (router for the tiny model)"])
+@pytest.mark.parametrize(
+    "name",
+    sorted(set(REGISTRY) - set(SEKV) - set(FASTKVZIP))
+    + ["sekv (router for the tiny model)", "fastkvzip (gate for the tiny model)", "hubkv-fastkvzip (gate for it)"],
+)
 @torch.no_grad()
 def test_every_method_compresses_the_global_layers_and_keeps_the_windows(name, shape):
     model, ids = _model(shape), _ids()
     if name.startswith("sekv"):
         budget, compressor = Budget(ratio=0.5), _sekv_for(model)
+    elif "fastkvzip" in name:
+        from kv_baselines import fastkvzip
+        from kv_baselines.scorers.fastkvzip import UntrainedGates
+        from kv_hubkv import hubkv
+
+        budget, compressor = Budget(ratio=0.5), fastkvzip(0.5, gate=UntrainedGates())
+        compressor = hubkv(compressor) if name.startswith("hubkv") else compressor
     else:
         method = REGISTRY[name]
         budget = Budget(ratio=0.5) if "ratio" in method.budgets else None
@@ -122,3 +135,21 @@ def test_a_collected_prefill_compresses_to_what_prefill_builds():
     for a, b in zip(direct.compressed, shared.compressed):
         va, vb = a.store.read(), b.store.read()
         assert torch.equal(va.keys, vb.keys) and torch.equal(va.positions, vb.positions)
+
+
+@torch.no_grad()
+def test_a_window_holds_only_its_tokens_after_a_long_prefill():
+    # transformers' sliding layer keeps its window as a slice of the prompt-long [past | new] tensor, so the whole
+    # prompt stays allocated until the next update; the kv_hf window copies itself out and frees it
+    model, ids = _model(), _ids()
+    cache = kv_hf.compressed_cache(model, REGISTRY["full"].build(None))
+    kv_hf.prefill(model, cache, ids)
+    c = model.config
+    window_bytes = 2 * (W - 1) * c.num_key_value_heads * c.head_dim * 4  # K and V, float32
+    assert [w.nbytes() for w in cache.windows] == [window_bytes] * len(cache.windows)
+    ref = DynamicCache(config=model.config)
+    model(ids, past_key_values=ref)
+    assert ref.layers[0].keys.untyped_storage().nbytes() > window_bytes  # what the copy avoids
+    token = torch.tensor([[5]])
+    model(token, past_key_values=cache, position_ids=torch.tensor([[T]]))
+    assert all(w.nbytes() <= 2 * window_bytes for w in cache.windows)  # a decode step's slice is not copied

@@ -10,7 +10,8 @@ A model whose layers mix sliding-window and global attention keeps, in each slid
 * rollback to an earlier length (:meth:`truncate`, the multi-question protocol's crop back to the context) while a
   :meth:`hold` is open: the tokens that slide out of the window meanwhile are kept aside until it closes, since
   transformers' own layer cannot crop once its window is full;
-* its bytes (:meth:`nbytes`), counted in the cache's total.
+* its bytes (:meth:`nbytes`), counted in the cache's total (the storage held: after a prefill the window is copied
+  out of the prompt-long tensor transformers slices it from, so the prompt's keys and values are freed at once).
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ class WindowLayer(DynamicSlidingWindowLayer):
         if self.mode == SCRATCH:  # attend to [window | new], keep nothing
             return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
         if self._dropped is None:
-            return super().update(key_states, value_states, *args, **kwargs)
+            full_k, full_v = super().update(key_states, value_states, *args, **kwargs)
+            self._own_storage()
+            return full_k, full_v
         full_k = torch.cat([self.keys, key_states], dim=-2)
         full_v = torch.cat([self.values, value_states], dim=-2)
         keep = self.sliding_window - 1
@@ -59,6 +62,14 @@ class WindowLayer(DynamicSlidingWindowLayer):
         self.cumulative_length += key_states.shape[-2]
         self.keys, self.values = full_k[:, :, -keep:], full_v[:, :, -keep:]
         return full_k, full_v
+
+    def _own_storage(self) -> None:
+        """Copy the window out of the prefill's tensor it is a view of: transformers' layer keeps the last
+        ``sliding_window - 1`` tokens as a slice of ``[past | new]``, so after a long prefill the whole prompt's keys
+        and values stay allocated until the next update. A window that holds under half its storage is copied (the
+        same values), which frees the rest; a decode step's slice (one token over the window) is left as it is."""
+        if self.keys.untyped_storage().nbytes() > 2 * self.keys.numel() * self.keys.element_size():
+            self.keys, self.values = self.keys.clone(), self.values.clone()
 
     def hold(self) -> None:
         """Start keeping what slides out of the window, so that :meth:`truncate` can go back to the current length."""
