@@ -12,8 +12,6 @@ settings, the model identity and the SHA-256 of the tensor file; :meth:`SEKVRout
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from kvcore.artifacts import read_sidecar, write_sidecar
 from kvcore.checks import check_int
 
 from .config import SEKVConfig
@@ -261,10 +260,7 @@ class SEKVRouter(nn.Module):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file({k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}, str(path))
-        meta = self.metadata() | {"sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
-        side = path.with_suffix(".json")
-        side.write_text(json.dumps(meta, indent=1, sort_keys=True))
-        return side
+        return write_sidecar(path, self.metadata())
 
     @classmethod
     def load(cls, path: str | Path, model_id: str | None = None) -> SEKVRouter:
@@ -280,18 +276,9 @@ class SEKVRouter(nn.Module):
         from safetensors.torch import load_file
 
         path = Path(path)
-        side = path.with_suffix(".json")
-        for p in (path, side):
-            if not p.is_file():
-                raise FileNotFoundError(f"SEKV router artifact: {p} is missing (written by SEKVRouter.save)")
-        meta = json.loads(side.read_text())
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{side}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        if digest != meta.get("sha256"):
-            raise ValueError(f"{path}: SHA-256 {digest} does not match the one recorded in {side.name}")
-        if model_id is not None and meta["model_id"] != model_id:
-            raise ValueError(f"{path} is a router for model {meta['model_id']!r}, not {model_id!r}")
+        meta = read_sidecar(
+            path, what="SEKV router", writer="SEKVRouter.save", format_version=FORMAT_VERSION, model_id=model_id
+        )
         config = SEKVConfig(**meta["config"])
         router = cls(
             meta["num_layers"], meta["num_heads"], meta["num_kv_heads"], meta["head_dim"], config, meta["model_id"]
@@ -300,7 +287,10 @@ class SEKVRouter(nn.Module):
         want = {k: list(v.shape) for k, v in router.state_dict().items()}
         got = {k: list(v.shape) for k, v in tensors.items()}
         if got != want or meta.get("shapes") != want:
-            raise ValueError(f"{path}: tensor shapes {got} do not match the router described in {side.name} ({want})")
+            raise ValueError(
+                f"{path}: tensor shapes {got} do not match the router described in its sidecar "
+                f"{path.with_suffix('.json').name} ({want})"
+            )
         router.load_state_dict(tensors)
         return router
 

@@ -24,8 +24,6 @@ training record, SHA-256) is trained by ``kv-fastkvzip train`` (tools/kv-lab).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,6 +33,7 @@ import torch
 from torch import nn
 
 from kvcore import Scorer, Scores, ScoringContext
+from kvcore.artifacts import read_sidecar, write_sidecar
 from kvcore.checks import check_int
 from kvcore.replan import HEAD_EXTRA
 
@@ -205,10 +204,7 @@ class FastKVzipGate(nn.Module):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}, path)
-        side = path.with_suffix(".json")
-        meta = self.metadata() | {"sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
-        side.write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
-        return side
+        return write_sidecar(path, self.metadata())
 
     @classmethod
     def load(cls, path: str | Path, model_id: str | None = None) -> FastKVzipGate:
@@ -217,18 +213,9 @@ class FastKVzipGate(nn.Module):
         Raises ``FileNotFoundError`` (a file missing) or ``ValueError`` (checksum, version, shapes or model).
         """
         path = Path(path)
-        side = path.with_suffix(".json")
-        for p in (path, side):
-            if not p.is_file():
-                raise FileNotFoundError(f"FastKVzip gate artifact: {p} is missing (written by FastKVzipGate.save)")
-        meta = json.loads(side.read_text())
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{side}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        if digest != meta.get("sha256"):
-            raise ValueError(f"{path}: SHA-256 {digest} does not match the one recorded in {side.name}")
-        if model_id is not None and meta["model_id"] != model_id:
-            raise ValueError(f"{path} is a gate for model {meta['model_id']!r}, not {model_id!r}")
+        meta = read_sidecar(
+            path, what="FastKVzip gate", writer="FastKVzipGate.save", format_version=FORMAT_VERSION, model_id=model_id
+        )
         gate = cls(
             meta["num_layers"],
             meta["num_kv_heads"],
@@ -241,7 +228,10 @@ class FastKVzipGate(nn.Module):
         want = {k: list(v.shape) for k, v in gate.state_dict().items()}
         got = {k: list(v.shape) for k, v in tensors.items()}
         if got != want or meta.get("shapes") != want:
-            raise ValueError(f"{path}: tensor shapes {got} do not match the gate described in {side.name} ({want})")
+            raise ValueError(
+                f"{path}: tensor shapes {got} do not match the gate described in its sidecar "
+                f"{path.with_suffix('.json').name} ({want})"
+            )
         gate.load_state_dict(tensors)
         return gate.eval().requires_grad_(False)
 
