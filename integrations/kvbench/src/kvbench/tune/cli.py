@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvbench.cli import (
+from kvbench.models.registry import DEFAULT_MODEL, MODELS
+from kvbench.options import (
     UsageError,
     _count,
     _Counting,
@@ -24,7 +25,6 @@ from kvbench.cli import (
     portable_argv,
     versions,
 )
-from kvbench.models.registry import DEFAULT_MODEL, MODELS
 
 DEFAULT_LADDER = (0.1, 0.2, 0.35, 0.5)
 """Byte levels (fractions of an fp16 cache) ``--max-kl`` searches unless ``--levels`` names others."""
