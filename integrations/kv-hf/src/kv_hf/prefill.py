@@ -35,12 +35,7 @@ def _check_ids(input_ids: object, attention_mask: object) -> None:
 
 def _check_chunking(input_ids: torch.Tensor, chunk_size: object, context_start: object) -> None:
     check_int("chunk_size", chunk_size, low=1, optional="one pass")
-    if (
-        isinstance(context_start, bool)
-        or not isinstance(context_start, int)
-        or not 0 <= context_start < input_ids.shape[1]
-    ):
-        raise ValueError(f"context_start must be an int in [0, {input_ids.shape[1]}), got {context_start!r}")
+    check_int("context_start", context_start, low=0, high=input_ids.shape[1] - 1)
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ from kv_baselines.scorers import (
 )
 from kv_baselines.selectors import PyramidSelector
 from kvcore import Budget, Compressor, DenseStore, Protection, TopKSelector
+from kvcore.checks import check_int
 
 KIVI_BITS = (1, 2, 3, 4, 8)
 """Code widths ``kivi()`` accepts (KIVI's 2 and 4 bits, and the packings kvcodec implements densely)."""
@@ -162,8 +163,7 @@ def kivi(
         )
     vbits = bits if value_bits is None else value_bits
     for name, width in (("bits", bits), ("value_bits", vbits)):
-        if isinstance(width, bool) or not isinstance(width, int) or width not in KIVI_BITS:
-            raise ValueError(f"{name} must be one of KIVI's widths {KIVI_BITS}, got {width!r}")
+        check_int(name, width, choices=KIVI_BITS)
 
     def store() -> KIVIStore:
         return KIVIStore(

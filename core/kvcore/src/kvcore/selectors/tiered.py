@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcore.budget import Budget
-from kvcore.checks import check_number
+from kvcore.checks import check_int, check_number
 from kvcore.plan import EVICT, TIERS, Plan
 from kvcore.scores import Scores
 from kvcore.selectors._ranking import as_scores, check_protected_fit, prepare, stable_rank, unflatten
@@ -86,8 +86,7 @@ class TieredSelector:
         if not isinstance(self.tiers, (tuple, list)) or not self.tiers:
             raise TypeError(f"tiers must be a non-empty tuple of bit widths, got {self.tiers!r}")
         for b in self.tiers:
-            if isinstance(b, bool) or not isinstance(b, int) or b not in TIERS:
-                raise ValueError(f"tiers must be widths in {{0 (evict), 1-8, 16 (full)}}, got {tuple(self.tiers)}")
+            check_int("tiers (widths: 0 = evict, 16 = full)", b, choices=TIERS)
         for b, s in dict(self.shares).items():
             check_number(f"shares[{b}]", s, low=0.0, high=1.0)
         if set(self.shares) - set(self.tiers):
