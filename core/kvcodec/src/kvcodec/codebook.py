@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcodec.packing import PACK_BITS, pack_unchecked, unpack_unchecked
+from kvcodec.packing import PACK_BITS, pack_quantized, unpack_unchecked
 from kvcodec.stats import expand_groups, resolve_group_size
 from kvcore import QuantizedTensor
 from kvcore.checks import check_finite, check_float, check_int, check_tensor
@@ -127,17 +127,7 @@ class CodebookQuantizer:
         s = expand_groups(scale.float(), self.axis, G, T, D)
         y = torch.where(s > 0, xf / torch.where(s > 0, s, 1.0), 0.0)
         codes = nearest_level(y, cb)
-        return QuantizedTensor(
-            codes=pack_unchecked(codes, self.bits),
-            scales=scale,
-            zeros=None,
-            bits=self.bits,
-            axis=self.axis,
-            group_size=G,
-            shape=tuple(x.shape),
-            dtype=x.dtype,
-            codebook=cb,
-        )
+        return pack_quantized(codes, scale, None, bits=self.bits, axis=self.axis, group_size=G, like=x, codebook=cb)
 
     def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
         """``codebook[code] * scale`` (plus ``zeros`` when present) in ``q.dtype``; see :func:`dequantize_codebook`."""

@@ -13,7 +13,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kvcore import packed_width
+from kvcore import QuantizedTensor, packed_width
 from kvcore.checks import check_int
 
 PACK_BITS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -112,3 +112,30 @@ def unpack_unchecked(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
         shifts = _shifts(8, bits, wide, str(packed.device))
         codes = ((word[..., None] >> shifts) & ((1 << bits) - 1)).to(torch.uint8).view(*lead, chunks * 8)
     return codes if codes.shape[-1] == d else codes[..., :d].clone(memory_format=torch.contiguous_format)
+
+
+def pack_quantized(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    *,
+    bits: int,
+    axis: str,
+    group_size: int,
+    like: torch.Tensor,
+    codebook: torch.Tensor | None = None,
+) -> QuantizedTensor:
+    """A :class:`kvcore.QuantizedTensor` of unpacked ``codes`` (one uint8 per element, ``< 2**bits``) quantizing
+    ``like``: the codes bit-packed (:func:`pack_unchecked`), the shape and dtype taken from ``like``. The one place a
+    quantizer assembles its result (uniform, codebook and HqeKV's normalized tiers)."""
+    return QuantizedTensor(
+        codes=pack_unchecked(codes, bits),
+        scales=scales,
+        zeros=zeros,
+        bits=bits,
+        axis=axis,
+        group_size=group_size,
+        shape=tuple(like.shape),
+        dtype=like.dtype,
+        codebook=codebook,
+    )

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 import kvcodec.kernels.dispatch as _kernels
-from kvcodec.packing import pack_unchecked
+from kvcodec.packing import pack_quantized
 from kvcodec.stats import QUANT_BITS, expand_groups, minmax_scale, minmax_stats, resolve_group_size, scale_dtype_for
 from kvcore import QuantizedTensor
 from kvcore.checks import check_finite, check_float, check_int, check_tensor
@@ -121,13 +121,4 @@ def quantize_minmax(
     codes = torch.round((x.float() - z) / s).clamp_(0, (1 << bits) - 1).to(torch.uint8)
     if not bool(torch.isfinite(scale).all()):
         raise ValueError(f"x has a group range too large for {sdt} scales at bits={bits}; quantize it in float32")
-    return QuantizedTensor(
-        codes=pack_unchecked(codes, bits),
-        scales=scale.to(sdt),
-        zeros=zero,
-        bits=bits,
-        axis=axis,
-        group_size=G,
-        shape=tuple(x.shape),
-        dtype=x.dtype,
-    )
+    return pack_quantized(codes, scale.to(sdt), zero, bits=bits, axis=axis, group_size=G, like=x)

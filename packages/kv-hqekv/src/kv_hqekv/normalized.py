@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from kvcodec import normal_codebook
 from kvcodec.codebook import dequantize_codebook
-from kvcodec.packing import PACK_BITS, pack_unchecked
+from kvcodec.packing import PACK_BITS, pack_quantized
 from kvcodec.stats import expand_groups
 from kvcore import QuantizedTensor
 from kvcore.checks import check_finite, check_float, check_int, check_tensor
@@ -101,17 +101,8 @@ class NormalizedQuantizer:
         if not bool(torch.isfinite(scales).all()):
             raise ValueError(f"x has a group spread too large for {x.dtype} statistics; quantize it in float32")
         codes = self.encode(x, scales, zeros)
-        return QuantizedTensor(
-            codes=pack_unchecked(codes, self.bits),
-            scales=scales,
-            zeros=zeros,
-            bits=self.bits,
-            axis=self.axis,
-            group_size=G,
-            shape=tuple(x.shape),
-            dtype=x.dtype,
-            codebook=self.codebook.to(x.device),
-        )
+        cb = self.codebook.to(x.device)
+        return pack_quantized(codes, scales, zeros, bits=self.bits, axis=self.axis, group_size=G, like=x, codebook=cb)
 
     def statistics(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``(zeros, scales)`` per group of ``x``: the mean and the unbiased standard deviation
