@@ -60,6 +60,12 @@ def test_the_workspace_registers_the_known_methods():
         "hex-expander-only-3",
         "hex-h2o-only-3",
         "hex-random-mask-3",
+        "expected_attention",
+        "pyramidkv",
+        "sentencekv",
+        "fastkvzip",
+        "hubkv-fastkvzip",
+        "sekv-unbounded-spans",
     }
     assert set(REGISTRY) == expect
     assert all(m.description and "\n" not in m.description for m in REGISTRY.values())

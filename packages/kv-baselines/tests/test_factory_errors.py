@@ -51,7 +51,15 @@ def test_valid_arguments_still_build():
     assert kb.kivi(2, group_size=16, residual=32).new_store().residual == 32
 
 
-@pytest.mark.parametrize("kw", [{"bits": 5}, {"bits": 16}, {"bits": 2.0}, {"value_bits": 6}])
-def test_kivi_takes_kivi_widths_only(kw):
-    with pytest.raises(ValueError, match="bits"):
+@pytest.mark.parametrize(
+    ("kw", "err"),
+    [
+        ({"bits": 5}, ValueError),
+        ({"bits": 16}, ValueError),
+        ({"bits": 2.0}, TypeError),
+        ({"value_bits": 6}, ValueError),
+    ],
+)
+def test_kivi_takes_kivi_widths_only(kw, err):
+    with pytest.raises(err, match="bits"):
         kb.kivi(**kw)
