@@ -112,7 +112,7 @@ def test_factory_creates_our_backend_from_the_dynamic_config():
     [
         ({"codec": "kivi-3"}, ValueError, "unknown codec 'kivi-3'; available"),
         ({"cpu_bytes": -1}, ValueError, "cpu_bytes must be an int >= 0"),
-        ({"cpu_bytes": "1G"}, ValueError, "cpu_bytes"),
+        ({"cpu_bytes": "1G"}, TypeError, "cpu_bytes"),
         ({"disk_dir": "/nonexistent/kv"}, ValueError, "does not exist"),
         ({"disk_bytes": 10}, ValueError, "disk_bytes needs disk_dir"),
         ({"cpu_byte": 10}, ValueError, "unknown kv_sglang config keys"),
