@@ -200,12 +200,18 @@ if tables:  # build every registered method and compress random tensors of SmolL
         except LookupError:  # composes a method of a package this venv lacks (kv-hubkv without its baselines extra)
             elsewhere.append(name)
             continue
-        extras = {{"surprisal": torch.rand(B, T, generator=g) * 8}} if "surprisal" in comp.scorer.needs_extras else {{}}
-        if set(comp.scorer.needs_extras) - set(extras):
+        # extras an adapter computes without a forward pass, synthesized; a model-made one (KVzip's) is named
+        supply = {{
+            "surprisal": lambda: torch.rand(B, T, generator=g) * 8,
+            "rope_inv_freq": lambda: 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D),
+            "sentence_ids": lambda: torch.randint(0, 2, (B, T), generator=g).cumsum(-1),
+        }}
+        if set(comp.scorer.needs_extras) - set(supply):
             built.append(name)
             continue
+        extras = {{x: supply[x]() for x in comp.scorer.needs_extras}}
         ctx = ScoringContext(k, v, q if comp.scorer.needs_queries else None, layer_idx=0, extras=extras)
-        store = comp.compress(ctx)
+        (store,) = comp.compress_layers([ctx])  # one layer: a "global" budget (PyramidKV) needs the layer list
         view = store.read()
         if view.keys.shape[:2] != (B, H) or view.keys.shape[-1] != D or not store.nbytes() > 0:
             sys.exit(f"method {{name}}: read {{tuple(view.keys.shape)}}, nbytes {{store.nbytes()}}")

@@ -14,7 +14,8 @@ from kvcore import Budget, Compressor, ScoringContext
 from kvcore.registry import BUDGET_KINDS, budget_kind, discover
 
 REGISTRY = discover()
-B, HKV, HQ, T, D = 1, 2, 4, 256, 16
+# SmolLM2-135M's layer shape: the shipped FastKVzip gate is trained for it (3 KV heads of 64 channels)
+B, HKV, HQ, T, D = 1, 3, 9, 256, 64
 AT_KIND = {"ratio": Budget(ratio=0.5), "tokens": Budget(tokens=100), "avg_bits": Budget(avg_bits=3.0)}
 KEPT = {"ratio": T // 2, "tokens": 100}
 
@@ -94,13 +95,29 @@ def test_a_kind_not_declared_is_refused(name):
             method.build(AT_KIND[kind])
 
 
+# what an adapter's provider would supply for each extra a registered scorer declares, in the provider's shape
+EXTRAS = {
+    "kvzip_scores": lambda g: torch.rand(B, HKV, T, generator=g),  # KVzip's reconstruction scores
+    "rope_inv_freq": lambda g: 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D),  # RoPE, base 1e4
+    "sentence_ids": lambda g: torch.randint(0, 2, (B, T), generator=g).cumsum(-1),  # a sentence per 2 tokens
+    "surprisal": lambda g: torch.rand(B, T, generator=g) * 8,  # nats per token
+}
+
+
+def test_every_declared_extra_has_a_synthetic_supply():
+    """Invariant: a registered scorer's extra that this file cannot supply fails here by name, not as a KeyError
+    deep in a parametrized test."""
+    declared = {x for method in REGISTRY.values() for x in method.build().scorer.needs_extras}
+    assert declared <= set(EXTRAS), sorted(declared - set(EXTRAS))
+
+
 def _context(comp: Compressor) -> ScoringContext:
     g = torch.Generator().manual_seed(0)
     keys, values = torch.randn(B, HKV, T, D, generator=g), torch.randn(B, HKV, T, D, generator=g)
     window = comp.scorer.query_window or T
     queries = torch.randn(B, HQ, window, D, generator=g) if comp.scorer.needs_queries else None
-    extras = {name: torch.rand(B, HKV, T, generator=g) for name in comp.scorer.needs_extras}  # kvzip_scores
-    return ScoringContext(keys, values, queries, extras=extras, budget=comp.budget)
+    extras = {name: EXTRAS[name](g) for name in comp.scorer.needs_extras}
+    return ScoringContext(keys, values, queries, layer_idx=0, extras=extras, budget=comp.budget)
 
 
 # SEKV keeps a segmentation-dependent count (resident tokens + one coarse entry per span) and needs a router trained

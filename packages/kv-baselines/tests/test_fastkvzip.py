@@ -120,3 +120,13 @@ def test_one_head_at_a_time_equals_the_whole_layer():
         torch.testing.assert_close(kb.FastKVzipScorer(g).score(ctx).keys, whole[:, h : h + 1])
     with pytest.raises(ValueError, match="head must index"):
         g(2, k, v, head=2)
+
+
+def test_shipped_gates_compare_by_the_file_they_name():
+    """Invariant: two handles on one shipped gate are equal (and hash alike) whether or not either has loaded it, so
+    a scorer rebuilt from the registry equals the first; handles on different files differ."""
+    loaded = ShippedGate()
+    loaded.resolve(3, 64, 0)
+    assert loaded == ShippedGate() and hash(loaded) == hash(ShippedGate())
+    assert ShippedGate("other") != ShippedGate() and ShippedGate() != UntrainedGates()
+    assert kb.FastKVzipScorer(ShippedGate()) == kb.FastKVzipScorer(loaded)

@@ -259,6 +259,13 @@ class ShippedGate:
     def __repr__(self) -> str:
         return f"ShippedGate({self.name!r})"
 
+    def __eq__(self, other: object) -> bool:
+        """Two handles on the same shipped file are the same gate (the loaded copy is a cache)."""
+        return isinstance(other, ShippedGate) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(("ShippedGate", self.name))
+
 
 @dataclass
 class UntrainedGates:
