@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_check.sh                       # every step
 #   bash benchmarks/gpu_check.sh tests,attend,hubkv    # some steps: v2 attend hubkv tests hex hqekv smoke hf sekv sweep quant
 #   bash benchmarks/gpu_check.sh v2                    # issue 43 first: decode attention v2 checked, then timed
+#   bash benchmarks/gpu_check.sh v2paged               # only the paged (block-table) variant: checked, then timed
 #
 # Each step runs under its own time limit, so one slow or failing step leaves the others' logs.
 set -uo pipefail
@@ -30,6 +31,13 @@ step() {  # step NAME SECONDS CMD...: run CMD with a time limit, log to $OUT/NAM
 has v2 && TAIL=12 step decode_v2_tests 150 python3 -m pytest -p no:cacheprovider -q --tb=short -m "not hypothesis" \
     core/kvcodec/tests/test_decode_v2.py packages/kv-baselines/tests/quant/test_kivi_decode_v2.py
 has v2 && TAIL=16 step bench_decode_v2 ${V2_LIMIT:-300} python3 benchmarks/bench_decode_v2.py
+# the paged variant (vLLM's block pool + block table): its tests compiled on the GPU, then paged vs contiguous v2 vs
+# fp16 SDPA over the same tokens (B 1 and 8, T 16k-64k, 4 then 2 bits; contract ratios at B 1)
+if has v2 || has v2paged; then
+  TAIL=12 step decode_v2_paged_tests 120 python3 -m pytest -p no:cacheprovider -q --tb=short -m "not hypothesis" \
+      core/kvcodec/tests/test_decode_v2_paged.py
+  TAIL=16 step bench_decode_v2_paged ${V2P_LIMIT:-240} python3 benchmarks/bench_decode_v2_paged.py
+fi
 has attend && step bench_fused_attend 90 python3 benchmarks/bench_fused_attend.py
 has hubkv && step bench_hubkv 60 python3 benchmarks/bench_hubkv.py --min-run-time 0.1
 if has tests; then

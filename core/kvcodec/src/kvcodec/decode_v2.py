@@ -244,3 +244,296 @@ def kivi_decode_v2(query: torch.Tensor, cache: PackedKIVI, scale: float, **kerne
         if kernel.supported(cache):
             return kernel.kivi_decode_v2_triton(query, cache, scale, **kernel_options)
     return kivi_decode_v2_ref(query, cache, scale)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The paged layout (vLLM's block pool, kv_vllm.packed): blocks of N tokens packed with KIVI's layout, a block table
+# --------------------------------------------------------------------------------------------------------------------
+
+PAGED_BITS = (2, 4)
+"""Code widths of the paged layout's packed blocks."""
+
+
+def _check_tensor(name: str, t, ndim: int, dtypes: tuple | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"PagedPackedKIVI: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"PagedPackedKIVI: {name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"PagedPackedKIVI: {name} must be {names}, got {t.dtype}")
+
+
+def _check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"PagedPackedKIVI: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+_INDEX = (torch.int32, torch.int64)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class PagedPackedKIVI:
+    """One layer's KIVI cache in vLLM's paged layout: a pool of packed blocks, a block table and a full-precision
+    open block per sequence (``docs/protocols.md``, "Paged decode layout").
+
+    A block holds ``N`` tokens of every KV head quantized as :mod:`kv_vllm.packed` packs a vLLM block (KIVI's
+    grouping): keys **per channel over groups of** ``G`` **tokens** (``N`` a multiple of ``G``; the vLLM backend
+    uses ``G = N``, one group per block), values **per token in groups of** ``GV`` **channels**, with their scales
+    and zeros. The pool's tensors, ``P = D * bits / 8`` code bytes per token (byte ``p`` holds channels ``p * L ..
+    p * L + L - 1``, ``L = 8 // bits`` little-endian lanes, as :func:`kvcodec.packing.pack_codes`):
+
+    * ``kc uint8 [num_blocks, H, P, N]``, token-inner key codes; ``ks, kz [num_blocks, H, D, N // G]``;
+    * ``vc uint8 [num_blocks, H, P, N]``, token-inner value codes; ``vs, vz [num_blocks, H, D // GV, N]``.
+
+    Sequence ``b`` has ``seq_lens[b]`` entries: its first ``n_b = (seq_lens[b] - tail_lens[b]) / N`` blocks are packed,
+    logical block ``i < n_b`` at pool block ``block_table[b, i]`` (``int32``/``int64 [B, max_blocks]``; entries past
+    ``n_b`` are not read); the last ``tail_lens[b]`` entries (``0 .. R``) are the **open block**, at full precision in
+    ``tail_k, tail_v [B, H, R, D]`` (entry order, cache dtype), as vLLM's packed backend stages a block until it is
+    complete (``OpenBlocks``; a decode step's query attends to ``n_b = (L - 1) // N`` packed blocks and a tail of
+    ``1 .. N`` tokens, the just-completed block packed after the step). ``kbits``/``vbits`` are 2 or 4
+    (:data:`PAGED_BITS`).
+
+    Construction checks shapes and dtypes (no device sync): ``TypeError`` for a wrong type or dtype,
+    ``ValueError`` for a wrong shape, bits or grouping, each naming the argument; :meth:`check_values` checks the
+    contents (block ids, lengths), which needs their values on the host."""
+
+    kc: torch.Tensor
+    ks: torch.Tensor
+    kz: torch.Tensor
+    vc: torch.Tensor
+    vs: torch.Tensor
+    vz: torch.Tensor
+    tail_k: torch.Tensor
+    tail_v: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    tail_lens: torch.Tensor
+    kbits: int
+    vbits: int
+    group: int
+    vgroup: int
+
+    def __post_init__(self) -> None:
+        for name in ("kbits", "vbits", "group", "vgroup"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"PagedPackedKIVI: {name} must be an int, got {type(v).__name__}")
+        for name in ("kbits", "vbits"):
+            if getattr(self, name) not in PAGED_BITS:
+                raise ValueError(f"PagedPackedKIVI: {name} must be one of {PAGED_BITS}, got {getattr(self, name)}")
+        _check_tensor("tail_k", self.tail_k, 4, _FLOATS)
+        B, H, R, D = self.tail_k.shape
+        _check_tensor("tail_v", self.tail_v, 4, (self.tail_k.dtype,))
+        _check_shape("tail_v", self.tail_v, (B, H, R, D))
+        _check_tensor("kc", self.kc, 4, (torch.uint8,))
+        nb, N = self.kc.shape[0], self.kc.shape[3]
+        G, GV = self.group, self.vgroup
+        if G < 1 or N % G:
+            raise ValueError(f"PagedPackedKIVI: the block size {N} must be a multiple of the key group {G} (group)")
+        if GV < 1 or D % GV:
+            raise ValueError(f"PagedPackedKIVI: vgroup {GV} must divide the head dim {D}")
+        _check_shape("kc", self.kc, (nb, H, D * self.kbits // 8, N))
+        _check_tensor("vc", self.vc, 4, (torch.uint8,))
+        _check_shape("vc", self.vc, (nb, H, D * self.vbits // 8, N))
+        for name, shape in (("ks", (nb, H, D, N // G)), ("kz", (nb, H, D, N // G))):
+            _check_tensor(name, getattr(self, name), 4, _FLOATS)
+            _check_shape(name, getattr(self, name), shape)
+        for name in ("vs", "vz"):
+            _check_tensor(name, getattr(self, name), 4, _FLOATS)
+            _check_shape(name, getattr(self, name), (nb, H, D // GV, N))
+        _check_tensor("block_table", self.block_table, 2, _INDEX)
+        if self.block_table.shape[0] != B:
+            raise ValueError(f"PagedPackedKIVI: block_table has {self.block_table.shape[0]} rows, tail_k {B} sequences")
+        for name in ("seq_lens", "tail_lens"):
+            _check_tensor(name, getattr(self, name), 1, _INDEX)
+            _check_shape(name, getattr(self, name), (B,))
+
+    @property
+    def B(self) -> int:
+        """Sequences."""
+        return self.tail_k.shape[0]
+
+    @property
+    def H(self) -> int:
+        """KV heads."""
+        return self.tail_k.shape[1]
+
+    @property
+    def D(self) -> int:
+        """Head dim."""
+        return self.tail_k.shape[3]
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block ``N``."""
+        return self.kc.shape[3]
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool."""
+        return self.kc.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The cache dtype (of the open block)."""
+        return self.tail_k.dtype
+
+    def check_values(self) -> None:
+        """Check the contents: ``0 <= tail_lens <= R`` and ``<= seq_lens``, whole blocks before the tail, no more
+        blocks than the table holds, and the block ids the sequences use in ``[0, num_blocks)``.
+
+        Raises
+        ------
+        ValueError
+            Naming the argument and the first offending sequence.
+        """
+        lens = self.seq_lens.tolist()
+        tails = self.tail_lens.tolist()
+        N, R, width = self.block_size, self.tail_k.shape[2], self.block_table.shape[1]
+        table = self.block_table.cpu()
+        for b, (L, nt) in enumerate(zip(lens, tails, strict=True)):
+            if L < 0 or not 0 <= nt <= min(R, L):
+                raise ValueError(
+                    f"PagedPackedKIVI: sequence {b} has seq_lens {L} and tail_lens {nt}: the tail must hold 0 .. "
+                    f"min(seq_lens, {R}) entries (tail_k's capacity)"
+                )
+            if (L - nt) % N:
+                raise ValueError(
+                    f"PagedPackedKIVI: sequence {b}: seq_lens {L} - tail_lens {nt} is not a whole number of "
+                    f"{N}-token blocks"
+                )
+            n = (L - nt) // N
+            if n > width:
+                raise ValueError(
+                    f"PagedPackedKIVI: sequence {b}'s seq_lens {L} needs {n} packed blocks, beyond the block_table's "
+                    f"{width} columns"
+                )
+            ids = table[b, :n]
+            if n and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+                raise ValueError(
+                    f"PagedPackedKIVI: block_table row {b} names block ids outside [0, {self.num_blocks}): "
+                    f"{ids.tolist()}"
+                )
+
+    def packed_blocks(self, b: int) -> int:
+        """The number of packed blocks of sequence ``b`` (host value)."""
+        return (int(self.seq_lens[b]) - int(self.tail_lens[b])) // self.block_size
+
+    def sequence(self, b: int) -> PackedKIVI:
+        """Sequence ``b`` as a contiguous :class:`PackedKIVI` (``S = H``; a copy): its packed blocks gathered through
+        the block table and concatenated in logical order as the quantized entries, the open block as the key
+        residual and the value ring (turned by 0)."""
+        n, nt = self.packed_blocks(b), int(self.tail_lens[b])
+        ids = self.block_table[b, :n].to(self.kc.device, torch.long)
+
+        def cat(t: torch.Tensor) -> torch.Tensor:  # [nb, H, X, Y] -> [H, X, n * Y]: blocks back to back
+            g = t.index_select(0, ids)
+            return g.permute(1, 2, 0, 3).reshape(g.shape[1], g.shape[2], n * g.shape[3]).contiguous()
+
+        tk = n * self.block_size
+        return PackedKIVI(
+            kc=cat(self.kc), ks=cat(self.ks), kz=cat(self.kz), kr=self.tail_k[b], vc=cat(self.vc),
+            vs=cat(self.vs), vz=cat(self.vz), ring=self.tail_v[b], tk=tk, nr=nt, tv=tk, nv=nt, head=0,
+            kbits=self.kbits, vbits=self.vbits, group=self.group, vgroup=self.vgroup,
+        )  # fmt: skip
+
+
+def check_paged_query(query: torch.Tensor, cache: PagedPackedKIVI, scale: float) -> int:
+    """The GQA group ``M`` of ``query [B, H * M, D]`` over ``cache``.
+
+    Raises
+    ------
+    TypeError
+        ``query`` not a floating tensor, ``scale`` not a real number.
+    ValueError
+        ``query``'s shape does not fit the cache.
+    """
+    if not isinstance(query, torch.Tensor) or query.dtype not in _FLOATS:
+        raise TypeError(f"query must be a float16/bfloat16/float32 tensor, got {getattr(query, 'dtype', query)!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    B, H, D = cache.B, cache.H, cache.D
+    if query.dim() != 3 or query.shape[0] != B or query.shape[2] != D or H == 0 or query.shape[1] % H:
+        raise ValueError(f"query must be [B={B}, H*M (a multiple of {H}), D={D}], got {tuple(query.shape)}")
+    return query.shape[1] // H
+
+
+def paged_decode_reference(
+    query: torch.Tensor, cache: PagedPackedKIVI, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention v2 over a paged cache, in PyTorch: the reference of the paged Triton kernel
+    (:func:`kvcodec.kernels.triton_decode_v2_paged.paged_decode_v2_triton`, same signature).
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        ``[B, Hq, D]``, one decode query per sequence and query head, ``Hq = H * M`` (query head ``h * M + m``
+        reads KV head ``h``).
+    cache : PagedPackedKIVI
+        The layer's paged cache (its contents are checked: :meth:`PagedPackedKIVI.check_values`).
+    scale : float
+        The softmax scale.
+
+    Returns
+    -------
+    out : torch.Tensor
+        float32 ``[B, Hq, D]``: per sequence, :func:`kivi_decode_v2_ref` over :meth:`PagedPackedKIVI.sequence`
+        (zeros for an empty sequence).
+    lse : torch.Tensor
+        float32 ``[B, Hq, 1]``, the log-sum-exp of the scaled logits (``-inf`` for an empty sequence).
+    """
+    M = check_paged_query(query, cache, scale)
+    cache.check_values()
+    B, H, D = cache.B, cache.H, cache.D
+    out = torch.zeros(B, H * M, D, dtype=torch.float32, device=query.device)
+    lse = torch.full((B, H * M, 1), float("-inf"), dtype=torch.float32, device=query.device)
+    for b in range(B):
+        if int(cache.seq_lens[b]) == 0 or M == 0:
+            continue
+        o, s = kivi_decode_v2_ref(query[b].view(H, M, D), cache.sequence(b), scale)
+        out[b] = o.reshape(H * M, D)
+        lse[b] = s.reshape(H * M, 1)
+    return out, lse
+
+
+def paged_contract_errors(out, lse, query: torch.Tensor, cache: PagedPackedKIVI, scale: float) -> dict[str, float]:
+    """:func:`contract_errors` of ``(out [B, Hq, D], lse [B, Hq, 1])`` over a paged cache: the worst of each entry
+    over the non-empty sequences (each against attention over its :meth:`PagedPackedKIVI.sequence`)."""
+    M = check_paged_query(query, cache, scale)
+    H, D = cache.H, cache.D
+    worst: dict[str, float] = {}
+    for b in range(cache.B):
+        if int(cache.seq_lens[b]) == 0 or M == 0:
+            continue
+        e = contract_errors(
+            out[b].view(H, M, D), lse[b].view(H, M, 1), query[b].view(H, M, D), cache.sequence(b), scale
+        )
+        worst = {k: max(v, worst.get(k, 0.0)) for k, v in e.items()}
+    return worst
+
+
+def kivi_decode_v2_paged(query: torch.Tensor, cache: PagedPackedKIVI, scale: float, **kernel_options):
+    """The paged Triton kernel (:func:`kvcodec.kernels.triton_decode_v2_paged.paged_decode_v2_triton`) for CUDA caches
+    of the shapes it takes (:func:`~kvcodec.kernels.triton_decode_v2_paged.supported`), else
+    :func:`paged_decode_reference`.
+
+    Parameters
+    ----------
+    query, cache, scale
+        As :func:`paged_decode_reference`.
+    **kernel_options
+        Passed to the kernel (ignored by the reference).
+
+    Returns
+    -------
+    tuple of torch.Tensor
+        ``(out float32 [B, Hq, D], lse float32 [B, Hq, 1])``.
+    """
+    if use_triton(cache.kc):
+        from kvcodec.kernels import triton_decode_v2_paged as kernel
+
+        if kernel.supported(cache):
+            return kernel.paged_decode_v2_triton(query, cache, scale, **kernel_options)
+    return paged_decode_reference(query, cache, scale)

@@ -208,6 +208,65 @@ def _value_step(
     return acc * alpha[:, None] + _hdot(ph, tl.trans(code_rows(byte, VBITS, ASM)), HALF), zs
 
 
+@triton.jit
+def _folded_tile(
+    qk, m_i, l_i, acc, zs, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, base_kc, base_kp, base_vc, base_vp,
+    kp, kch, vp, t, g, s_kcp, s_kpc, s_vcp, s_vpc, scale,
+    C: tl.constexpr, CR: tl.constexpr, MB: tl.constexpr, BLOCK_T: tl.constexpr, KBITS: tl.constexpr,
+    VBITS: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr, KSPLIT: tl.constexpr,
+):  # fmt: skip
+    """One tile of ``BLOCK_T`` entries ``t`` (one key group at offset ``g``) whose keys and values are all quantized:
+    the folded path, no mask -- the logits from the raw key codes (:func:`_key_logits`), the online-softmax step and
+    the values' folded products (:func:`_value_step`). Returns the running ``(m_i, l_i, acc, zs)``. Shared by the
+    contiguous kernel and the paged one (:mod:`kvcodec.kernels.triton_decode_v2_paged`)."""
+    every = t >= 0
+    logits = _key_logits(qk, kc_ptr, ks_ptr, kz_ptr, base_kc, base_kp, kp, kch, t, g, every, s_kcp, s_kpc, scale,
+                         CR, BLOCK_T, KBITS, HALF, ASM, KSPLIT, False)  # fmt: skip
+    m_new, l_i, alpha, p = _weights(m_i, l_i, logits)
+    acc, zs = _value_step(acc, zs, alpha, p, vc_ptr, vs_ptr, vz_ptr, base_vc, base_vp, vp, t, every, s_vcp, s_vpc,
+                          C, CR, MB, VBITS, HALF, ASM, False)  # fmt: skip
+    return m_new, l_i, acc, zs
+
+
+@triton.jit
+def _full_key_logits(qk, kr_ptr, base, rows, live, kch, scale, D: tl.constexpr, CR: tl.constexpr, DOT: tl.constexpr):
+    """float32 ``[CR * MB, BLOCK_T]`` scaled logits of full-precision key rows ``rows`` (row stride ``D``, from
+    ``base``; only the rows where ``live`` are read, the others' logits are garbage: callers select), the product in
+    the cache dtype on the matrix units where ``DOT`` (exact products)."""
+    kt = tl.load(kr_ptr + base + rows[None, :] * D + kch[:, None], mask=live[None, :], other=0.0)
+    return qk_dot(as_dot(_rows(qk, CR), DOT), tl.trans(kt.to(tl.float32)), DOT) * scale
+
+
+@triton.jit
+def _full_value_step(acc, p, ring_ptr, base, rows, live, vch, D: tl.constexpr, DOT: tl.constexpr):
+    """``acc`` advanced by full-precision value rows ``rows`` (row stride ``D``, from ``base``) under the
+    probabilities ``p`` where ``live`` (channels in ``vch`` order)."""
+    vt = tl.load(ring_ptr + base + rows[None, :] * D + vch[:, None], mask=live[None, :], other=0.0)
+    return acc + pv_dot(tl.where(live[None, :], p, 0.0), tl.trans(vt.to(tl.float32)), DOT)
+
+
+@triton.jit
+def _store_split(outp_ptr, lsep_ptr, row0, acc, zs, m_i, l_i, mrow, crow, qok, vch, D: tl.constexpr, GV: tl.constexpr):
+    """The split's normalised output (row ``(c, m)`` keeps channel group ``c``'s channels) and log-sum-exp (``-inf``
+    where nothing was seen) at query rows ``row0 + m``."""
+    seen = l_i > 0
+    inv = 1.0 / tl.where(seen, l_i, 1.0)
+    row = row0 + mrow
+    keep = qok[:, None] & (crow[:, None] == (vch // GV)[None, :])  # row (c, m) holds channel group c's outputs
+    tl.store(outp_ptr + row[:, None] * D + vch[None, :], (acc + zs[:, None]) * inv[:, None], mask=keep)
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    tl.store(lsep_ptr + row, lse, mask=qok & (crow == 0))
+
+
+@triton.jit
+def _load_query(q_ptr, qrow0, M, kch, D: tl.constexpr, MB: tl.constexpr):
+    """float32 ``[MB, D]`` query rows ``qrow0 .. qrow0 + M - 1`` (zeros past ``M``) over the key operand's channels
+    ``kch`` (the softmax scale goes with the parameters)."""
+    mq = tl.arange(0, MB)
+    q = tl.load(q_ptr + (qrow0 + mq)[:, None] * D + kch[None, :], mask=(mq < M)[:, None], other=0.0)
+    return q.to(tl.float32)
+
+
 _RUNTIME = ["tk", "nr", "tv", "nv", "head", "s_kcs", "s_kcp", "s_kps", "s_kpc", "s_vcs", "s_vcp", "s_vps", "s_vpc"]
 
 
@@ -246,11 +305,8 @@ def _decode_v2_kernel(
     kch = lane_channel(dd, KBITS)  # the channel of each row of the key operand (code_rows order)
     vch = lane_channel(dd, VBITS)
     tt = tl.arange(0, BLOCK_T)
-    # the query [ROWS, D] over the key operand's channels, float32 (the softmax scale goes with the parameters)
     CR: tl.constexpr = ROWS // MB
-    mq = tl.arange(0, MB)
-    qk = tl.load(q_ptr + (s64 * M + mq)[:, None] * D + kch[None, :], mask=(mq < M)[:, None], other=0.0)
-    qk = qk.to(tl.float32)
+    qk = _load_query(q_ptr, s64 * M, M, kch, D, MB)
     acc = tl.zeros([ROWS, D], tl.float32)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
@@ -267,38 +323,29 @@ def _decode_v2_kernel(
         t = t0 + tt
         g = t0 // G
         if t0 + BLOCK_T <= qend:  # every entry quantized on both sides: the folded path, no mask
-            logits = _key_logits(qk, kc_ptr, ks_ptr, kz_ptr, base_kc, base_kp, kp, kch, t, g, tt >= 0, s_kcp, s_kpc,
-                                 scale, CR, BLOCK_T, KBITS, HALF, ASM, KSPLIT, False)  # fmt: skip
-            m_new, l_i, alpha, p = _weights(m_i, l_i, logits)
-            acc, zs = _value_step(acc, zs, alpha, p, vc_ptr, vs_ptr, vz_ptr, base_vc, base_vp, vp, t, tt >= 0,
-                                  s_vcp, s_vpc, C, CR, MB, VBITS, HALF, ASM, False)  # fmt: skip
-            m_i = m_new
+            m_i, l_i, acc, zs = _folded_tile(
+                qk, m_i, l_i, acc, zs, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, base_kc, base_kp, base_vc,
+                base_vp, kp, kch, vp, t, g, s_kcp, s_kpc, s_vcp, s_vpc, scale, C, CR, MB, BLOCK_T, KBITS, VBITS,
+                HALF, ASM, KSPLIT,
+            )  # fmt: skip
         else:  # next to the residual: the same folded products, masked, and the full-precision rows
             tmask = t < T
             kq = tmask & (t < tk)
             kres = tmask & (t >= tk)
             logits = _key_logits(qk, kc_ptr, ks_ptr, kz_ptr, base_kc, base_kp, kp, kch, t, g, kq, s_kcp, s_kpc,
                                  scale, CR, BLOCK_T, KBITS, HALF, ASM, KSPLIT, True)  # fmt: skip
-            rr = tl.maximum(t - tk, 0)
-            kt = tl.load(kr_ptr + s64 * s_krs + rr[None, :] * D + kch[:, None], mask=kres[None, :], other=0.0)
-            lres = qk_dot(as_dot(_rows(qk, CR), DOT), tl.trans(kt.to(tl.float32)), DOT)
-            logits = tl.where(kq[None, :], logits, tl.where(kres[None, :], lres * scale, float("-inf")))
+            lres = _full_key_logits(qk, kr_ptr, s64 * s_krs, tl.maximum(t - tk, 0), kres, kch, scale, D, CR, DOT)
+            logits = tl.where(kq[None, :], logits, tl.where(kres[None, :], lres, float("-inf")))
             m_new, l_i, alpha, p = _weights(m_i, l_i, logits)
             vq = tmask & (t < tv)
             vres = tmask & (t >= tv)
             acc, zs = _value_step(acc, zs, alpha, p, vc_ptr, vs_ptr, vz_ptr, base_vc, base_vp, vp, t, vq,
                                   s_vcp, s_vpc, C, CR, MB, VBITS, HALF, ASM, True)  # fmt: skip
             slot = (tl.maximum(t - tv, 0) + head) % ring
-            vt = tl.load(ring_ptr + s64 * s_rgs + slot[None, :] * D + vch[:, None], mask=vres[None, :], other=0.0)
-            acc += pv_dot(tl.where(vres[None, :], p, 0.0), tl.trans(vt.to(tl.float32)), DOT)
+            acc = _full_value_step(acc, p, ring_ptr, s64 * s_rgs, slot, vres, vch, D, DOT)
             m_i = m_new
-    seen = l_i > 0
-    inv = 1.0 / tl.where(seen, l_i, 1.0)
-    row = (s64 * tl.num_programs(1) + sp) * M + mrow
-    keep = qok[:, None] & (crow[:, None] == (vch // GV)[None, :])  # row (c, m) holds channel group c's outputs
-    tl.store(outp_ptr + row[:, None] * D + vch[None, :], (acc + zs[:, None]) * inv[:, None], mask=keep)
-    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-    tl.store(lsep_ptr + row, lse, mask=qok & (crow == 0))
+    _store_split(outp_ptr, lsep_ptr, (s64 * tl.num_programs(1) + sp) * M, acc, zs, m_i, l_i, mrow, crow, qok, vch,
+                 D, GV)  # fmt: skip
 
 
 def _pow2(n: int) -> bool:
