@@ -39,3 +39,19 @@ def test_bad_settings(tmp_path):
         ConnectorConfig(cpu_bytes=0)
     cfg = ConnectorConfig(cpu_bytes=0, disk_dir=str(tmp_path), disk_bytes=1 << 20)
     assert cfg.build_store().disk_budget == 1 << 20
+
+
+def test_method_codecs_are_accepted_and_other_method_names_refused_accurately():
+    """kv-hex and kv-hqekv register page codecs: their names pass; a method name that is no codec is refused with
+    a message that does not call every method an eviction method, and lists the method's own codecs."""
+    for name in ("hex-3", "hex-4", "kcvt-3", "kcvt-4", "hqekv-2", "hqekv-3.2"):
+        assert check_codec_name(name) == name
+        assert ConnectorConfig(codec=name).build_codec().name == name
+    with pytest.raises(ValueError, match=r"whether it evicts tokens or keeps them at lower precision") as e:
+        check_codec_name("hex-expander-only-3")
+    assert "registers the page codecs ['hex-3', 'hex-4']" in str(e.value)
+    with pytest.raises(ValueError, match=r"registers the page codecs \['hqekv-2', 'hqekv-2.8'"):
+        check_codec_name("hqekv-3.2-no-evict")
+    with pytest.raises(ValueError) as e:
+        check_codec_name("snapkv")
+    assert "registers the page codecs" not in str(e.value)

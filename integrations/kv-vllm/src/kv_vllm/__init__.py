@@ -4,7 +4,7 @@
 ``"kv_connector": "KVCompressConnector", "kv_connector_module_path": "kv_vllm"``. The rest imports without vLLM:
 
 ConnectorConfig                    the ``kv_connector_extra_config`` settings, validated (codec, budgets, disk tier)
-check_codec_name                   a kvpages codec name, or a clear error (eviction methods are refused)
+check_codec_name                   a kvpages codec name, or a clear error (compression methods are refused)
 namespace, request_keys            cache keys: vLLM's block hashes under (model, dtype, KV shape, codec hash, ...)
 gather_blocks, scatter_blocks      whole blocks out of / into vLLM's paged layer views (CPU and CUDA layouts)
 SchedulerState, WorkerState        the scheduler-side and worker-side logic the connector wraps

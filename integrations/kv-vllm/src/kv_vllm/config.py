@@ -23,21 +23,27 @@ def _method_names() -> set[str]:
     return set(registry.discover())
 
 
-def _refuse_method(what: str, available: list[str]) -> ValueError:
+def _refuse_method(what: str, available: list[str], name: str | None = None) -> ValueError:
+    family = name.split("-")[0] if name else None
+    related = [c for c in available if family and c.split("-")[0] == family]
+    hint = f" This method's package registers the page codecs {related}." if related else ""
     return ValueError(
         f"{what} is a kvcompress compression method (a Compressor of Scorer, Selector and Store), not a page "
         f"codec. A vLLM KV connector must supply every prefix token it reports (vLLM allocates and attends to all "
-        f"of them), so methods that evict tokens cannot run through it. Use a page codec, which keeps every token "
-        f"at some precision: {available} ('lossless' is bit-exact)"
+        f"of them) and moves pages through a page codec, so a method's Compressor cannot run through it, whether "
+        f"it evicts tokens or keeps them at lower precision.{hint} Use a page codec, which keeps every token at "
+        f"some precision: {available} ('lossless' is bit-exact)"
     )
 
 
 def check_codec_name(name: object) -> str:
     """Return ``name`` if it names a :mod:`kvpages` codec, else raise saying what to use.
 
-    A kvcompress compression *method* (a registry name such as ``"snapkv"``, or a ``kvcore.Compressor``) is refused
-    with its own ``ValueError``: a KV connector must supply every prefix token, so eviction cannot be expressed
-    through it; only page codecs (every token kept, possibly at lower precision) can.
+    A kvcompress compression *method* (a registry name such as ``"snapkv"``, or a ``kvcore.Compressor``) that is not
+    also a codec name is refused with its own ``ValueError``: a KV connector must supply every prefix token and moves
+    pages through a codec, so a Compressor cannot run through it (eviction cannot be expressed at all); page codecs
+    (every token kept, possibly at lower precision) can, including those a method package registers under
+    ``kvcompress.codecs`` (HEX's ``hex-3``, HqeKV's ``hqekv-2`` ...; the message lists a method's own codecs).
     """
     from kvcore import Compressor
 
@@ -49,7 +55,7 @@ def check_codec_name(name: object) -> str:
     if name in available:
         return name
     if name in _method_names():
-        raise _refuse_method(f"codec {name!r}", available)
+        raise _refuse_method(f"codec {name!r}", available, name)
     raise ValueError(f"unknown codec {name!r}; available codecs: {available}")
 
 
@@ -62,7 +68,8 @@ class ConnectorConfig:
     codec : str
         A :mod:`kvpages` codec: ``"lossless"`` (bit-exact, the default), ``"kivi-4"``, ``"kivi-2"``
         (KIVI's grouping: keys per channel over the block's tokens, values per token in groups of 32 channels;
-        Liu et al. 2024, §3), ``"int8"``, or one a package registers under ``kvcompress.codecs``.
+        Liu et al. 2024, §3), ``"int8"``, or one a package registers under ``kvcompress.codecs`` (kv-hex:
+        ``"hex-3"``, ``"hex-4"``, ``"kcvt-3"``, ``"kcvt-4"``; kv-hqekv: ``"hqekv-2"`` ... ``"hqekv-3.25"``).
     codec_options : dict
         Keyword options passed to the codec's factory.
     cpu_bytes : int
