@@ -10,6 +10,7 @@
   oversized entries) become misses or "not stored", counted by kind in a :class:`FaultLog`.
 * :class:`PageCache` -- a codec over a store, with hit/miss/bytes/time metrics.
 * :func:`chain_keys` -- one prefix-chained key per block of token ids, under a namespace (model, dtype, codec...).
+* :func:`sink_score` -- a query-free token importance for codecs that keep some tokens at higher precision.
 
 Engine adapters (kv-vllm, kv-sglang) build on these; kvpages imports no engine.
 """
@@ -20,6 +21,7 @@ from kvpages.codec import CODEC_FORMAT_VERSION, PageCodec
 from kvpages.errors import CorruptEntry
 from kvpages.faults import FAULT_KINDS, FaultLog, NonFinitePage, os_fault_kind
 from kvpages.framing import FRAME_VERSION, frame, frame_codec_hash, unframe
+from kvpages.importance import sink_score
 from kvpages.keys import chain_keys, namespace_digest
 from kvpages.lossless import LosslessCodec
 from kvpages.registry import ENTRY_POINT_GROUP, codec, codec_names
@@ -49,5 +51,6 @@ __all__ = [
     "frame_codec_hash",
     "namespace_digest",
     "os_fault_kind",
+    "sink_score",
     "unframe",
 ]

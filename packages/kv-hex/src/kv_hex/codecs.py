@@ -29,23 +29,10 @@ from kvcodec.stats import scale_dtype_for
 from kvcore import FULL, packed_width
 from kvpages.codec import PageCodec
 from kvpages.errors import CorruptEntry
+from kvpages.importance import sink_score
 from kvpages.pagefmt import SHAPE, check_end, pack_shape, raw_bytes, tensor_from, unpack_shape
 
 __all__ = ["CODECS", "HEXPageCodec", "sink_score"]
-
-
-def sink_score(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Query-free importance of each token of a page ``[T, H, D]``: float32 ``[T]``, summed over the KV heads.
-
-    ``s_t = Σ_h ‖k_{t,h} - k̄_h‖ / ‖v_{t,h}‖`` with ``k̄_h`` the page's mean key of head ``h``. Tokens that draw
-    much attention (attention sinks, delimiters) have keys far from the others and small values ("value drains");
-    on SmolLM2-135M this picks the token of highest accumulated attention in a page more often than the key norm,
-    the value norm or the key deviation alone (``docs/results/2026-11-29-method-codecs.md``). It stands in for the
-    accumulated attention of HEX §3.3, which needs queries a page codec does not have.
-    """
-    k, v = keys.float(), values.float()
-    dev = (k - k.mean(0, keepdim=True)).norm(dim=-1)
-    return (dev / v.norm(dim=-1).clamp_min(1e-12)).sum(-1)
 
 
 @functools.lru_cache(maxsize=256)

@@ -31,26 +31,13 @@ from kvcore import QuantizedTensor, packed_width
 from kvcore.checks import check_int
 from kvpages.codec import PageCodec
 from kvpages.errors import CorruptEntry
+from kvpages.importance import sink_score
 from kvpages.pagefmt import SHAPE, check_end, pack_shape, raw_bytes, tensor_from, unpack_shape
 
 __all__ = ["CODECS", "TIER_WIDTHS", "HqeKVPageCodec", "sink_score"]
 
 TIER_WIDTHS: tuple[int, ...] = (16, 4, 2, 1)
 """Widths of the codec's tiers, most precise first; a token's tier is stored as its index here (2 bits)."""
-
-
-def sink_score(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Query-free importance of each token of a page ``[T, H, D]``: float32 ``[T]``, summed over the KV heads.
-
-    ``s_t = Σ_h ‖k_{t,h} - k̄_h‖ / ‖v_{t,h}‖`` with ``k̄_h`` the page's mean key of head ``h``: tokens that draw much
-    attention (attention sinks, delimiters) have keys far from the others and small values. It stands in for the
-    window attention of HqeKV §3.2 (Alg. 2 l.5-9), which needs queries a page codec does not have; on SmolLM2-135M
-    it agrees with the accumulated attention more often than key or value norms
-    (``docs/results/2026-11-29-method-codecs.md``).
-    """
-    k, v = keys.float(), values.float()
-    dev = (k - k.mean(0, keepdim=True)).norm(dim=-1)
-    return (dev / v.norm(dim=-1).clamp_min(1e-12)).sum(-1)
 
 
 @functools.lru_cache(maxsize=64)
