@@ -19,6 +19,7 @@ from kv_hqekv.importance import (
 from kv_hqekv.normalized import NormalizedQuantizer, normal_bounds
 from kv_hqekv.quantizers import tier_quantizer
 from kv_hqekv.scorer import HqeKVScorer, token_range
+from kv_hqekv.searched import search_settings, searched, searched_names
 from kv_hqekv.selector import HqeKVSelector
 from kv_hqekv.shares import PRESETS, Shares, TierCounts, feasible, load_shares, preset, solve_eq3, tier_counts
 from kv_hqekv.store import HqeKVStore
@@ -44,6 +45,9 @@ __all__ = [
     "normal_bounds",
     "preset",
     "requantize",
+    "search_settings",
+    "searched",
+    "searched_names",
     "solve_eq3",
     "tier_counts",
     "tier_quantizer",

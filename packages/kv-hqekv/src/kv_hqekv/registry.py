@@ -1,8 +1,10 @@
 """The methods kv-hqekv registers (entry-point group ``kvcompress.methods``, see :mod:`kvcore.registry`).
 
 ``hqekv-2``, ``hqekv-2.8``, ``hqekv-3.2`` and ``hqekv-3.25`` use the paper's Table 9 shares (Llama-3.1-8B-Instruct);
-``hqekv-qwen3-2`` ... the Qwen3-8B ones; ``hqekv-3.2-no-range``, ``hqekv-3.2-random-ratio``,
-``hqekv-3.2-no-evict`` and ``hqekv-3.2-uniform`` are the Table 6 ablations (:mod:`kv_hqekv.ablations`). The shares
+``hqekv-qwen3-2`` ... the Qwen3-8B ones; ``hqekv-smollm2-2`` and ``hqekv-smollm2-3.2`` the shares searched for
+SmolLM2-135M-Instruct (:mod:`kv_hqekv.searched`); ``hqekv-3.2-no-range``, ``hqekv-3.2-random-ratio``,
+``hqekv-3.2-no-evict`` and ``hqekv-3.2-uniform`` are the Table 6 ablations (:mod:`kv_hqekv.ablations`), and
+``hqekv-2-random-ratio`` the random-shares one at 2 bits (the search's null at both budgets). The shares
 fix the average bits, so each entry takes only its default budget (``Budget(avg_bits=bits)``); other budgets need
 shares of their own: ``kv_hqekv.hqekv(bits, shares=...)``.
 """
@@ -13,18 +15,19 @@ from collections.abc import Callable
 
 from kv_hqekv.ablations import ABLATIONS, ablation
 from kv_hqekv.compressor import hqekv
-from kv_hqekv.shares import PRESETS
+from kv_hqekv.searched import search_settings, searched, searched_names
+from kv_hqekv.shares import PRESETS, Shares
 from kvcore import Budget, Compressor
 from kvcore.registry import Method
 
 __all__ = ["METHODS"]
 
 
-def _make(bits: float, shares: str, name: str) -> Callable[[Budget], Compressor]:
+def _make(bits: float, shares: str | Shares, name: str) -> Callable[[Budget], Compressor]:
     def make(budget: Budget) -> Compressor:  # the registry passes only the default, Budget(avg_bits=bits)
         return hqekv(bits, shares=shares, name=name)
 
-    make.__name__ = f"hqekv_{shares.replace('-', '_').replace('.', '_')}"
+    make.__name__ = name.replace("-", "_").replace(".", "_")
     return make
 
 
@@ -64,4 +67,19 @@ def _ablation_entry(kind: str, bits: float = 3.2) -> Method:
     )
 
 
+def _searched_entry(name: str) -> Method:
+    settings = search_settings(name)
+    bits = float(settings["bits"])
+    return Method(
+        f"hqekv-{name}",
+        _make(bits, searched(name), f"hqekv-{name}"),
+        f"HqeKV {bits:g} bits with shares searched for {settings['model']} ({settings['trials']} TPE trials, "
+        "kv-hqekv search)",
+        budgets=frozenset(),
+        default=Budget(avg_bits=bits),
+    )
+
+
+METHODS += tuple(_searched_entry(n) for n in searched_names())
 METHODS += tuple(_ablation_entry(k) for k in ABLATIONS)
+METHODS += (_ablation_entry("random-ratio", 2.0),)
