@@ -49,6 +49,7 @@ def test_the_workspace_registers_the_known_methods():
         "hqekv-3.2-uniform",
         "hqekv-2-random-ratio",
         "hqekv-smollm2-2",
+        "hqekv-smollm2-3.2",
         "hqekv-2",
         "hqekv-2.8",
         "hqekv-3.2",
