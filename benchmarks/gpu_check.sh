@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_check.sh                       # every step
 #   bash benchmarks/gpu_check.sh tests,attend,hubkv    # some steps: v2 attend hubkv tests hex hqekv smoke hf sekv sweep quant
 #   bash benchmarks/gpu_check.sh v2                    # issue 43 first: decode attention v2 checked, then timed
-#   bash benchmarks/gpu_check.sh v2paged               # only the paged (block-table) variant: checked, then timed
+#   bash benchmarks/gpu_check.sh v2paged               # only the paged (block-table) variant: checked, then timed,
+#                                                      # then kv_vllm's packed backend decoding through it
 #
 # Each step runs under its own time limit, so one slow or failing step leaves the others' logs.
 set -uo pipefail
@@ -37,6 +38,12 @@ if has v2 || has v2paged; then
   TAIL=12 step decode_v2_paged_tests 120 python3 -m pytest -p no:cacheprovider -q --tb=short -m "not hypothesis" \
       core/kvcodec/tests/test_decode_v2_paged.py
   TAIL=16 step bench_decode_v2_paged ${V2P_LIMIT:-240} python3 benchmarks/bench_decode_v2_paged.py
+  # kv_vllm's packed backend on the kernel (issue 42 goal 7): its decode tests compiled (the kernel on the backend's
+  # own pool view), then one layer's decode step end to end on its pool (host reads, open blocks stacked, pool viewed
+  # in place, kernel, output copy) against the kernel alone, the previous dequantize path and SDPA
+  TAIL=8 step vllm_packed_decode_tests 90 python3 -m pytest -p no:cacheprovider -q --tb=short \
+      integrations/kv-vllm/tests/test_vllm_packed_decode_v2.py
+  TAIL=16 step bench_vllm_packed_decode ${VPD_LIMIT:-180} python3 benchmarks/bench_vllm_packed_decode.py
 fi
 has attend && step bench_fused_attend 90 python3 benchmarks/bench_fused_attend.py
 has hubkv && step bench_hubkv 60 python3 benchmarks/bench_hubkv.py --min-run-time 0.1

@@ -22,6 +22,7 @@ from kv_vllm.packed import (
     page_bytes_view,
     paged_attention,
 )
+from kvcodec.decode_v2 import OUT_RTOL
 from kvcodec.uniform import UniformQuantizer
 
 
@@ -160,9 +161,14 @@ def kivi_roundtrip(k, v, fmt):
     return qk.dequantize(qk.quantize(k)), qv.dequantize(qv.quantize(v))
 
 
+@pytest.mark.parametrize("decode", ["torch", "v2"])
 @pytest.mark.parametrize("bits", [16, 4, 2])
-def test_engine_flow_matches_dense_attention_over_packed_history(bits):
-    """Chunked prefill + decode of 3 requests in one pool; request 2 shares request 0's first two packed blocks."""
+def test_engine_flow_matches_dense_attention_over_packed_history(bits, decode):
+    """Chunked prefill + decode of 3 requests in one pool; request 2 shares request 0's first two packed blocks.
+
+    The torch path (and every prefill chunk) equals the dense reference to float32 rounding; decode steps on the v2
+    path (2/4 bits) are within docs/protocols.md's contract of it: float32 here, so read()'s entries are the float32
+    dequantization and the allowance is OUT_RTOL per query row."""
     torch.manual_seed(0)
     N, H, Hq, D, dt = 16, 2, 4, 32, torch.float32
     fmt = PageFormat(N, H, D, dt, bits, 16)
@@ -197,7 +203,9 @@ def test_engine_flow_matches_dense_attention_over_packed_history(bits):
         for i, r in enumerate(reqs):
             table[i, : len(tables[r])] = torch.tensor(tables[r])
         out = torch.zeros(query.shape[0], Hq * D)
-        paged_attention(query, pages, staged, fmt, torch.tensor(starts), torch.tensor(lens), table, scale, out)
+        paged_attention(
+            query, pages, staged, fmt, torch.tensor(starts), torch.tensor(lens), table, scale, out, decode=decode
+        )
         for i, r in enumerate(reqs):
             ctx = done[r]
             n_packed = ctx // N
@@ -207,6 +215,11 @@ def test_engine_flow_matches_dense_attention_over_packed_history(bits):
                 keys[:, sl], values[:, sl] = kivi_roundtrip(keys[:, sl], values[:, sl], fmt)
             q = qs[i].transpose(0, 1)
             want = dense_reference(q, keys, values, ctx, scale).transpose(0, 1).reshape(-1, Hq * D)
+            if decode == "v2" and bits in (2, 4) and step[r] == 1:
+                got = out[starts[i] : starts[i + 1]].view(Hq, D)
+                rel = (got - want.view(Hq, D)).norm(dim=-1) / want.view(Hq, D).norm(dim=-1)
+                assert float(rel.max()) <= OUT_RTOL, (step, r, float(rel.max()))
+                continue
             torch.testing.assert_close(
                 out[starts[i] : starts[i + 1]], want, atol=2e-5, rtol=1e-5, msg=lambda m, s=step, r=r: f"{s} r{r}: {m}"
             )

@@ -20,6 +20,11 @@ Attention (:func:`paged_attention`): each request's queries attend to its packed
 full precision and causally, to its staged tokens (the open block and the blocks this step wrote); the two
 partial attentions are merged by log-sum-exp (:func:`kvcore.merge_attention`). A prefill therefore attends to
 its own tokens at full precision; a decode attends to packed blocks + the open block.
+
+At 2 and 4 bits the pool *is* a :class:`kvcodec.decode_v2.PagedPackedKIVI` (:func:`paged_view`: typed views of
+its bytes, no copy), and a decode step can run :func:`kvcodec.decode_v2.kivi_decode_v2_paged` (the paged Triton
+kernel on CUDA) over it: the page format (version :data:`FORMAT_VERSION`) stores codes and value parameters in the
+kernel's token-inner order.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcodec.decode_v2 import PAGED_BITS, PagedPackedKIVI, kivi_decode_v2_paged
 from kvcodec.stats import scale_dtype_for
 from kvcodec.uniform import UniformQuantizer
 from kvcore import QuantizedTensor, merge_attention
@@ -46,6 +52,18 @@ MIN_BLOCK = 16
 """Smallest block size: keys are grouped per channel over a block's tokens (KIVI uses 32-token groups)."""
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+FORMAT_VERSION = 2
+"""The in-pool byte layout of :class:`PageFormat`. Version 1 stored codes token-major (``[N, D*bits/8]``) and the
+value scales/zeros ``[N, D/G]``; version 2 stores both transposed (token-inner, the paged decode kernel's order),
+same bytes. Pages live only as long as the engine (no connector stores them), so no reader of version 1 remains."""
+
+DECODE_PATHS = ("v2", "torch")
+"""How :func:`paged_attention` computes decode steps at 2/4 bits: ``"v2"`` (the default) through
+:func:`kvcodec.decode_v2.kivi_decode_v2_paged` over :func:`paged_view` (the paged Triton kernel where
+``kvcore.dispatch.use_triton`` takes the pool, i.e. CUDA; its PyTorch reference elsewhere, which on CPU is also
+faster than the ``"torch"`` path: 100 vs 230-410 ms for 4 requests x 1k tokens of a Llama-3-8B layer, float32 and
+bfloat16), ``"torch"`` by dequantizing the packed blocks (the only path at 8 and 16 bits)."""
 
 
 @dataclass(frozen=True)
@@ -115,10 +133,14 @@ def _nbytes(dtype: torch.dtype) -> int:
 class PageFormat:
     """The byte layout of one packed block: ``N`` tokens × ``H`` KV heads × head size ``D`` in ``dtype``.
 
-    Per head, a region of ``N * token_bytes`` bytes: key scales and zeros (``[D]`` each), value scales and
-    zeros (``[N, D/G]`` each), key codes and value codes (``[N, D*bits/8]`` each), then padding. ``token_bytes``
-    is what vLLM's spec calls ``state_content_bytes``: the page's bytes per (head, token), a whole number of
-    ``dtype`` elements. Construction validates the shapes and raises ValueError with one line.
+    Per head, a region of ``N * token_bytes`` bytes (format version :data:`FORMAT_VERSION`), in this order: key
+    scales and zeros (``[D]`` each: one group of ``N`` tokens per channel), value scales and zeros (``[D/G, N]``
+    each), key codes and value codes (``[D*bits/8, N]`` each, **token-inner**: byte ``p`` of token ``t`` at
+    ``p * N + t`` holds channels ``p * L .. p * L + L - 1`` in ``L = 8 / bits`` little-endian lanes), then padding.
+    That is :class:`kvcodec.decode_v2.PagedPackedKIVI`'s order, so :meth:`fields` views a pool as its tensors
+    without a copy. At 16 bits the region holds the raw keys then values (``[N, D]`` each). ``token_bytes`` is what
+    vLLM's spec calls ``state_content_bytes``: the page's bytes per (head, token), a whole number of ``dtype``
+    elements. Construction validates the shapes and raises ValueError with one line.
     """
 
     block_size: int
@@ -200,31 +222,80 @@ class PageFormat:
         else:
             qk, qv = self._quantizers()
             k, v = qk.quantize(keys), qv.quantize(values)
-            parts = [k.scales, k.zeros, v.scales, v.zeros, k.codes, v.codes]
+            # _sizes' order; codes and value parameters token-inner ([.., X, N]), key parameters [.., 1, D] as they are
+            t = lambda x: x.transpose(-1, -2)  # noqa: E731
+            parts = [k.scales, k.zeros, t(v.scales), t(v.zeros), t(k.codes), t(v.codes)]
         blob = torch.cat([p.contiguous().reshape(B, H, -1).view(torch.uint8) for p in parts], dim=-1)
         out = torch.zeros(B, H, N * self.token_bytes, dtype=torch.uint8, device=keys.device)
         out[..., : blob.shape[-1]] = blob
+        return out
+
+    def fields(self, pages: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed views (no copy) of the packed fields of uint8 pages ``[nb, H, N * token_bytes]``.
+
+        Parameters
+        ----------
+        pages : torch.Tensor
+            uint8 ``[nb, H, N * token_bytes]``, each head's region contiguous (:func:`page_bytes_view` of vLLM's
+            layer cache, or :meth:`pack`'s output); the blocks may lie strided apart.
+
+        Returns
+        -------
+        dict of torch.Tensor
+            Views sharing ``pages``' storage: at 2/4/8 bits ``kc, vc`` uint8 ``[nb, H, D*bits/8, N]``, ``ks, kz``
+            ``[nb, H, D, 1]`` and ``vs, vz`` ``[nb, H, D/G, N]`` (scales in ``scale_dtype_for(dtype, bits)``, zeros in
+            ``dtype``); at 16 bits ``k, v`` ``[nb, H, N, D]`` in ``dtype``.
+
+        Raises
+        ------
+        ValueError
+            ``pages`` of another shape or dtype, or a head region that is not contiguous.
+        """
+        N, D = self.block_size, self.head_size
+        if (
+            not isinstance(pages, torch.Tensor)
+            or pages.dtype != torch.uint8
+            or pages.dim() != 3
+            or tuple(pages.shape[1:]) != (self.num_kv_heads, N * self.token_bytes)
+        ):
+            raise ValueError(
+                f"kvcompress packed KV: pages must be uint8 [num_blocks, {self.num_kv_heads}, {N * self.token_bytes}], "
+                f"got {getattr(pages, 'dtype', type(pages).__name__)} {tuple(getattr(pages, 'shape', ()))}"
+            )
+        if pages.shape[-1] > 1 and pages.stride(-1) != 1:
+            raise ValueError("kvcompress packed KV: each head's page region must be contiguous")
+        sdt = scale_dtype_for(self.dtype, self.bits) if self.bits != 16 else self.dtype
+        P = D * self.bits // 8
+        C = D // self.group_size
+        shapes = {"k": (N, D), "v": (N, D)} if self.bits == 16 else {
+            "ks": (D, 1), "kz": (D, 1), "vs": (C, N), "vz": (C, N), "kc": (P, N), "vc": (P, N)}  # fmt: skip
+        out, at = {}, 0
+        for name, size in self._sizes.items():
+            dt = torch.uint8 if name in ("kc", "vc") else sdt if name in ("ks", "vs") else self.dtype
+            e = _nbytes(dt)
+            if at % e:
+                raise ValueError(f"kvcompress packed KV: field {name} starts at byte {at}, not a whole {dt} element")
+            if pages.shape[0] == 0:
+                typed = torch.empty(0, self.num_kv_heads, pages.shape[-1] // e, dtype=dt, device=pages.device)
+            else:
+                typed = pages.view(dt)  # [nb, H, region / e]: every field starts at a multiple of its element size
+            out[name] = typed[..., at // e : (at + size) // e].unflatten(-1, shapes[name])
+            at += size
         return out
 
     def unpack(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """uint8 pages ``[B, H, N * token_bytes]`` -> ``(keys, values)`` ``[B, H, N, D]`` in ``dtype``."""
         B, H, _ = pages.shape
         N, D = self.block_size, self.head_size
-        fields, at = {}, 0
-        for name, size in self._sizes.items():
-            fields[name] = pages[..., at : at + size].contiguous()
-            at += size
+        f = self.fields(pages)
         if self.bits == 16:
-            k = fields["k"].view(self.dtype).reshape(B, H, N, D)
-            return k, fields["v"].view(self.dtype).reshape(B, H, N, D)
-        sdt = scale_dtype_for(self.dtype, self.bits)
-        width = D * self.bits // 8
+            return f["k"].contiguous(), f["v"].contiguous()
         G = self.group_size
         qk, qv = self._quantizers()
         kq = QuantizedTensor(
-            codes=fields["kc"].reshape(B, H, N, width),
-            scales=fields["ks"].view(sdt).reshape(B, H, 1, D),
-            zeros=fields["kz"].view(self.dtype).reshape(B, H, 1, D),
+            codes=f["kc"].transpose(-1, -2).contiguous(),
+            scales=f["ks"].transpose(-1, -2).contiguous(),
+            zeros=f["kz"].transpose(-1, -2).contiguous(),
             bits=self.bits,
             axis="channel",
             group_size=N,
@@ -232,9 +303,9 @@ class PageFormat:
             dtype=self.dtype,
         )
         vq = QuantizedTensor(
-            codes=fields["vc"].reshape(B, H, N, width),
-            scales=fields["vs"].view(sdt).reshape(B, H, N, D // G),
-            zeros=fields["vz"].view(self.dtype).reshape(B, H, N, D // G),
+            codes=f["vc"].transpose(-1, -2).contiguous(),
+            scales=f["vs"].transpose(-1, -2).contiguous(),
+            zeros=f["vz"].transpose(-1, -2).contiguous(),
             bits=self.bits,
             axis="token",
             group_size=G,
@@ -242,6 +313,53 @@ class PageFormat:
             dtype=self.dtype,
         )
         return qk.dequantize(kq), qv.dequantize(vq)
+
+
+def paged_view(
+    fmt: PageFormat,
+    pages: torch.Tensor,
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tail_lens: torch.Tensor,
+) -> PagedPackedKIVI:
+    """The pool as :class:`kvcodec.decode_v2.PagedPackedKIVI`: its code and parameter tensors are views of
+    ``pages`` (:meth:`PageFormat.fields`, no copy), the open blocks ``tail_k``/``tail_v`` ``[B, H, R, D]`` given.
+
+    Parameters
+    ----------
+    fmt : PageFormat
+        The pool's format, at 2 or 4 bits (:data:`kvcodec.decode_v2.PAGED_BITS`).
+    pages : torch.Tensor
+        uint8 ``[num_blocks, H, N * token_bytes]`` (:func:`page_bytes_view`).
+    tail_k, tail_v : torch.Tensor
+        ``[B, H, R, D]`` in ``fmt.dtype``: each sequence's open block at full precision, rows ``0 .. tail_lens[b]``.
+    block_table : torch.Tensor
+        int32/int64 ``[B, max_blocks]``: sequence ``b``'s logical block ``i`` at pool block ``block_table[b, i]``.
+    seq_lens, tail_lens : torch.Tensor
+        int32/int64 ``[B]``: entries per sequence, and how many of them are the open block.
+
+    Returns
+    -------
+    PagedPackedKIVI
+        Keys grouped per channel over the whole block (``group = N``), values in groups of ``fmt.group_size``.
+
+    Raises
+    ------
+    ValueError
+        A format at 8 or 16 bits (the paged layout takes 2 and 4), or pages that do not fit the format.
+    """
+    if fmt.bits not in PAGED_BITS:
+        raise ValueError(
+            f"kvcompress packed KV: the paged decode layout takes {PAGED_BITS}-bit pages, not {fmt.bits}-bit ones"
+        )
+    f = fmt.fields(pages)
+    return PagedPackedKIVI(
+        kc=f["kc"], ks=f["ks"], kz=f["kz"], vc=f["vc"], vs=f["vs"], vz=f["vz"], tail_k=tail_k, tail_v=tail_v,
+        block_table=block_table, seq_lens=seq_lens, tail_lens=tail_lens, kbits=fmt.bits, vbits=fmt.bits,
+        group=fmt.block_size, vgroup=fmt.group_size,
+    )  # fmt: skip
 
 
 def page_bytes_view(layer_cache: torch.Tensor) -> torch.Tensor:
@@ -372,6 +490,29 @@ def _attend(
     return torch.exp(logits - safe[..., None]) @ vf, lse
 
 
+def _decode_v2(query, pages, staged, fmt, qsl, lens, table, block_table, rows, scale, output, stats) -> None:
+    """The decode requests ``rows`` (one query each) of :func:`paged_attention` through
+    :func:`kvcodec.decode_v2.kivi_decode_v2_paged` over :func:`paged_view`: packed blocks read in place, the open
+    blocks (one per request: it holds the step's token) stacked from the staging, the only copy a step makes."""
+    N = fmt.block_size
+    n_packed = [(lens[r] - 1) // N for r in rows]
+    opens = [staged.get(int(table[r, n])) for r, n in zip(rows, n_packed, strict=True)]
+    dev = pages.device
+    tail_k = torch.stack([k for k, _ in opens]).to(dev)
+    tail_v = torch.stack([v for _, v in opens]).to(dev)
+    seq = torch.tensor([lens[r] for r in rows], dtype=torch.int32)
+    tails = seq - N * torch.tensor(n_packed, dtype=torch.int32)
+    sel = torch.tensor(rows, dtype=torch.long, device=block_table.device)
+    cache = paged_view(fmt, pages, tail_k, tail_v, block_table.index_select(0, sel), seq.to(dev), tails.to(dev))
+    starts = torch.tensor([qsl[r] for r in rows], dtype=torch.long, device=query.device)
+    q = query.index_select(0, starts)  # [B, Hq, D]
+    # check=False: the kernel skips check_values' host sync; vLLM's table and lengths are in range by construction
+    out, _ = kivi_decode_v2_paged(q, cache, scale, check=False)
+    output.index_copy_(0, starts.to(output.device), out.reshape(len(rows), *output.shape[1:]).to(output.dtype))
+    if stats is not None:
+        stats["packed_reads"] = stats.get("packed_reads", 0) + sum(n_packed)
+
+
 def paged_attention(
     query: torch.Tensor,
     pages: torch.Tensor,
@@ -383,6 +524,7 @@ def paged_attention(
     scale: float,
     output: torch.Tensor,
     stats: dict | None = None,
+    decode: str = "v2",
 ) -> torch.Tensor:
     """Causal attention of a batch of requests over packed pages + staged full-precision tokens.
 
@@ -393,15 +535,29 @@ def paged_attention(
     ``[T, Hq*D]``) and returns it. ``stats``, if given, gains ``packed_reads`` (packed blocks read) and
     ``prefill_packed_reads`` (packed blocks read by a request computing more than one token: prefix-cache hits
     and earlier chunks of a chunked prefill).
+
+    ``decode`` (:data:`DECODE_PATHS`) picks how requests computing one token read their packed blocks at 2 and 4
+    bits: ``"v2"`` batches them into one :func:`kvcodec.decode_v2.kivi_decode_v2_paged` call over
+    :func:`paged_view` of ``pages`` (the paged Triton kernel on CUDA, its PyTorch reference elsewhere; within the
+    tolerance contract of ``docs/protocols.md`` of the ``"torch"`` path, not bit-equal), ``"torch"`` dequantizes
+    them per request as every other request does. 8- and 16-bit pages always take ``"torch"``.
     """
+    if decode not in DECODE_PATHS:
+        raise ValueError(f"kvcompress packed KV: decode must be one of {DECODE_PATHS}, got {decode!r}")
     N = fmt.block_size
     qsl = query_start_loc.to("cpu").tolist()
     lens = seq_lens.to("cpu").tolist()
     table = block_table.to("cpu")
+    done: set[int] = set()
+    if fmt.bits in PAGED_BITS and decode == "v2":
+        rows = [r for r in range(len(lens)) if qsl[r + 1] - qsl[r] == 1]
+        if rows:
+            _decode_v2(query, pages, staged, fmt, qsl, lens, table, block_table, rows, scale, output, stats)
+            done = set(rows)
     for r, L in enumerate(lens):
         s, e = qsl[r], qsl[r + 1]
         Q = e - s
-        if Q == 0:
+        if Q == 0 or r in done:
             continue
         ctx = L - Q
         n_packed = ctx // N

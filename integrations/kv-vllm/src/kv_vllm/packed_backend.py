@@ -12,7 +12,14 @@ vLLM sizes the pool, so the same KV memory holds more blocks. Start-up refuses, 
 layers, quantized (fp8) KV caches, non-decoder attention, ALiBi / soft-capping / sinks, a KV connector on the same
 engine, bits it cannot pack and a block size or group size that breaks KIVI's grouping.
 
-This is the CPU reference: attention runs in PyTorch (dequantize + matmul), one request at a time.
+Decode steps at 2 and 4 bits (requests computing one token) run batched through
+:func:`kvcodec.decode_v2.kivi_decode_v2_paged` over the pool viewed in place as a
+:class:`kvcodec.decode_v2.PagedPackedKIVI` (:func:`kv_vllm.packed.paged_view`; the page format stores the kernel's
+token-inner order, so no packed byte is copied): the paged Triton kernel on CUDA, its PyTorch reference on CPU
+(faster there than dequantizing). At 8 and 16 bits (the paged layout takes 2 and 4), and for every prefill or
+chunk, attention runs in PyTorch (dequantize + matmul), one request at a time. The open blocks are stacked from the
+staging each decode step (a copy of at most one full-precision block per request and layer), and the step still
+reads lengths and the block table on the host (no CUDA graphs).
 """
 
 from __future__ import annotations
@@ -74,7 +81,7 @@ def page_format(spec: AttentionSpec, config: PackedKVConfig | None = None) -> Pa
 
 
 class PackedAttentionBackend(AttentionBackend):
-    """KIVI-packed KV blocks in vLLM's pool; PyTorch attention over packed blocks + the open block (LSE merge)."""
+    """KIVI-packed KV blocks in vLLM's pool; attention over packed blocks + the open block (module docstring)."""
 
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
