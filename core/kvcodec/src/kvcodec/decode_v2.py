@@ -421,6 +421,11 @@ class PagedPackedKIVI:
         """The number of packed blocks of sequence ``b`` (host value)."""
         return (int(self.seq_lens[b]) - int(self.tail_lens[b])) // self.block_size
 
+    def check_query(self, query: torch.Tensor, scale: float) -> int:
+        """The GQA group ``M`` of ``query [B, H * M, D]`` over this cache (:func:`check_paged_query`; a method, so a
+        kernel that takes the cache checks its query without importing this module)."""
+        return check_paged_query(query, self, scale)
+
     def sequence(self, b: int) -> PackedKIVI:
         """Sequence ``b`` as a contiguous :class:`PackedKIVI` (``S = H``; a copy): its packed blocks gathered through
         the block table and concatenated in logical order as the quantized entries, the open block as the key

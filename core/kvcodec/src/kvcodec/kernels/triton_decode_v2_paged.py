@@ -189,9 +189,7 @@ def paged_decode_v2_triton(
     TypeError
         As :func:`~kvcodec.decode_v2.check_paged_query`.
     """
-    from kvcodec.decode_v2 import check_paged_query
-
-    M = check_paged_query(query, cache, scale)
+    M = cache.check_query(query, scale)
     if not supported(cache):
         raise ValueError(
             "paged_decode_v2_triton needs a float16/bfloat16 cache, a power-of-two head dim, key group >= 16 and "
