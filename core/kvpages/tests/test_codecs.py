@@ -186,3 +186,26 @@ def test_third_party_codecs_from_entry_points(monkeypatch):
     monkeypatch.setattr(reg, "entry_points", lambda group: [_EP("pkg", {"kivi-4": Halves})])
     with pytest.raises(ValueError, match="already registered"):
         kvpages.codec("kivi-4")
+
+
+class _BrokenEP:
+    name, value = "gone", "missing_package.codecs:CODECS"
+
+    def load(self):
+        raise ModuleNotFoundError("No module named 'missing_package'")
+
+
+def test_an_entry_point_whose_package_cannot_be_imported_is_skipped_with_a_warning(monkeypatch):
+    """Invariant: metadata left without its code (a package removed, a path that lacks it) costs only that package's
+    codecs, with a warning naming the entry point; the built-ins and every other package's codecs still work."""
+    import kvpages.registry as reg
+
+    class Halves(kvpages.LosslessCodec):
+        name = "halves"
+
+    monkeypatch.setattr(reg, "entry_points", lambda group: [_BrokenEP(), _EP("pkg", {"halves": Halves})])
+    with pytest.warns(RuntimeWarning, match="'gone'.*missing_package"):
+        names = kvpages.codec_names()
+    assert "halves" in names and "kivi-4" in names and "lossless" in names
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        assert isinstance(kvpages.codec("kivi-4"), UniformPageCodec)

@@ -10,6 +10,7 @@ kvpages never imports method packages; installing one makes its codecs available
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import Any
@@ -31,7 +32,16 @@ BUILTIN: dict[str, Callable[..., PageCodec]] = {
 def _factories() -> dict[str, Callable[..., PageCodec]]:
     found = dict(BUILTIN)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        table = ep.load()
+        try:
+            table = ep.load()
+        except ImportError as exc:  # a package's metadata without its code: its codecs are missing, the rest work
+            warnings.warn(
+                f"kvpages: the codecs of entry point {ep.name!r} ({ep.value}) cannot be imported and are skipped: "
+                f"{exc}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            continue
         if not isinstance(table, Mapping):
             raise TypeError(
                 f"entry point {ep.name!r} of {ENTRY_POINT_GROUP!r} must load a mapping name -> codec factory, "
