@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from packed import backend_names, packed_stats  # the engine's backend names and the packed backend's counters
+
 
 def break_packing() -> None:
     """Zero the key scales of every block the backend packs (keys then dequantize to their per-channel minimum)."""
@@ -33,25 +35,6 @@ def break_packing() -> None:
         return out
 
     packed.PageFormat.pack = pack
-
-
-def backend_names(llm) -> list[str]:
-    core = llm.llm_engine.engine_core.engine_core
-    runner = core.model_executor.driver_worker.worker.model_runner
-    return sorted({g.backend.get_name() for groups in runner.attn_groups for g in groups})
-
-
-def packed_stats(llm) -> dict:
-    core = llm.llm_engine.engine_core.engine_core
-    runner = core.model_executor.driver_worker.worker.model_runner
-    total: dict[str, int] = {}
-    for groups in runner.attn_groups:
-        for g in groups:
-            for name in g.layer_names:
-                impl = runner.compilation_config.static_forward_context[name].impl
-                for k, v in getattr(impl, "stats", {}).items():
-                    total[k] = total.get(k, 0) + v
-    return total
 
 
 def main() -> None:
