@@ -209,3 +209,40 @@ def test_an_entry_point_whose_package_cannot_be_imported_is_skipped_with_a_warni
     assert "halves" in names and "kivi-4" in names and "lossless" in names
     with pytest.warns(RuntimeWarning, match="skipped"):
         assert isinstance(kvpages.codec("kivi-4"), UniformPageCodec)
+
+
+@pytest.mark.parametrize("name", ["lossless", "kivi-4", "kivi-2", "int8"])
+@pytest.mark.parametrize(("T", "H", "D"), [(32, 2, 64), (7, 3, 33), (64, 8, 128)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_builtin_codecs_declare_their_fixed_encoded_size(name, T, H, D, dtype):
+    """``max_encoded_bytes`` is the exact size of every blob of that shape (framing included)."""
+    codec = kvpages.codec(name)
+    assert codec.bounded_size and not codec.accepts_importance
+    k, v = page(T, T, H, D, dtype)
+    assert len(codec.encode(k, v)) == codec.max_encoded_bytes(T, H, D, dtype)
+
+
+def test_importance_is_refused_by_a_codec_that_does_not_declare_it():
+    k, v = page(0, 8, 2, 16, torch.float32)
+    with pytest.raises(TypeError, match="does not accept an importance"):
+        kvpages.codec("kivi-4").encode(k, v, importance=torch.ones(8, 2))
+
+
+def test_max_encoded_bytes_checks_its_arguments():
+    codec = kvpages.codec("kivi-4")
+    with pytest.raises(ValueError, match="tokens must be an int >= 1"):
+        codec.max_encoded_bytes(0, 2, 64, torch.float16)
+    with pytest.raises(ValueError, match="dtype must be"):
+        codec.max_encoded_bytes(32, 2, 64, torch.float64)
+
+
+def test_frame_length_reads_a_frame_followed_by_padding():
+    k, v = page(1, 8, 2, 16, torch.float16)
+    codec = kvpages.codec("kivi-2")
+    blob = codec.encode(k, v)
+    slot = blob + bytes(100)
+    assert kvpages.frame_length(slot) == len(blob)
+    k2, _ = codec.decode(slot[: kvpages.frame_length(slot)])
+    assert k2.shape == k.shape
+    with pytest.raises(CorruptEntry, match="not a kvpages frame"):
+        kvpages.frame_length(bytes(100))

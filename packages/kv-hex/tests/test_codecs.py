@@ -127,3 +127,35 @@ def test_value_scope_head_and_small_pages():
 def test_hex_config_matches_the_codec():
     c = kvpages.codec("hex-4", seed=7)
     assert c.hex_config(96) == HEXConfig(bits=4, recent=0, block_size=96, seed=7)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(("T", "H", "D", "dtype"), [(32, 2, 64, torch.float32), (64, 8, 128, torch.float16),
+                                                    (100, 3, 64, torch.bfloat16)])  # fmt: skip
+def test_max_encoded_bytes_bounds_every_page(name, T, H, D, dtype):
+    """Declared bound: no page of that shape (any heavy tokens) encodes to more; the expander's per-token mask
+    counts are equal, so every page has exactly that size."""
+    c = kvpages.codec(name)
+    assert c.bounded_size and c.accepts_importance
+    bound = c.max_encoded_bytes(T, H, D, dtype)
+    sizes = set()
+    for seed in range(3):
+        k, v = page(T, H, D, dtype, seed)
+        sizes.add(len(c.encode(k, v)))
+        sizes.add(len(c.encode(k, v, importance=torch.rand(T, H, generator=torch.Generator().manual_seed(seed)))))
+    assert max(sizes) <= bound and bound in sizes
+
+
+def test_importance_picks_the_heavy_tokens():
+    """An engine's importance ``[T, H]`` (summed over heads) replaces sink_score as HEX's heavy-hitter ranking."""
+    c = kvpages.codec("hex-3")
+    T, H = 100, 3  # int(0.02 * 100) = 2 heavy tokens
+    k, v = page(T, H)
+    imp = torch.zeros(T, H)
+    imp[17, 0], imp[71, 2] = 5.0, 4.0
+    heavy = (c.tiers(k, v, imp)[0, 0] == FULL).nonzero().flatten().tolist()
+    assert heavy == [17, 71]
+    k2, v2 = c.decode(c.encode(k, v, importance=imp))
+    assert torch.equal(k2[[17, 71]], k[[17, 71]]) and torch.equal(v2[[17, 71]], v[[17, 71]])
+    with pytest.raises(ValueError, match="importance must be"):
+        c.encode(k, v, importance=torch.ones(T, H + 1))

@@ -139,3 +139,30 @@ def test_bad_options_name_the_argument():
         kvpages.codec("hqekv-3.2", one_bit="ternary")
     with pytest.raises(ValueError, match="invalid options"):
         kvpages.codec("hqekv-2", window=20)  # a page codec has no query window
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(("T", "H", "D", "dtype"), [(32, 2, 64, torch.float32), (64, 8, 128, torch.float16),
+                                                    (100, 3, 64, torch.bfloat16)])  # fmt: skip
+def test_encoded_size_is_fixed_by_the_shape(name, T, H, D, dtype):
+    """The tier counts depend only on T, so every page of a shape has ``max_encoded_bytes`` bytes."""
+    c = kvpages.codec(name)
+    assert c.bounded_size and c.accepts_importance
+    for seed in range(2):
+        k, v = page(T, H, D, dtype, seed)
+        assert len(c.encode(k, v)) == c.max_encoded_bytes(T, H, D, dtype)
+        imp = torch.rand(T, H, generator=torch.Generator().manual_seed(seed))
+        assert len(c.encode(k, v, importance=imp)) == c.max_encoded_bytes(T, H, D, dtype)
+
+
+def test_importance_ranks_the_key_tiers():
+    """An engine's importance ``[T, H]`` (summed over heads) replaces sink_score as the key metric (§3.2)."""
+    c = kvpages.codec("hqekv-2", fp16_tokens=2)
+    T, H = 64, 3
+    k, v = page(T, H)
+    imp = torch.zeros(T, H)
+    imp[9, 1], imp[40, 0] = 3.0, 2.0
+    kt, _ = c.tiers(k, v, imp)
+    assert (kt == 0).nonzero().flatten().tolist() == [9, 40]  # tier 0: fp16
+    k2, _ = c.decode(c.encode(k, v, importance=imp))
+    assert torch.equal(k2[[9, 40]], k[[9, 40]])

@@ -20,7 +20,7 @@ from kvpages.cache import CacheMetrics, PageCache
 from kvpages.codec import CODEC_FORMAT_VERSION, PageCodec
 from kvpages.errors import CorruptEntry
 from kvpages.faults import FAULT_KINDS, FaultLog, NonFinitePage, os_fault_kind
-from kvpages.framing import FRAME_VERSION, frame, frame_codec_hash, unframe
+from kvpages.framing import FRAME_VERSION, frame, frame_codec_hash, frame_length, unframe
 from kvpages.importance import sink_score
 from kvpages.keys import chain_keys, namespace_digest
 from kvpages.lossless import LosslessCodec
@@ -49,6 +49,7 @@ __all__ = [
     "codec_names",
     "frame",
     "frame_codec_hash",
+    "frame_length",
     "namespace_digest",
     "os_fault_kind",
     "sink_score",

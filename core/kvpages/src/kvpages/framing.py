@@ -63,6 +63,19 @@ def frame_codec_hash(blob: bytes | bytearray | memoryview) -> str:
     return _HEADER.unpack_from(blob)[3].hex()
 
 
+def frame_length(blob: bytes | bytearray | memoryview) -> int:
+    """Total bytes (header, payload, checksum) of the frame at the start of ``blob``, read from its header (not
+    verified; :func:`unframe` verifies): a reader of a fixed-size slot that holds a frame then zero padding."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise TypeError(f"blob must be bytes, got {type(blob).__name__}")
+    if len(blob) < _HEADER.size:
+        raise CorruptEntry(f"blob is too short ({len(blob)} bytes) to be a kvpages frame")
+    magic, _version, _reserved, _hash, n = _HEADER.unpack_from(blob)
+    if magic != MAGIC:
+        raise CorruptEntry(f"blob is not a kvpages frame (magic {magic!r}, expected {MAGIC!r})")
+    return OVERHEAD + n
+
+
 def unframe(blob: bytes | bytearray | memoryview, codec_hash: str | None = None) -> memoryview:
     """Verify ``blob`` and return its payload (a zero-copy view of ``blob``).
 

@@ -18,6 +18,10 @@ class LosslessCodec(PageCodec):
 
     name: ClassVar[str] = "lossless"
     lossless: ClassVar[bool] = True
+    bounded_size: ClassVar[bool] = True
+
+    def max_payload_bytes(self, tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return SHAPE.size + 2 * tokens * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def config(self) -> dict[str, Any]:
         return {}

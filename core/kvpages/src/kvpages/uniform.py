@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -53,6 +54,7 @@ class UniformPageCodec(PageCodec):
     codec_name: str = "kivi-4"
 
     lossless: ClassVar[bool] = False
+    bounded_size: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         check_int("bits", self.bits, choices=QUANT_BITS)
@@ -91,6 +93,15 @@ class UniformPageCodec(PageCodec):
             ("scales", scale_dtype_for(dtype, self.bits), gshape),
             ("zeros", dtype, gshape),
         )
+
+    def max_payload_bytes(self, tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """The payload's size, fixed by the shape: header, then codes, scales and zeros of keys and values."""
+        n = SHAPE.size
+        for axis, group in self._groupings():
+            G = self._quantizer(axis, group, tokens, head_dim).group_size
+            for _field, fdtype, shape in self._shapes(axis, G, dtype, tokens, kv_heads, head_dim):
+                n += math.prod(shape) * torch.empty((), dtype=fdtype).element_size()
+        return n
 
     def encode_payload(self, keys: torch.Tensor, values: torch.Tensor) -> bytes:
         T, _H, D = keys.shape

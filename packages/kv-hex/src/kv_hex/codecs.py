@@ -45,6 +45,16 @@ def _overlay_count(cfg: HEXConfig, T: int, H: int, D: int, heavy: tuple[bool, ..
     return int(m[coded].sum())
 
 
+@functools.lru_cache(maxsize=256)
+def _max_overlay_count(cfg: HEXConfig, T: int, H: int, D: int, n_heavy: int) -> int:
+    """The largest :func:`_overlay_count` over every choice of ``n_heavy`` heavy tokens."""
+    m = segment_mask(cfg, T, H, D, "cpu")
+    if m is None:
+        return 0
+    per_token = m.reshape(T, -1).sum(1)
+    return int(per_token.sum() - torch.sort(per_token).values[:n_heavy].sum())
+
+
 @dataclass(frozen=True, repr=False)
 class HEXPageCodec(PageCodec):
     """One page as one HEX segment (HEX §3.2-§3.5, §4.2): whole heavy tokens and the static expander overlay in
@@ -97,6 +107,8 @@ class HEXPageCodec(PageCodec):
     codec_name: str = "hex-3"
 
     lossless: ClassVar[bool] = False
+    bounded_size: ClassVar[bool] = True
+    accepts_importance: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         cfg = HEXConfig(
@@ -147,17 +159,36 @@ class HEXPageCodec(PageCodec):
             "seed": self.seed,
         }
 
-    def tiers(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """uint8 ``[1, H, T]``: ``FULL`` for the heavy tokens (every head), ``bits`` elsewhere (:func:`hex_tiers`)."""
+    def tiers(self, keys: torch.Tensor, values: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 ``[1, H, T]``: ``FULL`` for the heavy tokens (every head), ``bits`` elsewhere (:func:`hex_tiers`).
+
+        The heavy tokens rank by ``importance`` ``[T, H]`` summed over the heads (an engine's measured attention:
+        §3.3's accumulated attention, one global selection) when given, else by :func:`sink_score`.
+        """
         T, H, _ = keys.shape
-        score = sink_score(keys, values)[None, None].expand(1, H, T)
+        s = sink_score(keys, values) if importance is None else importance.float().sum(-1).to(keys.device)
+        score = s[None, None].expand(1, H, T)
         keep = torch.ones(1, H, T, dtype=torch.bool, device=keys.device)
         return hex_tiers(score, keep, torch.zeros_like(keep), self.bits, self.heavy_ratio, 0, T)
 
-    def encode_payload(self, keys: torch.Tensor, values: torch.Tensor) -> bytes:
+    def max_payload_bytes(self, tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """The largest payload of a page of that shape. Everything but the overlay is fixed by the shape (the heavy
+        count is ``int(heavy_ratio · T)``); the overlay holds the mask's elements at the coded tokens, so its
+        largest size is the mask's total less the ``n_heavy`` tokens with the fewest mask elements."""
+        T, H, D = tokens, kv_heads, head_dim
+        e = torch.empty((), dtype=dtype).element_size()
+        se = torch.empty((), dtype=scale_dtype_for(dtype, self.bits)).element_size()
+        n_heavy = int(self.heavy_ratio * T)
+        Nq = H * (T - n_heavy)
+        n_over = _max_overlay_count(self.hex_config(T), T, H, D, n_heavy)
+        v_stats = T if self.value_scope == "layer" else Nq
+        side = (H * n_heavy * D) * e + Nq * packed_width(D, self.bits) + n_over * e
+        return SHAPE.size + math.ceil(T / 8) + 2 * side + (H * D + v_stats) * (se + e)
+
+    def encode_payload(self, keys: torch.Tensor, values: torch.Tensor, importance: torch.Tensor | None = None) -> bytes:
         T = keys.shape[0]
         cfg = self.hex_config(T)
-        tiers = self.tiers(keys, values)
+        tiers = self.tiers(keys, values, importance)
         slot_pos = torch.arange(T, device=keys.device)[None]
         k, v = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, H, T, D]
         seg = compress_segment(cfg, k, v, tiers, tiers, slot_pos)

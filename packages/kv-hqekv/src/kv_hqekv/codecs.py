@@ -88,6 +88,8 @@ class HqeKVPageCodec(PageCodec):
     _shares: Shares = field(init=False, compare=False)
 
     lossless: ClassVar[bool] = False
+    bounded_size: ClassVar[bool] = True
+    accepts_importance: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if isinstance(self.shares, str):
@@ -129,10 +131,17 @@ class HqeKVPageCodec(PageCodec):
         c = tier_counts(tokens, self._shares, self.fp16_tokens)
         return c.fp16, c.q4, c.q2, c.q1 + c.evict
 
-    def tiers(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """int64 ``[T]`` tier indices (into :data:`TIER_WIDTHS`) of the keys and of the values of a page."""
+    def tiers(
+        self, keys: torch.Tensor, values: torch.Tensor, importance: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """int64 ``[T]`` tier indices (into :data:`TIER_WIDTHS`) of the keys and of the values of a page.
+
+        ``importance`` ``[T, H]`` (an engine's measured attention per token and KV head), summed over the heads,
+        replaces :func:`sink_score` as the key metric ``s_t`` (§3.2's attention score); values still rank by
+        ``s_t · Range_t``.
+        """
         T = keys.shape[0]
-        s = sink_score(keys, values)
+        s = sink_score(keys, values) if importance is None else importance.float().sum(-1).to(keys.device)
         v = values.float()
         rng = (v.amax(-1) - v.amin(-1)).sum(-1)
         counts = torch.tensor(self.counts(T), device=keys.device)
@@ -144,11 +153,30 @@ class HqeKVPageCodec(PageCodec):
             out.append(torch.bucketize(rank, bounds, right=True))
         return out[0], out[1]
 
+    def max_payload_bytes(self, tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """The payload's size, fixed by the shape (the tier counts depend only on ``tokens``)."""
+        T, H, D, G = tokens, kv_heads, head_dim, self.group_size
+        e = torch.empty((), dtype=dtype).element_size()
+        n_bytes = SHAPE.size + 2 * packed_width(T, 2)
+        for kind in ("key", "value"):
+            for bits, n in zip(TIER_WIDTHS, self.counts(T), strict=True):
+                if n == 0:
+                    continue
+                if bits == 16:
+                    n_bytes += H * n * D * e
+                    continue
+                groups = H * n * -(-D // G) if kind == "value" else H * -(-n // G) * D
+                sdt, zdt = _stat_dtypes(bits, kind, self.one_bit, dtype)
+                n_bytes += H * n * packed_width(D, bits) + groups * torch.empty((), dtype=sdt).element_size()
+                if zdt is not None:
+                    n_bytes += groups * torch.empty((), dtype=zdt).element_size()
+        return n_bytes
+
     def _quantizer(self, bits: int, kind: str):
         return tier_quantizer(bits, kind, self.group_size, self.one_bit)
 
-    def encode_payload(self, keys: torch.Tensor, values: torch.Tensor) -> bytes:
-        kt, vt = self.tiers(keys, values)
+    def encode_payload(self, keys: torch.Tensor, values: torch.Tensor, importance: torch.Tensor | None = None) -> bytes:
+        kt, vt = self.tiers(keys, values, importance)
         parts = [pack_shape(keys)]
         for t in (kt, vt):
             parts.append(raw_bytes(pack_unchecked(t[None].to(torch.uint8), 2)[0]))
