@@ -32,6 +32,12 @@ from kvcore.attention import check_query, check_scale
 
 QUANT = (4, 2, 1)
 
+FOLDED_DECODE = False
+"""Default of :func:`mixed_tier_attention`'s ``folded``: on CUDA, a decode step over the block layout through decode
+attention v2 (:func:`kv_hqekv.kernels.folded.blocked_decode_v2`, the folded formulation: within
+``docs/protocols.md``'s tolerance of attention over ``read()``, not bit-exact). Off until a GPU run has checked the
+compiled kernel (as kv-baselines' ``FOLDED_DECODE`` for KIVI); the CPU path never changes."""
+
 
 def _uniform_params(units, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scales, zeros)`` float32 ``[nu, C]`` of a tier's units in the uniform ``zero + code·scale`` form."""
@@ -183,13 +189,16 @@ def tiered_sides(store) -> tuple[TieredSide, TieredSide]:
 
 
 def mixed_tier_attention(
-    store, query: torch.Tensor, scale: float | None = None, *, return_row: bool = False
+    store, query: torch.Tensor, scale: float | None = None, *, return_row: bool = False, folded: bool | None = None
 ) -> tuple[torch.Tensor, ...]:
     """Attention of ``query [B, Hq, Q, D]`` over everything ``store`` holds, in one fused pass (module doc).
 
     Returns ``(out float32 [B, Hq, Q, D], lse float32 [B, Hq, Q])``, equal to
     ``kvcore.reference_attention(store.read(), query, scale)`` within float tolerance (a value evicted while its key
     is kept contributes ``V = 0``); with ``return_row=True`` also :func:`attention_row` under this ``lse``.
+    ``folded`` (default :data:`FOLDED_DECODE`): on CUDA, over the block layout, for the caches it takes, the folded
+    decode attention v2 (:func:`kv_hqekv.kernels.triton_folded.blocked_decode_v2_triton`) instead: within the
+    tolerance contract of ``docs/protocols.md``, not within float tolerance. No effect on CPU.
     """
     if not isinstance(return_row, bool):
         raise TypeError(f"return_row must be a bool, got {type(return_row).__name__}")
@@ -203,6 +212,11 @@ def mixed_tier_attention(
     if not return_row:
         blocked = store.decode_layout()  # between re-plans: the block maps, advanced by appends
         if blocked is not None:
+            if FOLDED_DECODE if folded is None else folded:
+                from kv_hqekv.kernels import triton_folded
+
+                if triton_folded.supported(q, *blocked):
+                    return triton_folded.blocked_decode_v2_triton(q, *blocked, scale)
             return blocked_attention(q, *blocked, scale)
     keys, values = tiered_sides(store)
     out, lse = tiered_attention(q, keys, values, scale)
