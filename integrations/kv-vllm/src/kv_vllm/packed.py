@@ -39,6 +39,9 @@ from kvcodec.decode_v2 import PAGED_BITS, PagedPackedKIVI, kivi_decode_v2_paged
 from kvcodec.stats import scale_dtype_for
 from kvcodec.uniform import UniformQuantizer
 from kvcore import QuantizedTensor, merge_attention
+from kvpages import PageCodec, codec_names, frame_length
+from kvpages import codec as make_codec
+from kvpages.framing import OVERHEAD
 
 PACKED_BITS: tuple[int, ...] = (2, 4, 8, 16)
 """Code widths the backend packs (16: raw keys and values, the identity check)."""
@@ -47,6 +50,9 @@ ENV_BITS = "KVCOMPRESS_KV_BITS"
 """The flag that turns the backend on: ``KVCOMPRESS_KV_BITS=4`` (or 2, 8, 16) in the engine's environment."""
 ENV_GROUP = "KVCOMPRESS_KV_GROUP"
 """Value group size in channels (default 32, KIVI's); must divide the head size."""
+ENV_CODEC = "KVCOMPRESS_KV_CODEC"
+"""The other way to turn the backend on: a registered ``kvpages`` codec holds each complete block
+(``KVCOMPRESS_KV_CODEC=hqekv-2``, ``hex-3``, ...; :class:`CodecPageFormat`). Exclusive with ``KVCOMPRESS_KV_BITS``."""
 
 MIN_BLOCK = 16
 """Smallest block size: keys are grouped per channel over a block's tokens (KIVI uses 32-token groups)."""
@@ -66,14 +72,38 @@ faster than the ``"torch"`` path: 100 vs 230-410 ms for 4 requests x 1k tokens o
 bfloat16), ``"torch"`` by dequantizing the packed blocks (the only path at 8 and 16 bits)."""
 
 
+def pool_codec_names() -> list[str]:
+    """Registered codecs that can hold a block in the pool: those declaring a bounded encoded size."""
+    return [n for n in codec_names() if make_codec(n).bounded_size]
+
+
+def pool_codec(name: str) -> PageCodec:
+    """The registered codec ``name`` (:func:`kvpages.codec`), refused in one line unless it declares a bounded size."""
+    try:
+        c = make_codec(name)
+    except ValueError:
+        c = None
+    if c is None or not c.bounded_size:
+        raise ValueError(
+            f"kvcompress packed KV: {ENV_CODEC}={name!r} is not a registered codec with a bounded page size; "
+            f"available: {', '.join(pool_codec_names())}"
+        )
+    return c
+
+
 @dataclass(frozen=True)
 class PackedKVConfig:
-    """The backend's settings: ``bits`` (2, 4, 8 or 16) and the value group size ``group_size``."""
+    """The backend's settings: ``bits`` (2, 4, 8 or 16) and the value group size ``group_size`` of the KIVI pages,
+    or ``codec``: the name of a registered ``kvpages`` codec holding each block (then ``bits`` is unused)."""
 
     bits: int = 4
     group_size: int = 32
+    codec: str | None = None
 
     def __post_init__(self) -> None:
+        if self.codec is not None:
+            pool_codec(self.codec)
+            return
         if isinstance(self.bits, bool) or self.bits not in PACKED_BITS:
             raise ValueError(
                 f"kvcompress packed KV: cannot pack {self.bits!r}-bit codes; {ENV_BITS} must be one of {PACKED_BITS}"
@@ -84,11 +114,26 @@ class PackedKVConfig:
                 f"got {self.group_size!r}"
             )
 
+    @property
+    def flag(self) -> str:
+        """The environment flag this config came from (for messages)."""
+        return ENV_BITS if self.codec is None else ENV_CODEC
+
     @classmethod
     def from_env(cls, environ: dict | None = None) -> PackedKVConfig | None:
-        """The config named by ``KVCOMPRESS_KV_BITS`` / ``KVCOMPRESS_KV_GROUP``; None when the flag is unset."""
+        """The config named by ``KVCOMPRESS_KV_BITS`` / ``KVCOMPRESS_KV_GROUP`` or by ``KVCOMPRESS_KV_CODEC``;
+        None when neither is set. Both set (or a group size with a codec) is refused in one line."""
         env = os.environ if environ is None else environ
         raw = env.get(ENV_BITS, "").strip()
+        name = env.get(ENV_CODEC, "").strip()
+        graw = env.get(ENV_GROUP, "").strip()
+        if name:
+            if raw or graw:
+                raise ValueError(
+                    f"kvcompress packed KV: set either {ENV_BITS} (one of {PACKED_BITS}, with {ENV_GROUP}) or "
+                    f"{ENV_CODEC} (one of {', '.join(pool_codec_names())}), not both"
+                )
+            return cls(codec=name)
         if not raw:
             return None
         try:
@@ -97,7 +142,7 @@ class PackedKVConfig:
             raise ValueError(
                 f"kvcompress packed KV: cannot pack {raw!r}-bit codes; {ENV_BITS} must be one of {PACKED_BITS}"
             ) from None
-        graw = env.get(ENV_GROUP, "").strip() or "32"
+        graw = graw or "32"
         try:
             group = int(graw)
         except ValueError:
@@ -315,6 +360,132 @@ class PageFormat:
         return qk.dequantize(kq), qv.dequantize(vq)
 
 
+@dataclass(frozen=True)
+class CodecPageFormat:
+    """A block held in a registered ``kvpages`` codec's format (``KVCOMPRESS_KV_CODEC``): HEX's or HqeKV's
+    per-token precision tiers in vLLM's pool, looked up by name (:func:`kvpages.codec`; kv-vllm imports no method).
+
+    The block's bytes (all its heads, ``H * N * token_bytes``, contiguous in vLLM's per-block layout) hold the
+    codec's framed blob of the block ``[N, H, D]`` (:meth:`kvpages.PageCodec.encode`: header, payload, checksum),
+    then zeros. ``token_bytes`` comes from the codec's declared :meth:`~kvpages.PageCodec.max_encoded_bytes`
+    (exact for HEX and HqeKV, whose tier counts are fixed by the block length), rounded up to whole ``dtype``
+    elements per (head, token). A block is decoded by :meth:`kvpages.PageCodec.decode` (checksum verified);
+    blocks are encoded with the queries' importance where the codec declares ``accepts_importance``.
+    """
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    codec_name: str
+    codec: PageCodec = field(init=False, repr=False, compare=False)
+    blob_bytes: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        c = pool_codec(self.codec_name)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"kvcompress packed KV: KV dtype {self.dtype} is not one of float16, bfloat16, float32")
+        if self.block_size < MIN_BLOCK or self.block_size % MIN_BLOCK:
+            raise ValueError(
+                f"kvcompress packed KV: block size {self.block_size} does not fit codec {self.codec_name!r}; "
+                f"use a multiple of {MIN_BLOCK} (--block-size 32 on CPU)"
+            )
+        try:
+            n = c.max_encoded_bytes(self.block_size, self.num_kv_heads, self.head_size, self.dtype)
+        except ValueError as exc:
+            raise ValueError(
+                f"kvcompress packed KV: codec {self.codec_name!r} cannot hold a block of {self.block_size} tokens x "
+                f"{self.num_kv_heads} heads x {self.head_size}: {exc}"
+            ) from None
+        object.__setattr__(self, "codec", c)
+        object.__setattr__(self, "blob_bytes", n)
+
+    @property
+    def wants_importance(self) -> bool:
+        """Whether blocks are encoded with the queries' importance (the codec declares ``accepts_importance``)."""
+        return self.codec.accepts_importance
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes per (head, token) of the page: vLLM's ``state_content_bytes`` (whole ``dtype`` elements)."""
+        e = _nbytes(self.dtype)
+        return math.ceil(self.blob_bytes / (self.num_kv_heads * self.block_size) / e) * e
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of a whole block (all heads): the codec's largest blob and padding."""
+        return self.num_kv_heads * self.block_size * self.token_bytes
+
+    @property
+    def dense_page_bytes(self) -> int:
+        """Bytes of the same block in stock vLLM (keys and values in ``dtype``)."""
+        return self.num_kv_heads * self.block_size * 2 * self.head_size * _nbytes(self.dtype)
+
+    @property
+    def capacity_ratio(self) -> float:
+        """Blocks per byte relative to stock vLLM: ``dense_page_bytes / page_bytes``."""
+        return self.dense_page_bytes / self.page_bytes
+
+    def _check_pages(self, pages: torch.Tensor) -> None:
+        want = (self.num_kv_heads, self.block_size * self.token_bytes)
+        if not isinstance(pages, torch.Tensor) or pages.dtype != torch.uint8 or tuple(pages.shape[1:]) != want:
+            raise ValueError(
+                f"kvcompress packed KV: pages must be uint8 [num_blocks, {want[0]}, {want[1]}], "
+                f"got {getattr(pages, 'dtype', type(pages).__name__)} {tuple(getattr(pages, 'shape', ()))}"
+            )
+
+    def pack(self, keys: torch.Tensor, values: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
+        """``keys``/``values`` ``[B, H, N, D]`` (and ``importance`` ``[B, N, H]`` when the codec accepts one) ->
+        uint8 pages ``[B, H, N * token_bytes]``: each block one :meth:`kvpages.PageCodec.encode` blob, then zeros."""
+        B, H, N, D = keys.shape
+        if (self.num_kv_heads, self.block_size, self.head_size) != (H, N, D) or values.shape != keys.shape:
+            raise ValueError(
+                f"pack: expected [B, {self.num_kv_heads}, {self.block_size}, {self.head_size}] keys and values, "
+                f"got {tuple(keys.shape)} and {tuple(values.shape)}"
+            )
+        if importance is not None and not self.wants_importance:
+            raise ValueError(f"pack: codec {self.codec_name!r} does not accept an importance")
+        out = torch.zeros(B, H * N * self.token_bytes, dtype=torch.uint8)
+        for b in range(B):
+            k = keys[b].to(self.dtype).transpose(0, 1)  # [N, H, D]: the codec's page layout
+            v = values[b].to(self.dtype).transpose(0, 1)
+            imp = None if importance is None else importance[b]
+            blob = self.codec.encode(k, v, importance=imp) if imp is not None else self.codec.encode(k, v)
+            if len(blob) > self.blob_bytes:  # the codec broke its declared bound: never write past the page
+                raise RuntimeError(
+                    f"kvcompress packed KV: codec {self.codec_name!r} wrote {len(blob)} bytes, more than its "
+                    f"declared max_encoded_bytes {self.blob_bytes}"
+                )
+            out[b, : len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        return out.view(B, H, N * self.token_bytes).to(keys.device)
+
+    def unpack(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 pages ``[B, H, N * token_bytes]`` -> ``(keys, values)`` ``[B, H, N, D]`` in ``dtype``, each block
+        through :meth:`kvpages.PageCodec.decode` (checksum and codec hash verified)."""
+        self._check_pages(pages)
+        flat = pages.to("cpu").reshape(pages.shape[0], -1)
+        ks, vs = [], []
+        for b in range(flat.shape[0]):
+            raw = flat[b]
+            n = frame_length(raw[:OVERHEAD].numpy().tobytes())
+            k, v = self.codec.decode(raw[:n].numpy().tobytes())
+            ks.append(k.transpose(0, 1))
+            vs.append(v.transpose(0, 1))
+        if not ks:
+            empty = torch.empty(0, self.num_kv_heads, self.block_size, self.head_size, dtype=self.dtype)
+            return empty.to(pages.device), empty.clone().to(pages.device)
+        return torch.stack(ks).to(pages.device), torch.stack(vs).to(pages.device)
+
+
+def page_format_for(
+    config: PackedKVConfig, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
+) -> PageFormat | CodecPageFormat:
+    """The pool's block format for ``config``: KIVI pages at ``config.bits``, or ``config.codec``'s blobs."""
+    if config.codec is not None:
+        return CodecPageFormat(block_size, num_kv_heads, head_size, dtype, config.codec)
+    return PageFormat(block_size, num_kv_heads, head_size, dtype, config.bits, config.group_size)
+
+
 def paged_view(
     fmt: PageFormat,
     pages: torch.Tensor,
@@ -386,12 +557,20 @@ class OpenBlocks:
     ``keep`` most recently used entries (between steps each running request has at most one open block, so
     ``keep = 2 * max_num_seqs`` never drops a live one while every running request is scheduled each step).
     A request that needs a dropped block gets a KeyError, never wrong tokens.
+
+    With ``track_importance``, each entry also accumulates a float32 importance ``[N, H]`` (:meth:`add_importance`,
+    :func:`paged_attention` adds the attention its tokens draw from the queries of the same block), reset with the
+    block; :func:`pack_complete` hands it to a codec that declares ``accepts_importance``.
     """
 
-    def __init__(self, num_kv_heads: int, block_size: int, head_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, num_kv_heads: int, block_size: int, head_size: int, dtype: torch.dtype, track_importance: bool = False
+    ) -> None:
         self.shape = (num_kv_heads, block_size, head_size)
         self.dtype = dtype
-        self.blocks: dict[int, list] = {}  # block id -> [keys [H, N, D], values [H, N, D], written offsets mask]
+        self.track_importance = track_importance
+        # block id -> [keys [H, N, D], values [H, N, D], written offsets mask, importance [N, H] float32]
+        self.blocks: dict[int, list] = {}
         self.used: dict[int, int] = {}  # block id -> tick of its last write or read
         self.tick = 0
 
@@ -415,6 +594,7 @@ class OpenBlocks:
                     torch.zeros(self.shape, dtype=self.dtype, device=keys.device),
                     torch.zeros(self.shape, dtype=self.dtype, device=keys.device),
                     torch.zeros(N, dtype=torch.bool),
+                    torch.zeros(N, self.shape[0], dtype=torch.float32),
                 ]
                 self.blocks[b] = entry
             entry[0][:, offs] = keys[rows].to(self.dtype).transpose(0, 1)
@@ -440,6 +620,20 @@ class OpenBlocks:
         self._touch(block)
         return e[0], e[1]
 
+    def add_importance(self, block: int, mass: torch.Tensor) -> None:
+        """Add ``mass`` ``[n, H]`` (float) to the importance of the block's first ``n`` tokens."""
+        e = self.blocks.get(block)
+        if e is None:
+            raise KeyError(f"kvcompress packed KV: block {block} is not staged")
+        e[3][: mass.shape[0]] += mass.to("cpu", torch.float32)
+
+    def importance(self, block: int) -> torch.Tensor:
+        """The accumulated importance ``[N, H]`` (float32, CPU) of a staged block."""
+        e = self.blocks.get(block)
+        if e is None:
+            raise KeyError(f"kvcompress packed KV: block {block} is not staged")
+        return e[3]
+
     def drop(self, blocks: list[int]) -> None:
         for b in blocks:
             self.blocks.pop(b, None)
@@ -459,13 +653,19 @@ class OpenBlocks:
         return n * len(self.blocks)
 
 
-def pack_complete(fmt: PageFormat, staged: OpenBlocks, pages: torch.Tensor) -> list[int]:
-    """Pack every complete staged block into ``pages`` (uint8 ``[num_blocks, H, N*C]``) once; returns their ids."""
+def pack_complete(fmt: PageFormat | CodecPageFormat, staged: OpenBlocks, pages: torch.Tensor) -> list[int]:
+    """Pack every complete staged block into ``pages`` (uint8 ``[num_blocks, H, N*C]``) once; returns their ids.
+
+    A :class:`CodecPageFormat` whose codec accepts an importance gets each block's accumulated importance (staged
+    with ``track_importance``); otherwise the codec ranks the tokens by its own query-free importance."""
     done = staged.complete()
     if done:
         ks = torch.stack([staged.get(b)[0] for b in done])
         vs = torch.stack([staged.get(b)[1] for b in done])
-        packed = fmt.pack(ks, vs)
+        if isinstance(fmt, CodecPageFormat) and fmt.wants_importance and staged.track_importance:
+            packed = fmt.pack(ks, vs, torch.stack([staged.importance(b) for b in done]))
+        else:
+            packed = fmt.pack(ks, vs)
         ids = torch.tensor(done, dtype=torch.long, device=pages.device)
         pages.index_copy_(0, ids, packed.to(pages.device))
         staged.drop(done)
@@ -513,11 +713,39 @@ def _decode_v2(query, pages, staged, fmt, qsl, lens, table, block_table, rows, s
         stats["packed_reads"] = stats.get("packed_reads", 0) + sum(n_packed)
 
 
+def _own_block_mass(
+    q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float, ctx: int, start: int, N: int
+) -> list[tuple[int, torch.Tensor]]:
+    """The attention each staged token draws from the queries of its own block (causal), per KV head.
+
+    ``q`` ``[Hq, Q, D]`` at positions ``ctx .. ctx + Q - 1``, ``k`` ``[H, L - start, D]`` the staged keys from
+    position ``start`` (a block boundary), ``lse`` ``[Hq, Q]`` the queries' log-sum-exp over their whole context.
+    Returns ``(j, mass [n, H])`` per staged block ``j`` (0-based from ``start``) with a query in it: the
+    probability ``exp(q·k·scale - lse)`` summed over those queries and over each KV head's GQA query heads.
+    """
+    Hq, Q, _ = q.shape
+    H = k.shape[0]
+    group = Hq // H
+    L = ctx + Q
+    out = []
+    for b0 in range((max(ctx, start) - start) // N * N + start, L, N):
+        qa, qb = max(ctx, b0), min(b0 + N, L)
+        n = qb - b0  # keys of the block up to the last query in it
+        kb = k[:, b0 - start : b0 - start + n].float().repeat_interleave(group, dim=0)  # [Hq, n, D]
+        logits = (q[:, qa - ctx : qb - ctx].float() @ kb.transpose(-1, -2)) * scale  # [Hq, nq, n]
+        qpos = torch.arange(qa, qb, device=q.device)[:, None]
+        kpos = torch.arange(b0, b0 + n, device=q.device)[None, :]
+        p = torch.exp(logits - lse[:, qa - ctx : qb - ctx, None].float()).masked_fill(~(kpos <= qpos), 0.0)
+        mass = p.sum(1).view(H, group, n).sum(1)  # [H, n]
+        out.append(((b0 - start) // N, mass.transpose(0, 1)))
+    return out
+
+
 def paged_attention(
     query: torch.Tensor,
     pages: torch.Tensor,
     staged: OpenBlocks,
-    fmt: PageFormat,
+    fmt: PageFormat | CodecPageFormat,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
@@ -540,7 +768,12 @@ def paged_attention(
     bits: ``"v2"`` batches them into one :func:`kvcodec.decode_v2.kivi_decode_v2_paged` call over
     :func:`paged_view` of ``pages`` (the paged Triton kernel on CUDA, its PyTorch reference elsewhere; within the
     tolerance contract of ``docs/protocols.md`` of the ``"torch"`` path, not bit-equal), ``"torch"`` dequantizes
-    them per request as every other request does. 8- and 16-bit pages always take ``"torch"``.
+    them per request as every other request does. 8- and 16-bit pages and :class:`CodecPageFormat` pools (blocks
+    decoded by their codec) always take ``"torch"``.
+
+    With ``staged.track_importance``, each staged token also accumulates the attention probability (normalized
+    over the query's whole context) that the queries of its own block put on it, summed over each KV head's query
+    heads (:func:`_own_block_mass`): the query-aware importance :func:`pack_complete` gives the codec.
     """
     if decode not in DECODE_PATHS:
         raise ValueError(f"kvcompress packed KV: decode must be one of {DECODE_PATHS}, got {decode!r}")
@@ -549,7 +782,7 @@ def paged_attention(
     lens = seq_lens.to("cpu").tolist()
     table = block_table.to("cpu")
     done: set[int] = set()
-    if fmt.bits in PAGED_BITS and decode == "v2":
+    if isinstance(fmt, PageFormat) and fmt.bits in PAGED_BITS and decode == "v2":
         rows = [r for r in range(len(lens)) if qsl[r + 1] - qsl[r] == 1]
         if rows:
             _decode_v2(query, pages, staged, fmt, qsl, lens, table, block_table, rows, scale, output, stats)
@@ -574,14 +807,18 @@ def paged_attention(
                 if Q > 1:
                     stats["prefill_packed_reads"] = stats.get("prefill_packed_reads", 0) + n_packed
         n_blocks = -(-L // N)
-        ks, vs = zip(*(staged.get(int(b)) for b in table[r, n_packed:n_blocks].tolist()), strict=True)
+        open_ids = [int(b) for b in table[r, n_packed:n_blocks].tolist()]
+        ks, vs = zip(*(staged.get(b) for b in open_ids), strict=True)
         start = n_packed * N
         k = torch.cat(ks, dim=1)[:, : L - start]
         v = torch.cat(vs, dim=1)[:, : L - start]
         qpos = torch.arange(ctx, L)[:, None]
         kpos = torch.arange(start, L)[None, :]
         parts.append(_attend(q, k, v, scale, (kpos <= qpos).to(q.device)))
-        out, _ = merge_attention(parts) if len(parts) > 1 else parts[0]
+        out, lse = merge_attention(parts) if len(parts) > 1 else parts[0]
+        if staged.track_importance:
+            for j, mass in _own_block_mass(q, k, lse, scale, ctx, start, N):
+                staged.add_importance(open_ids[j], mass)
         dst = output[s:e]
         dst.copy_(out.transpose(0, 1).reshape(dst.shape).to(dst.dtype))
     return output

@@ -1,6 +1,9 @@
-"""A vLLM attention backend whose KV pool holds packed 2/4/8-bit KIVI blocks (see :mod:`kv_vllm.packed`).
+"""A vLLM attention backend whose KV pool holds packed 2/4/8-bit KIVI blocks (see :mod:`kv_vllm.packed`), or
+blocks in a registered ``kvpages`` codec's format (HEX's / HqeKV's precision tiers,
+:class:`kv_vllm.packed.CodecPageFormat`).
 
-Turned on by ``KVCOMPRESS_KV_BITS`` (2, 4, 8 or 16) in the engine's environment with kv-vllm installed: the
+Turned on by ``KVCOMPRESS_KV_BITS`` (2, 4, 8 or 16) or ``KVCOMPRESS_KV_CODEC`` (a codec name, e.g. ``hqekv-2``,
+``hex-3``; the two are exclusive) in the engine's environment with kv-vllm installed: the
 ``vllm.general_plugins`` entry point (:func:`kv_vllm.plugin.register`) then overrides vLLM's ``CPU_ATTN`` backend
 path with :class:`PackedAttentionBackend` (``register_backend``). vLLM's CPU platform ignores
 ``--attention-backend CUSTOM`` (``CpuPlatform.get_attn_backend_cls`` logs "Cannot use CUSTOM backend on CPU" and
@@ -41,13 +44,16 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from .packed import (
     ENV_BITS,
+    ENV_CODEC,
     MIN_BLOCK,
+    CodecPageFormat,
     OpenBlocks,
     PackedKVConfig,
     PageFormat,
     check_layer,
     pack_complete,
     page_bytes_view,
+    page_format_for,
     paged_attention,
 )
 
@@ -56,12 +62,13 @@ NAME = "CUSTOM"  # vLLM maps get_name() back to an AttentionBackendEnum member: 
 
 
 def active_config() -> PackedKVConfig:
-    """The config from ``KVCOMPRESS_KV_BITS`` / ``KVCOMPRESS_KV_GROUP`` (4-bit, groups of 32 if unset)."""
+    """The config from ``KVCOMPRESS_KV_BITS`` / ``KVCOMPRESS_KV_GROUP`` or ``KVCOMPRESS_KV_CODEC`` (4-bit KIVI,
+    groups of 32 if unset)."""
     return PackedKVConfig.from_env() or PackedKVConfig()
 
 
 def refuse(message: str) -> None:
-    raise ValueError(f"kvcompress packed KV ({ENV_BITS}): {message}")
+    raise ValueError(f"kvcompress packed KV ({ENV_BITS} / {ENV_CODEC}): {message}")
 
 
 def _check_spec(spec: AttentionSpec) -> None:
@@ -75,9 +82,8 @@ def _check_spec(spec: AttentionSpec) -> None:
     )
 
 
-def page_format(spec: AttentionSpec, config: PackedKVConfig | None = None) -> PageFormat:
-    c = config or active_config()
-    return PageFormat(spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype, c.bits, c.group_size)
+def page_format(spec: AttentionSpec, config: PackedKVConfig | None = None) -> PageFormat | CodecPageFormat:
+    return page_format_for(config or active_config(), spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
 
 
 class PackedAttentionBackend(AttentionBackend):
@@ -196,14 +202,14 @@ class PackedAttentionImpl(AttentionImpl):
         seqs = getattr(get_current_vllm_config().scheduler_config, "max_num_seqs", None) or 256
         self.keep_open = 2 * int(seqs)  # staged open blocks kept between steps (see OpenBlocks.trim)
         self.stats: dict[str, int] = {"packed_blocks": 0, "packed_reads": 0, "prefill_packed_reads": 0}
-        self.fmt: PageFormat | None = None
+        self.fmt: PageFormat | CodecPageFormat | None = None
         self.staged: OpenBlocks | None = None
 
     def _setup(self, block_size: int, dtype: torch.dtype) -> None:
         if self.fmt is None or self.fmt.block_size != block_size:
-            c = self.config
-            self.fmt = PageFormat(block_size, self.num_kv_heads, self.head_size, dtype, c.bits, c.group_size)
-            self.staged = OpenBlocks(self.num_kv_heads, block_size, self.head_size, dtype)
+            self.fmt = page_format_for(self.config, block_size, self.num_kv_heads, self.head_size, dtype)
+            track = isinstance(self.fmt, CodecPageFormat) and self.fmt.wants_importance
+            self.staged = OpenBlocks(self.num_kv_heads, block_size, self.head_size, dtype, track_importance=track)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         """Stage the step's keys and values at full precision; pages are written when a block completes."""
