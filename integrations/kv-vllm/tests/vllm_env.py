@@ -46,6 +46,31 @@ MEMBER_SRC = [
 ]
 
 
+METHOD_PACKAGES = [REPO / "packages" / "kv-hex", REPO / "packages" / "kv-hqekv"]
+"""Method packages whose page codecs the engine tests of ``KVCOMPRESS_KV_CODEC`` look up (``method_codecs=True``)."""
+
+
+def method_codec_path(folder: Path) -> list[Path]:
+    """``PYTHONPATH`` entries that make the method packages' codecs visible to ``kvpages.registry`` in the engine
+    venv: their ``src`` folders and, in ``folder``, one ``*.dist-info`` per package holding its
+    ``kvcompress.codecs`` entry points (read from its pyproject.toml). Running from source gives the code but no
+    installed metadata, and the registry finds codecs through entry points only."""
+    import tomllib
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for pkg in METHOD_PACKAGES:
+        project = tomllib.loads((pkg / "pyproject.toml").read_text())["project"]
+        eps = project.get("entry-points", {}).get("kvcompress.codecs", {})
+        info = folder / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
+        info.mkdir(exist_ok=True)
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n"
+        )
+        lines = ["[kvcompress.codecs]"] + [f"{k} = {v}" for k, v in eps.items()]
+        (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    return [pkg / "src" for pkg in METHOD_PACKAGES] + [folder]
+
+
 def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvcompress" / "engines")
 
@@ -131,10 +156,16 @@ def ensure_env() -> tuple[Path, dict]:
         return _python(target), info
 
 
-def run_engine_script(python: Path, script: Path, *args: str, timeout: float = 900) -> dict:
-    """Run ``script`` under the engine venv with our members on ``PYTHONPATH``; return its last-line JSON."""
+def run_engine_script(
+    python: Path, script: Path, *args: str, timeout: float = 900, method_codecs: Path | None = None
+) -> dict:
+    """Run ``script`` under the engine venv with our members on ``PYTHONPATH``; return its last-line JSON.
+
+    ``method_codecs``: a scratch folder; the method packages' codecs are then made visible too
+    (:func:`method_codec_path`)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in MEMBER_SRC)
+    extra = [] if method_codecs is None else method_codec_path(method_codecs)
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in MEMBER_SRC + extra)
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in-process: the connectors are reachable
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of CPU KV cache: enough for the tiny model
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

@@ -3,6 +3,8 @@
 Usage: python packed.py SCENARIO WORKDIR [DTYPE]  (DTYPE: float32, the default, or bfloat16)
   stock      vLLM's own CPU_ATTN backend: the prompts' tokens and logprobs, and the blocks the pool holds
   bits-B     KVCOMPRESS_KV_BITS=B (2, 4, 8, 16) through kv_vllm.plugin.register(): the same, plus which backend ran
+  codec-C    KVCOMPRESS_KV_CODEC=C (e.g. hqekv-2, hex-3; the caller puts the method packages' codecs on the path):
+             the same as bits-B
   custom     register_backend(CUSTOM, PackedAttentionBackend) and --attention-backend CUSTOM, no flag: which
              backend the CPU platform runs
   capacity-B B in stock, 16, 4, 2: 16 requests (3 blocks + 7 prompt tokens, 40 generated: 5 blocks each) at a
@@ -241,6 +243,10 @@ def main() -> None:
         result = run(make_llm(model))
     elif scenario.startswith("bits-"):
         os.environ["KVCOMPRESS_KV_BITS"] = scenario.split("-", 1)[1]
+        plugin.register()
+        result = run(make_llm(model))
+    elif scenario.startswith("codec-"):
+        os.environ["KVCOMPRESS_KV_CODEC"] = scenario.split("-", 1)[1]
         plugin.register()
         result = run(make_llm(model))
     elif scenario == "custom":
