@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_check.sh                       # every step
 #   bash benchmarks/gpu_check.sh tests,attend,hubkv    # some steps: v2 attend hubkv tests hex hqekv smoke hf sekv sweep quant
 #   bash benchmarks/gpu_check.sh v2                    # issue 43 first: decode attention v2 checked, then timed
+#   bash benchmarks/gpu_check.sh v2tiers               # decode attention v2 over HqeKV's mixed tiers: checked, timed
 #   bash benchmarks/gpu_check.sh v2paged               # only the paged (block-table) variant: checked, then timed,
 #                                                      # then kv_vllm's packed backend decoding through it
 #
@@ -44,6 +45,13 @@ if has v2 || has v2paged; then
   TAIL=8 step vllm_packed_decode_tests 90 python3 -m pytest -p no:cacheprovider -q --tb=short \
       integrations/kv-vllm/tests/test_vllm_packed_decode_v2.py
   TAIL=16 step bench_vllm_packed_decode ${VPD_LIMIT:-180} python3 benchmarks/bench_vllm_packed_decode.py
+fi
+# decode attention v2 over HqeKV's mixed tiers (kv_hqekv.kernels.triton_folded): its tests compiled on the GPU (the
+# asm path, the contract), then folded vs HqeKV's blocked kernel vs fp16 SDPA (32/8 heads, d 128, T 16k-32k, B 1 and 8)
+if has v2 || has v2tiers; then
+  TAIL=8 step decode_v2_tiers_tests 150 python3 -m pytest -p no:cacheprovider -q --tb=short -m "not hypothesis" \
+      packages/kv-hqekv/tests/test_decode_v2.py
+  TAIL=12 step bench_decode_v2_tiers ${V2T_LIMIT:-180} python3 benchmarks/bench_decode_v2_tiers.py
 fi
 has attend && step bench_fused_attend 90 python3 benchmarks/bench_fused_attend.py
 has hubkv && step bench_hubkv 60 python3 benchmarks/bench_hubkv.py --min-run-time 0.1

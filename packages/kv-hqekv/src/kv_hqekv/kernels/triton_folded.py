@@ -3,7 +3,8 @@
 Same contract as :func:`kv_hqekv.kernels.folded.blocked_decode_v2_ref` (its PyTorch reference, same signature):
 agreement with attention over the dequantized entries within ``docs/protocols.md``'s tolerance. A tile is one block
 of ``G`` entries (``BLOCK_T = G``), so a tile holds one tier per side: its key tier picks the logits' path and its
-value tier the value step, branching on the two tier bytes the block layout keeps per block:
+value tier the value step, branching on the two tier bytes the block layout keeps per block (a tier the side does
+not hold is not compiled: ``K4 .. V1``):
 
 * quantized keys (4 / 2 / 1 bit): the block's parameter row folded into the query, ``q ⊙ s`` as two float16 parts,
   times the raw codes on the matrix units, plus the bias ``q · z`` (kvcodec's folded key step;
@@ -145,6 +146,8 @@ def _blocked_v2_kernel(
     NB, appended, M, scale,
     D: tl.constexpr, G: tl.constexpr, GV: tl.constexpr, MB: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
     DOT: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr, KSPLIT: tl.constexpr,
+    K4: tl.constexpr, K2: tl.constexpr, K1: tl.constexpr, V4: tl.constexpr, V2: tl.constexpr, V1: tl.constexpr,
+    FULL: tl.constexpr,
 ):  # fmt: skip
     s = tl.program_id(0)
     sp = tl.program_id(1)
@@ -176,33 +179,42 @@ def _blocked_v2_kernel(
         vt = tl.where(blk, tl.load(vtier_ptr + at, mask=blk, other=0).to(tl.int32), 16)
         krow0 = tl.load(krow_ptr + at, mask=blk, other=0)
         vrow0 = tl.load(vrow_ptr + at, mask=blk, other=0)
-        if kt == 4:
-            logits = _fold_keys(qk, k4c, k4s, k4z, kcb, krow0 + tt, tl.load(kgrp_ptr + at), scale, D, CR, 4, False,
-                                HALF, ASM, KSPLIT)  # fmt: skip
-        elif kt == 2:
-            logits = _fold_keys(qk, k2c, k2s, k2z, kcb, krow0 + tt, tl.load(kgrp_ptr + at), scale, D, CR, 2, False,
-                                HALF, ASM, KSPLIT)  # fmt: skip
-        elif kt == 1:
-            logits = _fold_keys(qk, k1c, k1s, k1z, kcb, krow0 + tt, tl.load(kgrp_ptr + at), scale, D, CR, 1, True,
-                                HALF, ASM, KSPLIT)  # fmt: skip
-        else:  # a full-precision block or the tail
-            live = t < end  # every block entry is (blocks come first)
-            rows = tl.where(blk, krow0 + shift + tt, ktail + t - nb * G)
-            lf = _full_key_logits(qk, kfull_ptr, 0, tl.where(live, rows, 0), live, dd, scale, D, CR, DOT)
-            logits = tl.where(live[None, :], lf, float("-inf"))
+        logits = tl.full([ROWS, G], float("-inf"), tl.float32)  # one branch below runs
+        if K4:  # noqa: SIM102 (absent: pruned at compile time; exactly one runs)
+            if kt == 4:
+                logits = _fold_keys(qk, k4c, k4s, k4z, kcb, krow0 + tt, tl.load(kgrp_ptr + at), scale, D, CR, 4,
+                                    False, HALF, ASM, KSPLIT)  # fmt: skip
+        if K2:  # noqa: SIM102 (compile-time pruning)
+            if kt == 2:
+                logits = _fold_keys(qk, k2c, k2s, k2z, kcb, krow0 + tt, tl.load(kgrp_ptr + at), scale, D, CR, 2,
+                                    False, HALF, ASM, KSPLIT)  # fmt: skip
+        if K1:  # noqa: SIM102 (compile-time pruning)
+            if kt == 1:
+                logits = _fold_keys(qk, k1c, k1s, k1z, kcb, krow0 + tt, tl.load(kgrp_ptr + at), scale, D, CR, 1,
+                                    True, HALF, ASM, KSPLIT)  # fmt: skip
+        if FULL:  # noqa: SIM102 (compile-time pruning: a measurement option)
+            if kt == 16:  # a full-precision block or the tail
+                live = t < end  # every block entry is (blocks come first)
+                rows = tl.where(blk, krow0 + shift + tt, ktail + t - nb * G)
+                lf = _full_key_logits(qk, kfull_ptr, 0, tl.where(live, rows, 0), live, dd, scale, D, CR, DOT)
+                logits = tl.where(live[None, :], lf, float("-inf"))
         m_new, l_i, alpha, p = _weights(m_i, l_i, logits)
         acc = acc * alpha[:, None]
         zs = zs * alpha
-        if vt == 4:
-            acc, zs = _fold_values(acc, zs, p, v4c, v4s, v4z, vcb, vrow0 + tt, D, C, CR, MB, 4, False, HALF, ASM)
-        elif vt == 2:
-            acc, zs = _fold_values(acc, zs, p, v2c, v2s, v2z, vcb, vrow0 + tt, D, C, CR, MB, 2, False, HALF, ASM)
-        elif vt == 1:
-            acc, zs = _fold_values(acc, zs, p, v1c, v1s, v1z, vcb, vrow0 + tt, D, C, CR, MB, 1, True, HALF, ASM)
-        elif vt == 16:
-            live = t < end  # every block entry is (blocks come first)
-            rows = tl.where(blk, vrow0 + shift + tt, vtail + t - nb * G)
-            acc = _full_value_step(acc, p, vfull_ptr, 0, tl.where(live, rows, 0), live, dd, D, DOT)
+        if V4:  # noqa: SIM102 (compile-time pruning)
+            if vt == 4:
+                acc, zs = _fold_values(acc, zs, p, v4c, v4s, v4z, vcb, vrow0 + tt, D, C, CR, MB, 4, False, HALF, ASM)
+        if V2:  # noqa: SIM102 (compile-time pruning)
+            if vt == 2:
+                acc, zs = _fold_values(acc, zs, p, v2c, v2s, v2z, vcb, vrow0 + tt, D, C, CR, MB, 2, False, HALF, ASM)
+        if V1:  # noqa: SIM102 (compile-time pruning)
+            if vt == 1:
+                acc, zs = _fold_values(acc, zs, p, v1c, v1s, v1z, vcb, vrow0 + tt, D, C, CR, MB, 1, True, HALF, ASM)
+        if FULL:  # noqa: SIM102 (compile-time pruning: a measurement option)
+            if vt == 16:
+                live = t < end
+                rows = tl.where(blk, vrow0 + shift + tt, vtail + t - nb * G)
+                acc = _full_value_step(acc, p, vfull_ptr, 0, tl.where(live, rows, 0), live, dd, D, DOT)
         m_i = m_new
     _store_split(outp_ptr, lsep_ptr, (s64 * tl.num_programs(1) + sp) * M, acc, zs, m_i, l_i, mrow, crow, qok, dd,
                  D, GV)  # fmt: skip
@@ -261,11 +273,14 @@ def blocked_decode_v2_triton(
     tensor_cores: bool | None = None,
     asm: bool | None = None,
     key_split: bool = True,
+    full_rows: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`~kv_hqekv.kernels.folded.blocked_decode_v2_ref`: ``(out float32 [B, Hq, Q, D], lse float32
     [B, Hq, Q])``. ``ValueError`` for a cache it does not take (:func:`supported`). ``tiles`` blocks per program
     (default :func:`~kvcodec.kernels.triton_attention.split_plan`); ``tensor_cores``, ``asm``, ``key_split`` as
-    :func:`kvcodec.kernels.triton_decode_v2.kivi_decode_v2_triton`."""
+    :func:`kvcodec.kernels.triton_decode_v2.kivi_decode_v2_triton`. ``full_rows=False`` compiles the full-precision
+    branches out (wrong for any cache that holds full rows: a measurement option, ``benchmarks/sm90_decode_v2_tiers.py``
+    counts the folded tiles alone with it)."""
     if not supported(query, layout, keys, values):
         raise ValueError(
             "blocked_decode_v2_triton needs a float16/bfloat16 cache, a power-of-two head dim and block G >= 16 "
@@ -304,6 +319,8 @@ def blocked_decode_v2_triton(
         keys.tail.contiguous(), values.tail.contiguous(), layout.blocks.contiguous(), layout.held.contiguous(),
         NB, layout.appended, M, float(scale),
         D=D, G=G, GV=G, MB=MB, ROWS=rows, TILES=tiles, DOT=dot, HALF=half, ASM=asm, KSPLIT=key_split,
+        K4=4 in keys.tiers, K2=2 in keys.tiers, K1=1 in keys.tiers,
+        V4=4 in values.tiers, V2=2 in values.tiers, V1=1 in values.tiers, FULL=full_rows,
         num_warps=num_warps,
     )  # fmt: skip
     out, lse = merge_splits(outp, lsep, num_warps)
