@@ -129,7 +129,19 @@ def test_candidates_skip_ablations_and_the_reference():
     assert candidates(registry, "full,knorm") == ["knorm"]
     with pytest.raises(ValueError, match="besides the full cache"):
         candidates(registry, "full")
-    assert 0 < floor_fraction(registry["snapkv"], 512) < floor_fraction(registry["hqekv-2"], 512)
+    assert floor_fraction(registry["hqekv-2"], 512) == pytest.approx(2.0 / 16)  # a fixed budget: its average bits
+
+
+def test_the_floor_holds_an_evicting_methods_window_at_the_models_dtype(tmp_path, capsys, no_model):
+    """Invariant: SnapKV keeps its 64-token observation window at full precision whatever its ratio, so on 256-token
+    windows it holds at least 64/256 of the cache: 0.25 of an fp16 cache in bf16, 0.5 in float32 (twice the bytes);
+    a quantizing store's floor is its narrowest width (KIVI-2: 2 bits per protected entry)."""
+    registry = discover()
+    assert floor_fraction(registry["snapkv"], 256, 2.0) == pytest.approx(64 / 256)
+    assert floor_fraction(registry["snapkv"], 256, 4.0) == pytest.approx(2 * 64 / 256)
+    assert floor_fraction(registry["kivi-2"], 256, 4.0) <= 64 / 256 * 2 / 16 + 1e-12
+    base = ["--text", str(_text(tmp_path / "t.txt")), "--windows", "2", "--context", "256", "--methods", "snapkv"]
+    _one_line_error(capsys, [*base, "--target", "0.4", "--dtype", "float32"], "below what any candidate can hold")
 
 
 def test_trim_drops_the_most_expensive_cells_first():
@@ -249,4 +261,4 @@ def test_a_target_under_the_sliding_window_layers_is_refused_before_the_search(t
     monkeypatch.setattr(ModelSource, "load", lambda self, dtype, device: (gemma, _tokenizer()))
     monkeypatch.setattr("kvbench.tune.grid.measure_costs", no_search)
     argv = ["--text", str(_text(tmp_path / "t.txt")), "--windows", "2", "--context", "60", "--continuation", "4"]
-    _one_line_error(capsys, [*argv, "--target", "0.2", "--methods", "snapkv"], "sliding-window layers")
+    _one_line_error(capsys, [*argv, "--target", "0.2", "--methods", "kivi-2"], "sliding-window layers")

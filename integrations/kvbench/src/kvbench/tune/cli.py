@@ -144,7 +144,8 @@ def validate(args: argparse.Namespace, registry: dict, *, files: bool = True):
     check_device(args.device)
     if not 0.0 <= args.tolerance < 1.0:
         raise UsageError(f"--tolerance: {args.tolerance:g} must be in [0, 1)")
-    floors = {n: floor_fraction(registry[n], args.context) for n in names}
+    entry = 2.0 if device_and_dtype(args)[1] in ("bfloat16", "float16") else 4.0
+    floors = {n: floor_fraction(registry[n], args.context, entry) for n in names}
     if args.target is not None:
         check_reachable(args.target, floors, args.context, "--target")
     if not files:
@@ -249,7 +250,7 @@ def _run(args, argv, registry, names, tasks, source, text) -> int:
     except ValueError as exc:
         return _fail(f"--text {args.text}: {exc}; give a longer text or fewer or shorter windows")
     fp16 = fp16_bytes_per_token(model)
-    floors = {n: grid.floor_fraction(registry[n], args.context) for n in names}
+    floors = {n: grid.floor_fraction(registry[n], args.context, torch.finfo(model.dtype).bits / 8) for n in names}
     if args.target_bytes is not None:
         try:
             check_bytes(args.target_bytes, fp16, floors, args.context)

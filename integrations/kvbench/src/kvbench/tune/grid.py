@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from kvbench.budgets import BudgetSpec
 from kvbench.methods import GridItem, MethodSpec, plan_grid
-from kvcore import Budget
+from kvcore import EVICT, FULL, Budget
 from kvcore.registry import Method
 
 __all__ = ["Costs", "candidates", "estimate", "floor_fraction", "grid", "measure_costs", "trim", "window_fraction"]
@@ -80,10 +80,22 @@ def grid(registry: dict[str, Method], names: Sequence[str], levels: Sequence[flo
     return plan_grid(registry, specs, [BudgetSpec("bytes_per_token", float(v)) for v in levels])
 
 
-def floor_fraction(method: Method, context_tokens: int) -> float:
+def floor_fraction(method: Method, context_tokens: int, bytes_per_entry: float = 2.0) -> float:
     """A lower bound on the fraction of an fp16 cache ``method`` can hold on ``context_tokens``-token windows,
-    without a model: the tokens its protection always keeps (sinks + recent window, at least one), at one bit
-    (the narrowest entry any store holds), or its fixed average bits over 16."""
+    without a model.
+
+    The tokens its protection always keeps (sinks + recent window, at least one) are held at the narrowest width its
+    store declares (``Store.supported_bits``): the model dtype's ``bytes_per_entry`` when the store quantizes nothing
+    (an evicting method keeps SnapKV's 64-token window at full precision), else its narrowest quantized width. A
+    method with a fixed budget: its average bits over 16.
+
+    Parameters
+    ----------
+    method : kvcore.registry.Method
+    context_tokens : int
+    bytes_per_entry : float
+        Bytes of one cache entry in the model's dtype (2 for bf16/fp16, 4 for float32).
+    """
     if not method.budgets:
         bits = method.default.avg_bits
         return (bits if bits is not None else 1.0) / 16.0
@@ -91,8 +103,13 @@ def floor_fraction(method: Method, context_tokens: int) -> float:
         comp = method.build(Budget(tokens=1) if "tokens" in method.budgets else Budget(ratio=0.99))
         kept = comp.protect.sinks + comp.protect.recent
     except (ValueError, LookupError, TypeError):
-        kept = 1
-    return max(1, min(kept, context_tokens)) / context_tokens / 16.0
+        return 1.0 / context_tokens / 16.0
+    try:
+        quantized = frozenset(comp.new_store().supported_bits) - {EVICT, FULL}
+    except (ValueError, LookupError, TypeError):
+        quantized = frozenset({1})
+    entry_bits = min(quantized) if quantized else 8.0 * bytes_per_entry
+    return max(1, min(kept, context_tokens)) / context_tokens * entry_bits / 16.0
 
 
 def window_fraction(config, context_tokens: int, bytes_per_entry: float = 2.0) -> float:

@@ -28,20 +28,27 @@ __all__ = ["main"]
 
 
 def load_model(name: str) -> tuple[Any, Any, str]:
-    """``(model, tokenizer, model_id)`` in float32 eval mode."""
-    if name == "smollm2":
-        try:
-            from kvbench.models import load_smollm2
-        except ImportError as err:  # pragma: no cover - depends on the environment
-            raise SystemExit(
-                "--model smollm2 needs kvbench (pip install kvbench); or pass a transformers path"
-            ) from err
-        model, tok = load_smollm2()
-        return model.eval(), tok, "HuggingFaceTB/SmolLM2-135M-Instruct"
+    """``(model, tokenizer, model_id)`` in float32 eval mode: ``"smollm2"`` or a model kvbench registers
+    (``kvbench --list-models``: ``smollm2-135m``, ``gemma3-270m``), loaded offline from its package; otherwise a
+    transformers path or id."""
+    try:
+        from kvbench.models.registry import MODELS
+    except ImportError:  # pragma: no cover - depends on the environment
+        MODELS = {}
+    key = "smollm2-135m" if name == "smollm2" else name
+    if key in MODELS:
+        model, tok = MODELS[key].load()
+        return model.float().eval(), tok, MODEL_IDS.get(key, MODELS[key].title)
+    if name == "smollm2":  # pragma: no cover - depends on the environment
+        raise SystemExit("--model smollm2 needs kvbench (pip install kvbench); or pass a transformers path")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="sdpa")
     return model.eval(), AutoTokenizer.from_pretrained(name), name
+
+
+MODEL_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct", "gemma3-270m": "google/gemma-3-270m"}
+"""The hub ids recorded in a router trained on a kvbench model (the shipped routers' ``model_id``)."""
 
 
 def pick_device(name: str) -> torch.device:
@@ -225,7 +232,9 @@ def parser() -> argparse.ArgumentParser:
         ("calibrate", "set each tau to open the gate on --rate of the training (query, span) pairs (our addition)"),
     ):
         s = sub.add_parser(name, help=help_)
-        s.add_argument("--model", default="smollm2", help="'smollm2' or a transformers model path / id")
+        s.add_argument(
+            "--model", default="smollm2", help="'smollm2', a kvbench model (gemma3-270m) or a transformers path / id"
+        )
         s.add_argument("--corpus", default=None, help="plain-text corpus (default: gensim's lee_background.cor)")
         s.add_argument("--seq-len", type=int, default=512)
         s.add_argument("--seed", type=int, default=0)
