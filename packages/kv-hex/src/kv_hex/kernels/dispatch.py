@@ -7,7 +7,13 @@ from __future__ import annotations
 from kv_hex.kernels import reference
 from kvcore.dispatch import triton_available, use_triton
 
+#: Decode attention v2 (the folded formulation, :mod:`kv_hex.kernels.folded`) for the uniform calls on CUDA. Off by
+#: default until a GPU run has checked the compiled kernel (``bash benchmarks/gpu_check.sh hextiers``); the CPU path
+#: never takes it.
+FOLDED_DECODE = False
+
 __all__ = [
+    "FOLDED_DECODE",
     "accumulate_attention",
     "attention_column_sums",
     "dequantize_part",
@@ -59,8 +65,14 @@ def part_attention(query, part, scale, logits=False):
 
 def uniform_attention(query, calls, scale):
     """:func:`kv_hex.kernels.reference.uniform_attention`, or the fused Triton kernel that addresses segments by
-    arithmetic (:mod:`kv_hex.kernels.triton_uniform`: one launch per call, one merge) on CUDA."""
+    arithmetic (:mod:`kv_hex.kernels.triton_uniform`: one launch per call, one merge) on CUDA; with
+    :data:`FOLDED_DECODE`, the folded kernel (:mod:`kv_hex.kernels.triton_folded`) for the calls it takes."""
     if use_triton(calls[0].part.before):
+        if FOLDED_DECODE:
+            from kv_hex.kernels import triton_folded
+
+            if triton_folded.supported(query, calls):
+                return triton_folded.uniform_decode_v2_triton(query, calls, scale)
         from kv_hex.kernels.triton_uniform import uniform_attention_triton
 
         return uniform_attention_triton(query, calls, scale)
