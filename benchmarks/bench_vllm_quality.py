@@ -76,6 +76,9 @@ def hf_logprobs(model, prompt: list[int], continuation: list[int], compressor=No
 
 
 def hf_methods(names: list[str]) -> dict:
+    """kv-hf compressors by name: registry names (KIVI at ``Budget(ratio=0)``, HEX/HqeKV at their fixed default
+    budget), ``kivi-B/r32`` (KIVI with the packed backend's 32-token layout) and ``<tier method>/b32`` (HEX/HqeKV
+    with the codec pages' layout: see :func:`b32`)."""
     import kv_baselines
     from kvcore import Budget, registry
 
@@ -84,21 +87,64 @@ def hf_methods(names: list[str]) -> dict:
         if name.endswith("/r32"):
             bits = int(name.split("-")[1].split("/")[0])
             out[name] = kv_baselines.kivi(bits, group_size=32, residual=32)
-        else:
+        elif name.endswith("/b32"):
+            out[name] = b32(name.split("/")[0])
+        elif name.startswith("kivi-"):
             out[name] = registry.build(name, Budget(ratio=0.0))
+        else:
+            out[name] = registry.build(name)
     return out
 
 
-def run_hf(prompts, stock: dict, names: list[str], dtype: str) -> dict:
+def b32(name: str):
+    """kv-hf's HEX/HqeKV with the layout of the vLLM codec pages at ``--block-size 32``, as far as the store allows:
+
+    * ``hqekv-B/b32``: HqeKV at the same shares with **no fp16 blocks** (the codec's 32-token page holds no fp16
+      token) — block 32 and a residual of fewer than 32 tokens are already HqeKV's defaults. Still different by
+      design: kv-hf ranks by the attention of the latest 20 queries over the whole prompt, re-tiers every 32 decoded
+      tokens and evicts its evict share; a vLLM page is ranked once by its own block's queries, never re-tiered, and
+      holds the evict share at 1 bit.
+    * ``hex-B/b32``: HEX in 32-token blocks (append mode: each full block compressed once, as the pool does) with
+      **no recent window** (the codec's is 0; the open block plays its part). Still different: kv-hf picks its 2 %
+      heavy hitters over the whole cache, a 32-token page has none (``int(0.02·32) = 0``).
+    """
+    if name.startswith("hqekv-"):
+        from kv_hqekv import HqeKVConfig, hqekv
+
+        return hqekv(float(name.split("-", 1)[1]), config=HqeKVConfig(fp16_blocks=0), name=f"{name}/b32")
+    if name.startswith("hex-"):
+        from kv_hex import compressor
+
+        return compressor.hex(int(name.split("-")[1]), block_size=32, recent=0)
+    raise SystemExit(f"no /b32 layout for {name}")
+
+
+def run_hf(prompts, stock: dict, names: list[str], dtype: str, cache_dir: Path | None = None) -> dict:
     """Per method, per prompt: per-step KL(DynamicCache ‖ method) over DynamicCache's top-20 (a list of T), plus the
-    top-20 drift of DynamicCache against stock vLLM at step 0 (the two engines' agreement)."""
+    top-20 drift of DynamicCache against stock vLLM at step 0 (the two engines' agreement). With ``cache_dir``, each
+    method's KLs are read from / written to ``hf-<name>.json`` there (keyed by stock's continuation)."""
     import torch
 
     from kvbench.models import load_smollm2
 
+    def path(name: str) -> Path | None:
+        return None if cache_dir is None else cache_dir / f"hf-{name.replace('/', '_')}.json"
+
+    key = [o["tokens"] for o in stock["outputs"]]
+    res, todo = {}, []
+    for name in names:
+        p = path(name)
+        if p is not None and p.exists() and json.loads(p.read_text())["key"] == key:
+            res[name] = json.loads(p.read_text())["kl_steps"]
+        else:
+            todo.append(name)
+    ref_path = path("DynamicCache")
+    if not todo and ref_path is not None and ref_path.exists() and json.loads(ref_path.read_text())["key"] == key:
+        return {"kl_steps": {n: res[n] for n in names}, "engine_drift": json.loads(ref_path.read_text())["drift"]}
     model, _ = load_smollm2(dtype=getattr(torch, dtype))
-    methods = hf_methods(names)
-    res = {name: [] for name in methods}
+    methods = hf_methods(todo)
+    for name in methods:
+        res[name] = []
     engines = []
     for p, o in zip(prompts, stock["outputs"], strict=True):
         cont = o["tokens"]
@@ -108,7 +154,17 @@ def run_hf(prompts, stock: dict, names: list[str], dtype: str) -> dict:
         for name, comp in methods.items():
             lp = hf_logprobs(model, p, cont, comp)
             res[name].append([kl_top(ref_top[j], lambda t, j=j: float(lp[j, t]))[0] for j in range(len(cont))])
-    return {"kl_steps": res, "engine_drift": engines}
+    if cache_dir is not None:
+        for name in methods:
+            path(name).write_text(json.dumps({"key": key, "kl_steps": res[name]}))
+        ref_path.write_text(json.dumps({"key": key, "drift": engines}))
+    return {"kl_steps": {n: res[n] for n in names}, "engine_drift": engines}
+
+
+def pairing(name: str) -> str:
+    """The vLLM scenario a kv-hf method is paired with: ``kivi-B*`` with ``bits-B``, a tier method with its codec."""
+    base = name.split("/")[0]
+    return f"bits-{base.split('-')[1]}" if base.startswith("kivi-") else f"codec-{base}"
 
 
 def main() -> None:
@@ -118,15 +174,27 @@ def main() -> None:
     ap.add_argument("--step", type=int, default=20, help="tokens added per prompt")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--bits", default="16,8,4,2")
+    ap.add_argument("--codecs", default="", help="KVCOMPRESS_KV_CODEC rows, e.g. hqekv-2,hqekv-3.2,hex-3,hex-4")
     ap.add_argument("--broken", default="", help="widths also run with zeroed key scales (e.g. 4)")
     ap.add_argument("--hf", default="kivi-4,kivi-2,kivi-4/r32,kivi-2/r32", help="kv-hf methods ('' for none)")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--logprobs", type=int, default=50)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--json", default="", help="write every number here")
+    ap.add_argument(
+        "--cache-dir",
+        default="",
+        help="keep each engine run (<scenario>.json) and each kv-hf method's KLs here and reuse them when the "
+        "prompts match (so rows can be added, or engine and kv-hf parts run in separate processes)",
+    )
+    ap.add_argument("--no-engine", action="store_true", help="only the runs already in --cache-dir (kv-hf part)")
     args = ap.parse_args()
     bits = [int(b) for b in args.bits.split(",") if b]
     broken = [int(b) for b in args.broken.split(",") if b]
+    codecs = [c for c in args.codecs.split(",") if c]
+    cache_dir = Path(args.cache_dir) if args.cache_dir else None
+    if cache_dir is not None:
+        cache_dir.mkdir(parents=True, exist_ok=True)
 
     from kvbench.models import load_tokenizer
     from kvbench.stats import paired_difference
@@ -147,9 +215,31 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(spec))
-        scenarios = ["stock", *(f"bits-{b}" for b in bits), *(f"bits-{b}-broken" for b in broken)]
+        scenarios = [
+            "stock",
+            *(f"bits-{b}" for b in bits),
+            *(f"bits-{b}-broken" for b in broken),
+            *(f"codec-{c}" for c in codecs),
+        ]
         for s in scenarios:
-            runs[s] = run_engine_script(python, TESTS / "engine_scripts" / "quality.py", s, str(folder), str(spec_path))
+            saved = None if cache_dir is None else cache_dir / f"{s}.json"
+            if saved is not None and saved.exists() and json.loads(saved.read_text())["spec"] == spec:
+                runs[s] = json.loads(saved.read_text())["run"]
+            elif args.no_engine:
+                continue
+            else:
+                meta = Path(tmp) / "codec-meta" if s.startswith("codec-") else None
+                runs[s] = run_engine_script(
+                    python,
+                    TESTS / "engine_scripts" / "quality.py",
+                    s,
+                    str(folder),
+                    str(spec_path),
+                    timeout=3600,
+                    method_codecs=meta,
+                )
+                if saved is not None:
+                    saved.write_text(json.dumps({"spec": spec, "run": runs[s]}))
             r = runs[s]
             print(
                 f"# {s}: backends {r['backends']}, {r['num_blocks']} blocks, start {r['start_seconds']} s, "
@@ -159,7 +249,7 @@ def main() -> None:
     stock = runs["stock"]
     table = {s: {"prompts": compare(stock, runs[s])} for s in runs if s != "stock"}
     names = [m for m in args.hf.split(",") if m]
-    hf = run_hf(prompts, stock, names, args.dtype) if names else {"kl_steps": {}, "engine_drift": []}
+    hf = run_hf(prompts, stock, names, args.dtype, cache_dir) if names else {"kl_steps": {}, "engine_drift": []}
 
     print(
         f"\nSmolLM2-135M-Instruct ({args.dtype}), vllm {stock['vllm']} (engine env: torch {info.get('torch')}), "
@@ -189,8 +279,7 @@ def main() -> None:
         )
         for name, per in hf["kl_steps"].items():
             all_steps = sum(sum(x) / len(x) for x in per) / len(per)
-            b = int(name.split("-")[1].split("/")[0]) if name.startswith("kivi-") else None
-            s = f"bits-{b}"
+            s = pairing(name)
             if s not in table:
                 print(f"| {name} | {all_steps:.3g} | — | — | — | — |")
                 continue

@@ -10,6 +10,7 @@ Usage: python packed.py SCENARIO WORKDIR [DTYPE]  (DTYPE: float32, the default, 
   capacity-B B in stock, 16, 4, 2: 16 requests (3 blocks + 7 prompt tokens, 40 generated: 5 blocks each) at a
              fixed KV budget of 24 stock blocks (kv_cache_memory_bytes): blocks allocated, peak requests running
              at once, preemptions
+  capacity-codec-C  the same with KVCOMPRESS_KV_CODEC=C (codec pages; the method codecs on the path as for codec-C)
   refusals   start-up refusals, one after another in one process: bits (3-bit), group (group size 48 with head
              size 64), fp8 (--kv-cache-dtype fp8), window (a sliding-window Mistral), connector (a KV connector on
              the same engine)
@@ -173,6 +174,7 @@ def run_capacity(model: Path) -> dict:
     return {
         "budget_bytes": budget,
         "num_blocks": cfg.num_gpu_blocks,
+        "page_bytes": page_bytes(core),
         "backends": backend_names(llm),
         "finished": sum(len(o["tokens"]) == MAX_TOKENS for o in outs),
         "tokens": [o["tokens"] for o in outs],
@@ -255,6 +257,10 @@ def main() -> None:
         register_backend(AttentionBackendEnum.CUSTOM, "kv_vllm.packed_backend.PackedAttentionBackend")
         llm = make_llm(model, attention_config={"backend": "CUSTOM"})
         result = {"backends": backend_names(llm), "num_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks}
+    elif scenario.startswith("capacity-codec-"):
+        os.environ["KVCOMPRESS_KV_CODEC"] = scenario.split("-", 2)[2]
+        plugin.register()
+        result = run_capacity(model)
     elif scenario.startswith("capacity-"):
         bits = scenario.split("-", 1)[1]
         if bits != "stock":

@@ -5,6 +5,8 @@ Usage: python quality.py SCENARIO MODEL_DIR PROMPTS_JSON  (prints one JSON line)
   bits-B         KVCOMPRESS_KV_BITS=B (2, 4, 8, 16) through kv_vllm.plugin.register()
   bits-B-broken  the same with every packed block's key scales zeroed after packing (a deliberately broken packing,
                  to check that a quality bound catches it; never used for figures)
+  codec-C        KVCOMPRESS_KV_CODEC=C (hqekv-2, hex-3, ...: a registered page codec; the caller puts the method
+                 packages' codecs on the path, ``vllm_env.run_engine_script(..., method_codecs=...)``)
 
 PROMPTS_JSON: {"prompts": [[token ids], ...], "max_tokens": int, "logprobs": int, "block_size": int,
 "dtype": "float32" | "bfloat16", "max_model_len": int}. The prompts go in as token ids (``TokensPrompt``, no tokenizer
@@ -19,7 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-from packed import backend_names, packed_stats  # the engine's backend names and the packed backend's counters
+from packed import (
+    backend_names,
+    packed_stats,
+    page_bytes,
+)  # the engine's backend names and the packed backend's counters
 
 
 def break_packing() -> None:
@@ -45,6 +51,11 @@ def main() -> None:
         os.environ["KVCOMPRESS_KV_BITS"] = parts[1]
         if parts[2:] == ["broken"]:
             break_packing()
+        from kv_vllm import plugin
+
+        plugin.register()
+    elif scenario.startswith("codec-"):
+        os.environ["KVCOMPRESS_KV_CODEC"] = scenario.split("-", 1)[1]
         from kv_vllm import plugin
 
         plugin.register()
@@ -86,6 +97,7 @@ def main() -> None:
         "vllm": vllm.__version__,
         "backends": backend_names(llm),
         "num_blocks": cache.num_gpu_blocks,
+        "page_bytes": page_bytes(llm.llm_engine.engine_core.engine_core),
         "dtype": str(llm.llm_engine.vllm_config.model_config.dtype),
         "stats": packed_stats(llm),
         "start_seconds": round(t1 - t0, 1),
