@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_check.sh tests,attend,hubkv    # some steps: v2 attend hubkv tests hex hqekv smoke hf sekv sweep quant
 #   bash benchmarks/gpu_check.sh v2                    # issue 43 first: decode attention v2 checked, then timed
 #   bash benchmarks/gpu_check.sh v2tiers               # decode attention v2 over HqeKV's mixed tiers: checked, timed
+#   bash benchmarks/gpu_check.sh hextiers              # decode attention v2 over HEX's uniform segments: tests compiled
 #   bash benchmarks/gpu_check.sh v2paged               # only the paged (block-table) variant: checked, then timed,
 #                                                      # then kv_vllm's packed backend decoding through it
 #
@@ -52,6 +53,10 @@ if has v2 || has v2tiers; then
   TAIL=8 step decode_v2_tiers_tests 150 python3 -m pytest -p no:cacheprovider -q --tb=short -m "not hypothesis" \
       packages/kv-hqekv/tests/test_decode_v2.py
   TAIL=12 step bench_decode_v2_tiers ${V2T_LIMIT:-180} python3 benchmarks/bench_decode_v2_tiers.py
+fi
+if has hextiers; then
+  TAIL=8 step decode_v2_hex_tests 200 python3 -m pytest -p no:cacheprovider -q --tb=short -m "not hypothesis" \
+      packages/kv-hex/tests/test_decode_v2.py
 fi
 has attend && step bench_fused_attend 90 python3 benchmarks/bench_fused_attend.py
 has hubkv && step bench_hubkv 60 python3 benchmarks/bench_hubkv.py --min-run-time 0.1
