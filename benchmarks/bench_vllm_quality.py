@@ -27,6 +27,12 @@ Usage::
     OMP_NUM_THREADS=1 uv run python benchmarks/bench_vllm_quality.py                  # 10 prompts, 16/8/4/2 bits
     OMP_NUM_THREADS=1 uv run python benchmarks/bench_vllm_quality.py --n 2 --bits 16,4 --max-tokens 16
     ... --broken 4          # also the 4-bit backend with zeroed key scales (a broken packing, for the test bound)
+    ... --bits "" --codecs hqekv-2,hex-3 --hf hqekv-2,hqekv-2/b32,hex-3,hex-3/b32   # tiers (KVCOMPRESS_KV_CODEC)
+    ... --cache-dir DIR     # keep/reuse engine runs and kv-hf KLs (rows added later; engine and kv-hf in parallel)
+
+Codec rows (``--codecs``) hold each block in a registered page codec's format with the method packages' codecs made
+visible to the engine venv; each is paired with kv-hf's method of the same name (registry settings) and its ``/b32``
+variant (the pool's layout, :func:`b32`). docs/results/2026-11-29-vllm-tiers.md.
 """
 
 from __future__ import annotations
