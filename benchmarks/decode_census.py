@@ -77,6 +77,7 @@ DISPATCH = (
     ("kv_baselines.quant.kivi_decode", "use_triton"),
     ("kv_baselines.quant.token_quant", "use_triton"),
     ("kv_hqekv.kernels.dispatch", "use_triton"),
+    ("kv_hqekv.kernels.folded", "use_triton"),
     ("kv_hqekv.attention", "use_triton"),
     ("kv_hqekv.importance", "use_triton"),
     ("kv_hqekv.window", "use_triton"),
