@@ -171,11 +171,21 @@ def contract_errors(out, lse, query: torch.Tensor, cache: PackedKIVI, scale: flo
     ``lse_f32``, to be within ``OUT_RTOL`` / ``LSE_ATOL``)."""
     ref = attention_over_dequantized(query, cache, scale)
     exact = attention_over_dequantized(query, cache, scale, rounded=False)
+    return contract_summary(out, lse, ref, exact)
+
+
+def contract_summary(out, lse, ref, exact, *, empty_rows: bool = False) -> dict[str, float]:
+    """The contract's worst ratios and errors of ``(out, lse)`` given attention over ``read()``'s entries (``ref``)
+    and over the float32 dequantization (``exact``), each an ``(out, lse)`` pair shaped as ``out``/``lse``: the
+    measure :func:`contract_errors` reports, shared by the method packages' fast paths. ``empty_rows``: rows with
+    nothing to attend (lse ``-inf`` on both sides, a NaN difference) count as exact."""
     rel, dl = row_errors(out, lse, *ref)
     frel, fdl = row_errors(*exact, *ref)
     xrel, xdl = row_errors(out, lse, *exact)
 
     def worst(t):
+        if empty_rows:
+            t = torch.nan_to_num(t, nan=0.0)
         return float(t.max()) if t.numel() else 0.0
 
     return {

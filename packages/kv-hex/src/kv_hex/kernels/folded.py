@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcodec.decode_v2 import LSE_ATOL, OUT_RTOL, row_errors
+from kvcodec.decode_v2 import LSE_ATOL, OUT_RTOL, contract_summary
 from kvcodec.packing import unpack_unchecked
 
 __all__ = [
@@ -247,19 +247,4 @@ def contract_errors(out: torch.Tensor, lse: torch.Tensor, query: torch.Tensor, c
     x_out, x_lse = attention_over_dequantized(query, calls, scale, rounded=False)
     ref = (r_out.reshape(-1, 1, D), r_lse.reshape(-1, 1, 1))
     exact = (x_out.reshape(-1, 1, D), x_lse.reshape(-1, 1, 1))
-    rel, dl = row_errors(out, lse, *ref)
-    frel, fdl = row_errors(*exact, *ref)
-    xrel, xdl = row_errors(out, lse, *exact)
-
-    def worst(t):
-        t = torch.nan_to_num(t, nan=0.0)
-        return float(t.max()) if t.numel() else 0.0
-
-    return {
-        "out_ratio": worst(rel / (OUT_RTOL + 2 * frel)),
-        "lse_ratio": worst(dl / (LSE_ATOL + 2 * fdl)),
-        "out": worst(rel),
-        "lse": worst(dl),
-        "out_f32": worst(xrel),
-        "lse_f32": worst(xdl),
-    }
+    return contract_summary(out, lse, ref, exact, empty_rows=True)
