@@ -22,7 +22,7 @@ def smollm2():
 @pytest.mark.slow
 def test_sekv_runs_smollm2_with_the_shipped_router(smollm2):
     model, tok = smollm2
-    kv_sekv.ShippedRouter().resolve().check_config(model.config)
+    kv_sekv.ShippedRouter("smollm2-135m").resolve().check_config(model.config)
     ids = torch.tensor([tok.encode(passkey(tok, 700, seed=1).context)])
     T = ids.shape[1]
     cache = kv_hf.compressed_cache(model, kv_sekv.sekv())

@@ -31,6 +31,7 @@ def test_the_workspace_registers_the_known_methods():
         "kivi-4",
         "kivi-2",
         "kvzip",
+        "kvzip-uniform",
         "hubkv",
         "hubkv-snapkv",
         "hubkv-h2o",

@@ -221,7 +221,7 @@ class TestEvictingMethods(RegisteredSuite):
 
 
 class TestKVzipMethod(RegisteredSuite):
-    methods = ("kvzip",)
+    methods = ("kvzip", "kvzip-uniform")
     budget = Budget(ratio=0.5)
 
     def make_extras(self, shapes):

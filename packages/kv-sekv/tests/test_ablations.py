@@ -16,16 +16,16 @@ from kvcore import Budget, reference_attention, registry
 
 
 def test_untrained_router_has_the_shipped_shapes_and_identity_but_not_its_weights():
-    shipped = kv_sekv.ShippedRouter().resolve()
+    shipped = kv_sekv.ShippedRouter("smollm2-135m").resolve()
     source = kv_sekv.UntrainedRouter()
-    router = source.resolve()
-    assert source.resolve() is router  # built once
+    router = source.resolve(3, 64)
+    assert source.resolve(3, 64) is router  # built once
     dims = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "model_id")
     assert [getattr(router, d) for d in dims] == [getattr(shipped, d) for d in dims]
     assert router.W.shape == shipped.W.shape and not torch.allclose(router.W, shipped.W)
     assert torch.all(router.tau == router.config.tau_init)  # one threshold for every head, unlike the trained τ
     assert not torch.all(shipped.tau == shipped.config.tau_init)
-    again = kv_sekv.UntrainedRouter().resolve()
+    again = kv_sekv.UntrainedRouter().resolve(3, 64)
     assert torch.equal(again.W, router.W)  # deterministic
 
 

@@ -57,7 +57,7 @@ class RegisteredSuite(RegisteredMethods):
         """The shipped router's model (its KV heads, head dim and GQA group), layers long enough for SEKV's spans and
         always-resident part at half the cache, and no padding: SEKV refuses a left-padded row of a few real tokens
         ("SEKV budget too small") instead of keeping it whole under kvcore's short-input policy (an open finding)."""
-        r = ShippedRouter().resolve()
+        r = ShippedRouter("smollm2-135m").resolve()
         group = r.num_heads // r.num_kv_heads
         shapes = {"kv_heads": (r.num_kv_heads,) * 2, "head_dims": (r.head_dim,), "groups": (group,)}
         return {**shapes, "min_t": 64, "max_t": 80, "padding": False}

@@ -24,11 +24,11 @@ SMOLLM2 = {  # HuggingFaceTB/SmolLM2-135M-Instruct, config.json
 
 @pytest.fixture(scope="module")
 def shipped():
-    return ShippedRouter().resolve()
+    return ShippedRouter("smollm2-135m").resolve()
 
 
 def test_the_artifact_is_small_and_described(shipped):
-    path = ShippedRouter().path()
+    path = ShippedRouter("smollm2-135m").path()
     meta = json.loads(path.with_suffix(".json").read_text())
     assert path.stat().st_size < 3_000_000  # W (30·9·32·64 floats) + τ + g_φ, float32
     assert meta["model_id"] == shipped.model_id == "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -65,3 +65,39 @@ def test_sekv_works_out_of_the_box_on_a_smollm2_layer(shipped):
     assert out.shape == (1, 9, 1, 64) and bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
     with pytest.raises(ValueError, match="kv-sekv train"):  # a cache of another model's shape
         kv_sekv.sekv().compress(context(Hkv=2, T=640, D=64, layer=0, surprisal=ctx.extras["surprisal"]))
+
+
+def test_the_default_source_chooses_the_shipped_router_by_the_cache_shape(shipped):
+    source = ShippedRouter()  # what kv_sekv.sekv() uses
+    assert source.resolve(3, 64) is source.resolve(3, 64)  # loaded once
+    assert source.resolve(3, 64).model_id == shipped.model_id
+    listed = kv_sekv.shipped_routers()
+    assert "smollm2-135m" in listed and listed["smollm2-135m"]["num_kv_heads"] == 3
+    with pytest.raises(ValueError, match="smollm2-135m"):  # no shape: it says which routers are shipped
+        source.resolve()
+    with pytest.raises(ValueError, match=r"no shipped router fits a cache of 2 KV heads of dim 64.*kv-sekv train"):
+        source.resolve(2, 64)
+
+
+def test_two_shipped_routers_of_one_shape_are_refused_unless_named(tmp_path, monkeypatch):
+    import kv_sekv.router as router_module
+
+    for name in ("a", "b"):
+        SEKVRouter.untrained(2, 4, 2, 16, model_id=name).save(tmp_path / f"{name}.safetensors")
+    monkeypatch.setattr(router_module, "ROUTERS_DIR", tmp_path)
+    with pytest.raises(ValueError, match=r"the shipped routers \['a', 'b'\] all fit"):
+        ShippedRouter().resolve(2, 16)
+    assert ShippedRouter("b").resolve(2, 16).model_id == "b"
+    with pytest.raises(TypeError, match="name must be"):
+        ShippedRouter(3)
+
+
+def test_untrained_and_global_tau_sources_follow_the_shape_choice(shipped):
+    untrained = kv_sekv.UntrainedRouter().resolve(3, 64)
+    assert (untrained.num_layers, untrained.num_heads, untrained.model_id) == (30, 9, shipped.model_id)
+    glob = kv_sekv.GlobalThresholdRouter().resolve(3, 64)
+    torch.testing.assert_close(glob.tau, torch.full_like(glob.tau, float(shipped.tau.detach().mean())))
+    with pytest.raises(ValueError, match="kv-sekv train"):
+        kv_sekv.UntrainedRouter().resolve(2, 64)
+    with pytest.raises(TypeError, match="like must be"):
+        kv_sekv.UntrainedRouter(like="smollm2-135m")

@@ -8,6 +8,7 @@ eviction with KIVI quantization of what is kept.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from kv_baselines import compressors as c
@@ -79,6 +80,12 @@ METHODS: tuple[Method, ...] = (
         "kvzip",
         lambda budget: _at(c.kvzip(0.0), budget),
         "KVzip context-reconstruction scores, global top-k (Kim et al. 2025); the adapter supplies the scores",
+    ),
+    Method(
+        "kvzip-uniform",
+        lambda budget: _at(dataclasses.replace(c.kvzip(0.0, granularity="head"), name="kvzip-uniform"), budget),
+        "KVzip context-reconstruction scores, the same share kept in every layer and KV head (the KVzip repo's "
+        "'pair-uniform' level); a layer cannot be starved by another's scores",
     ),
     Method(
         "fastkvzip",

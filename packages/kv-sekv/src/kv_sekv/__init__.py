@@ -27,7 +27,7 @@ from .bases import SpanBasis, reconstruction_error, truncated_svd
 from .compressor import sekv
 from .config import SEKVConfig
 from .plan import SpanPlan
-from .router import GateNet, RouterSource, SEKVRouter, ShippedRouter
+from .router import GateNet, RouterSource, SEKVRouter, ShippedRouter, shipped_routers
 from .scorer import SurprisalScorer, SurprisalScores
 from .segmentation import Segmentation, fit_segmentation, segment
 from .selector import SpanSelector
@@ -58,6 +58,7 @@ __all__ = [
     "reconstruction_error",
     "routing_summaries",
     "segment",
+    "shipped_routers",
     "sekv",
     "sekv_fixed_spans",
     "sekv_global_threshold",

@@ -53,42 +53,47 @@ __all__ = [
 
 class UntrainedRouter:
     """A :class:`~kv_sekv.router.RouterSource`: the deterministic untrained router with the shapes (and model
-    identity) of ``like`` (the shipped SmolLM2-135M router by default), built when first needed."""
+    identity) of the router ``like`` gives for the cache (by default the shipped router of the cache's shape,
+    :class:`~kv_sekv.ShippedRouter`), built when first needed, one per such router."""
 
-    def __init__(self, like: ShippedRouter | None = None, seed: int = 0) -> None:
+    def __init__(self, like: RouterSource | None = None, seed: int = 0) -> None:
         self.like = ShippedRouter() if like is None else like
+        if not isinstance(self.like, RouterSource):
+            raise TypeError(f"like must be a kv_sekv.RouterSource, got {type(self.like).__name__}")
         self.seed = seed
-        self._router: SEKVRouter | None = None
+        self._routers: dict[int, SEKVRouter] = {}
 
-    def resolve(self) -> SEKVRouter:
-        if self._router is None:
-            t = self.like.resolve()
-            self._router = SEKVRouter.untrained(
+    def resolve(self, num_kv_heads: int | None = None, head_dim: int | None = None) -> SEKVRouter:
+        t = self.like.resolve(num_kv_heads, head_dim)
+        if id(t) not in self._routers:
+            self._routers[id(t)] = SEKVRouter.untrained(
                 t.num_layers, t.num_heads, t.num_kv_heads, t.head_dim, t.config, t.model_id, seed=self.seed
             )
-        return self._router
+        return self._routers[id(t)]
 
     def __repr__(self) -> str:
         return f"UntrainedRouter(like={self.like!r}, seed={self.seed})"
 
 
 class GlobalThresholdRouter:
-    """A :class:`~kv_sekv.router.RouterSource`: ``base`` (the shipped router by default) with every ``τ`` set to the
-    mean of its per-layer, per-head thresholds (Table 5 "fixed global threshold"); ``W`` and ``g_φ`` unchanged."""
+    """A :class:`~kv_sekv.router.RouterSource`: the router ``base`` gives (by default the shipped router of the
+    cache's shape) with every ``τ`` set to the mean of its per-layer, per-head thresholds (Table 5 "fixed global
+    threshold"); ``W`` and ``g_φ`` unchanged."""
 
     def __init__(self, base: RouterSource | None = None) -> None:
         self.base = ShippedRouter() if base is None else base
         if not isinstance(self.base, RouterSource):
             raise TypeError(f"base must be a kv_sekv.RouterSource, got {type(self.base).__name__}")
-        self._router: SEKVRouter | None = None
+        self._routers: dict[int, SEKVRouter] = {}
 
-    def resolve(self) -> SEKVRouter:
-        if self._router is None:
-            router = copy.deepcopy(self.base.resolve())
+    def resolve(self, num_kv_heads: int | None = None, head_dim: int | None = None) -> SEKVRouter:
+        t = self.base.resolve(num_kv_heads, head_dim)
+        if id(t) not in self._routers:
+            router = copy.deepcopy(t)
             with torch.no_grad():
                 router.tau.fill_(float(router.tau.mean()))
-            self._router = router
-        return self._router
+            self._routers[id(t)] = router
+        return self._routers[id(t)]
 
     def __repr__(self) -> str:
         return f"GlobalThresholdRouter(base={self.base!r})"

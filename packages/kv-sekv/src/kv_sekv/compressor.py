@@ -35,8 +35,9 @@ def sekv(
         Accelerator budget as a fraction of the full KV cache, in (0, 1] (``config.budget``, 10 %, if omitted);
         the compressor's ``kvcore.Budget`` has ``ratio = 1 − budget`` (fraction removed).
     router : SEKVRouter or RouterSource, optional
-        ``W``, ``τ`` and ``g_φ`` of the served model. ``None``: the router shipped for SmolLM2-135M, loaded at the
-        first compression (an error naming ``kv-sekv train`` when none is shipped).
+        ``W``, ``τ`` and ``g_φ`` of the served model. ``None``: the router kv-sekv ships for a model of the cache's
+        shape (SmolLM2-135M, Gemma 3 270M; :class:`~kv_sekv.ShippedRouter`), chosen and loaded at the first
+        compression (an error naming ``kv-sekv train`` when none fits).
     config : SEKVConfig, optional
         Hyper-parameters (paper defaults).
     strict : bool

@@ -25,7 +25,7 @@ from kvcore.checks import check_int
 
 from .config import SEKVConfig
 
-__all__ = ["FORMAT_VERSION", "GateNet", "RouterSource", "SEKVRouter", "ShippedRouter"]
+__all__ = ["FORMAT_VERSION", "ROUTERS_DIR", "GateNet", "RouterSource", "SEKVRouter", "ShippedRouter", "shipped_routers"]
 
 FORMAT_VERSION = 1
 """Version of the artifact's JSON layout."""
@@ -33,9 +33,13 @@ FORMAT_VERSION = 1
 
 @runtime_checkable
 class RouterSource(Protocol):
-    """Anything that gives a router when it is first needed (a router gives itself)."""
+    """Anything that gives a router when it is first needed (a router gives itself).
 
-    def resolve(self) -> SEKVRouter: ...
+    ``resolve`` is called with the shapes of the cache being compressed (``num_kv_heads``, ``head_dim`` of the
+    layer), so a source may choose the router by model (:class:`ShippedRouter` does); ``None`` when unknown.
+    """
+
+    def resolve(self, num_kv_heads: int | None = None, head_dim: int | None = None) -> SEKVRouter: ...
 
 
 class GateNet(nn.Module):
@@ -161,7 +165,8 @@ class SEKVRouter(nn.Module):
             last.bias.fill_(float(gate_bias))
         return router
 
-    def resolve(self) -> SEKVRouter:
+    def resolve(self, num_kv_heads: int | None = None, head_dim: int | None = None) -> SEKVRouter:
+        """This router, whatever the shapes (:meth:`check` refuses a layer it does not fit)."""
         return self
 
     # -- use ---------------------------------------------------------------------------------------------------
@@ -295,32 +300,79 @@ class SEKVRouter(nn.Module):
         return router
 
 
+ROUTERS_DIR = Path(__file__).parent / "routers"
+"""Where kv-sekv's trained routers live: ``<name>.safetensors`` and the ``<name>.json`` sidecar."""
+
+
+def shipped_routers() -> dict[str, dict[str, Any]]:
+    """``{name: sidecar}`` of every router shipped with kv-sekv (the JSON metadata: ``model_id``, ``num_layers``,
+    ``num_heads``, ``num_kv_heads``, ``head_dim``, ``config``), sorted by name; no tensor is read."""
+    import json
+
+    return {p.stem: json.loads(p.read_text()) for p in sorted(ROUTERS_DIR.glob("*.json"))}
+
+
 class ShippedRouter:
-    """The router shipped with kv-sekv for a model, loaded when first needed.
+    """A router shipped with kv-sekv, loaded when first needed.
 
     Parameters
     ----------
-    name : str
-        File stem under ``kv_sekv/routers/`` (``"smollm2-135m"``).
+    name : str, optional
+        File stem under ``kv_sekv/routers/`` (``"smollm2-135m"``, ``"gemma3-270m"``; :func:`shipped_routers` lists
+        them). ``None`` (the default): the shipped router whose KV heads and head dim are those of the cache being
+        compressed, chosen at the first compression; a shape that no shipped router (or more than one) has is
+        refused with the shapes that are shipped. The choice is by shape, so a model we did not train for that
+        happens to share a shipped model's KV shape gets that model's router: name it, or load your own
+        (:meth:`SEKVRouter.load`), to be sure.
     """
 
-    def __init__(self, name: str = "smollm2-135m") -> None:
+    def __init__(self, name: str | None = None) -> None:
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str or None, got {type(name).__name__}")
         self.name = name
-        self._router: SEKVRouter | None = None
+        self._routers: dict[str, SEKVRouter] = {}
 
-    def path(self) -> Path:
-        return Path(__file__).parent / "routers" / f"{self.name}.safetensors"
+    def path(self, name: str | None = None) -> Path:
+        """The tensor file of router ``name`` (this source's name by default)."""
+        name = self.name if name is None else name
+        if name is None:
+            raise ValueError("ShippedRouter() chooses its router by shape: path(name) needs a name")
+        return ROUTERS_DIR / f"{name}.safetensors"
 
-    def resolve(self) -> SEKVRouter:
-        if self._router is None:
-            if not self.path().is_file():
+    def choose(self, num_kv_heads: int | None, head_dim: int | None) -> str:
+        """The name of the router to use for a cache of these shapes (this source's name when it has one)."""
+        if self.name is not None:
+            return self.name
+        shipped = shipped_routers()
+        listed = ", ".join(
+            f"{n!r} ({m['num_kv_heads']} KV heads of dim {m['head_dim']})" for n, m in shipped.items()
+        )
+        if num_kv_heads is None or head_dim is None:
+            raise ValueError(
+                "ShippedRouter() chooses the router by the cache's shape: call resolve(num_kv_heads, head_dim), or "
+                f"name one of the shipped routers: {listed}"
+            )
+        fits = [n for n, m in shipped.items() if (m["num_kv_heads"], m["head_dim"]) == (num_kv_heads, head_dim)]
+        if len(fits) != 1:
+            why = "no shipped router fits" if not fits else f"the shipped routers {fits} all fit"
+            raise ValueError(
+                f"{why} a cache of {num_kv_heads} KV heads of dim {head_dim}; shipped: {listed}. Train a router "
+                "for this model (kv-sekv train) and pass router=kv_sekv.SEKVRouter.load(path), or name one with "
+                "ShippedRouter(name)"
+            )
+        return fits[0]
+
+    def resolve(self, num_kv_heads: int | None = None, head_dim: int | None = None) -> SEKVRouter:
+        name = self.choose(num_kv_heads, head_dim)
+        if name not in self._routers:
+            if not self.path(name).is_file():
                 raise ValueError(
-                    f"kv-sekv ships no trained router named {self.name!r} yet: train one with "
-                    "`kv-sekv train` and pass router=kv_sekv.SEKVRouter.load(path), or use "
+                    f"kv-sekv ships no trained router named {name!r} (shipped: {sorted(shipped_routers())}): "
+                    "train one with `kv-sekv train` and pass router=kv_sekv.SEKVRouter.load(path), or use "
                     "kv_sekv.SEKVRouter.untrained(...) for tests"
                 )
-            self._router = SEKVRouter.load(self.path())
-        return self._router
+            self._routers[name] = SEKVRouter.load(self.path(name))
+        return self._routers[name]
 
     def __repr__(self) -> str:
         return f"ShippedRouter({self.name!r})"

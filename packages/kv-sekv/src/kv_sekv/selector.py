@@ -86,7 +86,7 @@ class SpanSelector(Selector):
         h = scores.keys[:, 0].float()
         summary_cost = 0.0
         if self.router is not None:
-            summary_cost = self.router.resolve().summary_cost(H, info.head_dim)
+            summary_cost = self.router.resolve(H, info.head_dim or None).summary_cost(H, info.head_dim)
         span_id = torch.full((B, T), -1, dtype=torch.long, device=device)
         weights = torch.zeros(B, T, dtype=torch.float32, device=device)
         alpha, used, capacity = torch.zeros(B), torch.zeros(B), torch.zeros(B, dtype=torch.long)

@@ -203,14 +203,14 @@ class SEKVStore(Store):
         self.alpha = [] if plan.alpha is None else [float(a) for a in plan.alpha]
         self.used = [] if plan.used is None else [float(u) for u in plan.used]
 
-    def _router(self):
+    def _router(self, num_kv_heads: int, head_dim: int):
         if self._resolve is None:
             raise ValueError("SEKVStore(router=...) is needed to hold spans (a SpanPlan with span_id >= 0)")
-        return self._resolve()
+        return self._resolve(num_kv_heads, head_dim)
 
     def _build_spans(self, keys, values, plan: SpanPlan, positions, span_id) -> _Spans:
-        router = self._router()
         B, H, T, D = keys.shape
+        router = self._router(H, D)
         router.check(plan.layer, H, D)
         routing = router.layer(plan.layer)
         W = routing.W.to(keys.device)
@@ -334,9 +334,9 @@ class SEKVStore(Store):
         launch); one host read of the accelerator per call (the gates and the budget's counts), the span choice in
         Python. ``base``: the dense read the caller already made."""
         sp = self._spans
-        router = self._router()
-        routing = router.layer(self.layer, query.device)
         B, H, M = sp.alive.shape
+        router = self._router(H, sp.coarse_k.shape[-1])
+        routing = router.layer(self.layer, query.device)
         Hq = query.shape[1]
         if Hq != routing.W.shape[0]:
             raise ValueError(f"query has {Hq} heads; the router was trained for {routing.W.shape[0]} query heads")
