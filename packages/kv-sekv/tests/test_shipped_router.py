@@ -101,3 +101,34 @@ def test_untrained_and_global_tau_sources_follow_the_shape_choice(shipped):
         kv_sekv.UntrainedRouter().resolve(2, 64)
     with pytest.raises(TypeError, match="like must be"):
         kv_sekv.UntrainedRouter(like="smollm2-135m")
+
+
+GEMMA3_270M = {  # google/gemma-3-270m, config.json (text part)
+    "vocab_size": 262144,
+    "hidden_size": 640,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 18,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "sliding_window": 512,
+}
+
+
+def test_the_gemma_router_is_shipped_trained_and_chosen_for_a_gemma_layer():
+    transformers = pytest.importorskip("transformers")
+    gemma = ShippedRouter().resolve(num_kv_heads=1, head_dim=256)
+    assert gemma.model_id == "google/gemma-3-270m"
+    gemma.check_config(transformers.Gemma3TextConfig(**GEMMA3_270M))  # no weights, no download
+    init = SEKVRouter.untrained(18, 4, 1, 256, gemma.config, gemma.model_id)
+    assert not torch.equal(gemma.W, init.W) and not torch.equal(gemma.tau, init.tau)
+    assert ShippedRouter("gemma3-270m").path().stat().st_size < 4_000_000
+    # kv_sekv.sekv() picks it for a Gemma-shaped global layer (layer 5) and the SmolLM2 one for a SmolLM2 layer
+    method = kv_sekv.sekv()
+    h = torch.rand(1, 640, generator=torch.Generator().manual_seed(4)) * 6
+    store = method.compress(context(Hkv=1, T=640, D=256, layer=5, surprisal=h))
+    assert store._spans is not None and store.used[0] <= 0.1
+    out, lse = store.attend(torch.randn(1, 4, 1, 256))
+    assert out.shape == (1, 4, 1, 256) and bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
+    smol = method.compress(context(Hkv=3, T=640, D=64, layer=29, surprisal=h))
+    assert smol._spans is not None
