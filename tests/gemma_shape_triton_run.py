@@ -38,7 +38,7 @@ def census():
 
 
 def compressor(name: str, model):
-    if name == "sekv":  # the shipped router is SmolLM2's: one for this model's heads, untrained
+    if name == "sekv":  # a router for this tiny model's layers and heads, untrained
         from kv_sekv import SEKVConfig, SEKVRouter, sekv
 
         c = model.config

@@ -19,8 +19,8 @@ from kvcore.registry import discover
 
 REGISTRY = discover()
 T, W = 200, 8
-# SEKV's registered methods carry the router trained for SmolLM2 (other heads and layers): they are checked below
-# with a router built for the tiny model
+# SEKV's registered methods carry the routers shipped for SmolLM2 and Gemma 3 (chosen by KV shape, trained for
+# those models' layers): they are checked below with a router built for the tiny model
 SEKV = sorted(name for name in REGISTRY if name.startswith("sekv"))
 # FastKVzip's registered methods carry the gate trained for SmolLM2: checked below with seeded gates for the model
 FASTKVZIP = ("fastkvzip", "hubkv-fastkvzip")
