@@ -344,9 +344,7 @@ class ShippedRouter:
         if self.name is not None:
             return self.name
         shipped = shipped_routers()
-        listed = ", ".join(
-            f"{n!r} ({m['num_kv_heads']} KV heads of dim {m['head_dim']})" for n, m in shipped.items()
-        )
+        listed = ", ".join(f"{n!r} ({m['num_kv_heads']} KV heads of dim {m['head_dim']})" for n, m in shipped.items())
         if num_kv_heads is None or head_dim is None:
             raise ValueError(
                 "ShippedRouter() chooses the router by the cache's shape: call resolve(num_kv_heads, head_dim), or "
