@@ -7,6 +7,8 @@ by KIVI's quantize-dequantize of that block (kvcodec.UniformQuantizer directly).
 """
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +26,9 @@ from kv_vllm.packed import (
 )
 from kvcodec.decode_v2 import OUT_RTOL
 from kvcodec.uniform import UniformQuantizer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_flow import dense_reference, schedule
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -140,18 +145,6 @@ def test_page_bytes_view_writes_through_strided_layer_views():
     assert not bool(torch.isnan(raw[:, 0]).any())
 
 
-def dense_reference(q, keys, values, ctx, scale):
-    """Causal attention of queries at positions ctx.. over keys/values [H, L, D] (GQA), float32."""
-    Hq, Q, _ = q.shape
-    g = Hq // keys.shape[0]
-    k = keys.float().repeat_interleave(g, 0)
-    v = values.float().repeat_interleave(g, 0)
-    logits = q.float() @ k.transpose(-1, -2) * scale
-    L = keys.shape[1]
-    mask = torch.arange(L)[None, :] <= torch.arange(ctx, ctx + Q)[:, None]
-    return torch.softmax(logits.masked_fill(~mask, float("-inf")), -1) @ v
-
-
 def kivi_roundtrip(k, v, fmt):
     """What a packed block reads back as: KIVI quantize-dequantize ([H, N, D] each)."""
     if fmt.bits == 16:
@@ -187,21 +180,8 @@ def test_engine_flow_matches_dense_attention_over_packed_history(bits, decode):
     steps.insert(2, {2: 5})
     done[2] = 2 * N
     for step in steps:
-        reqs = sorted(step)
-        qs, ks, vs, slots, starts, lens = [], [], [], [], [0], []
-        for r in reqs:
-            a, b = done[r], done[r] + step[r]
-            ks.append(hist_k[r][:, a:b].transpose(0, 1))
-            vs.append(hist_v[r][:, a:b].transpose(0, 1))
-            qs.append(torch.randn(b - a, Hq, D))
-            slots += [tables[r][p // N] * N + p % N for p in range(a, b)]
-            starts.append(starts[-1] + b - a)
-            lens.append(b)
-        query = torch.cat(qs)
-        staged.write(torch.cat(ks), torch.cat(vs), torch.tensor(slots))
-        table = torch.full((len(reqs), 4), -1, dtype=torch.int32)
-        for i, r in enumerate(reqs):
-            table[i, : len(tables[r])] = torch.tensor(tables[r])
+        sch = schedule(step, done, hist_k, hist_v, tables, N, Hq, D, staged)
+        reqs, qs, query, starts, lens, table = sch.reqs, sch.qs, sch.query, sch.starts, sch.lens, sch.table
         out = torch.zeros(query.shape[0], Hq * D)
         paged_attention(
             query, pages, staged, fmt, torch.tensor(starts), torch.tensor(lens), table, scale, out, decode=decode

@@ -7,6 +7,8 @@ replaced by ``codec.decode`` of the bytes the pool holds for it.
 """
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +28,9 @@ from kv_vllm.packed import (
     paged_attention,
     pool_codec_names,
 )
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_flow import dense_reference, schedule
 
 METHOD_CODECS = ["hqekv-2", "hqekv-2.8", "hqekv-3.2", "hqekv-3.25", "hex-3", "hex-4", "kcvt-3", "kcvt-4"]
 SHAPES = [(32, 2, 64, torch.float32), (32, 8, 128, torch.float16), (64, 8, 128, torch.bfloat16)]
@@ -70,16 +75,6 @@ def test_pool_holds_more_blocks_than_16_bit(name, capsys):
             )
 
 
-def dense_reference(q, keys, values, ctx, scale):
-    Hq, Q, _ = q.shape
-    g = Hq // keys.shape[0]
-    k = keys.float().repeat_interleave(g, 0)
-    v = values.float().repeat_interleave(g, 0)
-    logits = q.float() @ k.transpose(-1, -2) * scale
-    mask = torch.arange(keys.shape[1])[None, :] <= torch.arange(ctx, ctx + Q)[:, None]
-    return torch.softmax(logits.masked_fill(~mask, float("-inf")), -1) @ v
-
-
 @pytest.mark.parametrize(("name", "N"), [("hqekv-2", 16), ("hqekv-3.25", 32), ("hex-3", 64), ("kcvt-4", 16)])
 def test_engine_flow_matches_attention_over_decoded_blocks(name, N):
     """Chunked prefill + decode of 3 requests; request 2 shares request 0's first two packed blocks.
@@ -108,21 +103,8 @@ def test_engine_flow_matches_attention_over_decoded_blocks(name, N):
     done[2] = 2 * N
     encoded: dict[int, bytes] = {}
     for step in steps:
-        reqs = sorted(step)
-        qs, ks, vs, slots, starts, lens = [], [], [], [], [0], []
-        for r in reqs:
-            a, b = done[r], done[r] + step[r]
-            ks.append(hist_k[r][:, a:b].transpose(0, 1))
-            vs.append(hist_v[r][:, a:b].transpose(0, 1))
-            qs.append(torch.randn(b - a, Hq, D))
-            slots += [tables[r][p // N] * N + p % N for p in range(a, b)]
-            starts.append(starts[-1] + b - a)
-            lens.append(b)
-        query = torch.cat(qs)
-        staged.write(torch.cat(ks), torch.cat(vs), torch.tensor(slots))
-        table = torch.full((len(reqs), 4), -1, dtype=torch.int32)
-        for i, r in enumerate(reqs):
-            table[i, : len(tables[r])] = torch.tensor(tables[r])
+        sch = schedule(step, done, hist_k, hist_v, tables, N, Hq, D, staged)
+        reqs, qs, query, starts, lens, table = sch.reqs, sch.qs, sch.query, sch.starts, sch.lens, sch.table
         out = torch.zeros(query.shape[0], Hq * D)
         paged_attention(query, pages, staged, fmt, torch.tensor(starts), torch.tensor(lens), table, scale, out)
         for i, r in enumerate(reqs):
