@@ -174,8 +174,47 @@ def _nbytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+class _BlockGeometry:
+    """What both page formats derive from their block shape and ``token_bytes``: the page size, the stock block's
+    size and the capacity ratio between them, and the check of a block handed to ``pack``."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+    @property
+    def token_bytes(self) -> int:  # pragma: no cover - each format defines it
+        raise NotImplementedError
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of a whole block (all heads): content (codes and metadata, or the codec's largest blob) and padding."""
+        return self.num_kv_heads * self.block_size * self.token_bytes
+
+    @property
+    def dense_page_bytes(self) -> int:
+        """Bytes of the same block in stock vLLM (keys and values in ``dtype``)."""
+        return self.num_kv_heads * self.block_size * 2 * self.head_size * _nbytes(self.dtype)
+
+    @property
+    def capacity_ratio(self) -> float:
+        """Blocks per byte relative to stock vLLM: ``dense_page_bytes / page_bytes``."""
+        return self.dense_page_bytes / self.page_bytes
+
+    def _check_block(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int, int, int]:
+        """``keys.shape`` when ``keys`` and ``values`` are ``[B, num_kv_heads, block_size, head_size]`` blocks."""
+        B, H, N, D = keys.shape
+        if (self.num_kv_heads, self.block_size, self.head_size) != (H, N, D) or values.shape != keys.shape:
+            raise ValueError(
+                f"pack: expected [B, {self.num_kv_heads}, {self.block_size}, {self.head_size}] keys and values, "
+                f"got {tuple(keys.shape)} and {tuple(values.shape)}"
+            )
+        return B, H, N, D
+
+
 @dataclass(frozen=True)
-class PageFormat:
+class PageFormat(_BlockGeometry):
     """The byte layout of one packed block: ``N`` tokens × ``H`` KV heads × head size ``D`` in ``dtype``.
 
     Per head, a region of ``N * token_bytes`` bytes (format version :data:`FORMAT_VERSION`), in this order: key
@@ -232,21 +271,6 @@ class PageFormat:
         e = _nbytes(self.dtype)
         return math.ceil(self.content_bytes / self.block_size / e) * e
 
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of a whole block (all heads), metadata and padding included."""
-        return self.num_kv_heads * self.block_size * self.token_bytes
-
-    @property
-    def dense_page_bytes(self) -> int:
-        """Bytes of the same block in stock vLLM (keys and values in ``dtype``)."""
-        return self.num_kv_heads * self.block_size * 2 * self.head_size * _nbytes(self.dtype)
-
-    @property
-    def capacity_ratio(self) -> float:
-        """Blocks per byte relative to stock vLLM: ``dense_page_bytes / page_bytes``."""
-        return self.dense_page_bytes / self.page_bytes
-
     def _quantizers(self) -> tuple[UniformQuantizer, UniformQuantizer]:
         return (
             UniformQuantizer(self.bits, "channel", self.block_size),
@@ -255,12 +279,7 @@ class PageFormat:
 
     def pack(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """``keys``/``values`` ``[B, H, N, D]`` -> uint8 pages ``[B, H, N * token_bytes]``."""
-        B, H, N, D = keys.shape
-        if (self.num_kv_heads, self.block_size, self.head_size) != (H, N, D) or values.shape != keys.shape:
-            raise ValueError(
-                f"pack: expected [B, {self.num_kv_heads}, {self.block_size}, {self.head_size}] keys and values, "
-                f"got {tuple(keys.shape)} and {tuple(values.shape)}"
-            )
+        B, H, N, _ = self._check_block(keys, values)
         keys, values = keys.to(self.dtype), values.to(self.dtype)
         if self.bits == 16:
             parts = [keys, values]
@@ -361,7 +380,7 @@ class PageFormat:
 
 
 @dataclass(frozen=True)
-class CodecPageFormat:
+class CodecPageFormat(_BlockGeometry):
     """A block held in a registered ``kvpages`` codec's format (``KVCOMPRESS_KV_CODEC``): HEX's or HqeKV's
     per-token precision tiers in vLLM's pool, looked up by name (:func:`kvpages.codec`; kv-vllm imports no method).
 
@@ -411,21 +430,6 @@ class CodecPageFormat:
         e = _nbytes(self.dtype)
         return math.ceil(self.blob_bytes / (self.num_kv_heads * self.block_size) / e) * e
 
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of a whole block (all heads): the codec's largest blob and padding."""
-        return self.num_kv_heads * self.block_size * self.token_bytes
-
-    @property
-    def dense_page_bytes(self) -> int:
-        """Bytes of the same block in stock vLLM (keys and values in ``dtype``)."""
-        return self.num_kv_heads * self.block_size * 2 * self.head_size * _nbytes(self.dtype)
-
-    @property
-    def capacity_ratio(self) -> float:
-        """Blocks per byte relative to stock vLLM: ``dense_page_bytes / page_bytes``."""
-        return self.dense_page_bytes / self.page_bytes
-
     def _check_pages(self, pages: torch.Tensor) -> None:
         want = (self.num_kv_heads, self.block_size * self.token_bytes)
         if not isinstance(pages, torch.Tensor) or pages.dtype != torch.uint8 or tuple(pages.shape[1:]) != want:
@@ -437,12 +441,7 @@ class CodecPageFormat:
     def pack(self, keys: torch.Tensor, values: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
         """``keys``/``values`` ``[B, H, N, D]`` (and ``importance`` ``[B, N, H]`` when the codec accepts one) ->
         uint8 pages ``[B, H, N * token_bytes]``: each block one :meth:`kvpages.PageCodec.encode` blob, then zeros."""
-        B, H, N, D = keys.shape
-        if (self.num_kv_heads, self.block_size, self.head_size) != (H, N, D) or values.shape != keys.shape:
-            raise ValueError(
-                f"pack: expected [B, {self.num_kv_heads}, {self.block_size}, {self.head_size}] keys and values, "
-                f"got {tuple(keys.shape)} and {tuple(values.shape)}"
-            )
+        B, H, N, _ = self._check_block(keys, values)
         if importance is not None and not self.wants_importance:
             raise ValueError(f"pack: codec {self.codec_name!r} does not accept an importance")
         out = torch.zeros(B, H * N * self.token_bytes, dtype=torch.uint8)
