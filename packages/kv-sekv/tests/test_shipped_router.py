@@ -132,3 +132,15 @@ def test_the_gemma_router_is_shipped_trained_and_chosen_for_a_gemma_layer():
     assert out.shape == (1, 4, 1, 256) and bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
     smol = method.compress(context(Hkv=3, T=640, D=64, layer=29, surprisal=h))
     assert smol._spans is not None
+
+
+def test_the_shape_choice_reads_the_sidecars_once_per_shape(monkeypatch):
+    """Invariant: resolve() is called for every layer and decode step; the shipped list is read once per shape."""
+    import kv_sekv.router as router_module
+
+    reads = []
+    real = router_module.shipped_routers
+    monkeypatch.setattr(router_module, "shipped_routers", lambda: reads.append(1) or real())
+    source = ShippedRouter()
+    first = source.resolve(3, 64)
+    assert all(source.resolve(3, 64) is first for _ in range(5)) and len(reads) == 1

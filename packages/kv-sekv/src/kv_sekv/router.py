@@ -331,6 +331,7 @@ class ShippedRouter:
             raise TypeError(f"name must be a str or None, got {type(name).__name__}")
         self.name = name
         self._routers: dict[str, SEKVRouter] = {}
+        self._chosen: dict[tuple[int, int], str] = {}  # shape -> name: the sidecars are read once per shape
 
     def path(self, name: str | None = None) -> Path:
         """The tensor file of router ``name`` (this source's name by default)."""
@@ -343,6 +344,8 @@ class ShippedRouter:
         """The name of the router to use for a cache of these shapes (this source's name when it has one)."""
         if self.name is not None:
             return self.name
+        if (num_kv_heads, head_dim) in self._chosen:  # every layer and decode step asks again
+            return self._chosen[num_kv_heads, head_dim]
         shipped = shipped_routers()
         listed = ", ".join(f"{n!r} ({m['num_kv_heads']} KV heads of dim {m['head_dim']})" for n, m in shipped.items())
         if num_kv_heads is None or head_dim is None:
@@ -358,6 +361,7 @@ class ShippedRouter:
                 "for this model (kv-sekv train) and pass router=kv_sekv.SEKVRouter.load(path), or name one with "
                 "ShippedRouter(name)"
             )
+        self._chosen[num_kv_heads, head_dim] = fits[0]
         return fits[0]
 
     def resolve(self, num_kv_heads: int | None = None, head_dim: int | None = None) -> SEKVRouter:
